@@ -1,0 +1,46 @@
+# The single entry point for humans and CI.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: build serve test test-rust test-python lint bench clean
+
+$(VENV)/bin/python:
+	$(PY) -m venv $(VENV)
+
+$(STAMP): $(VENV)/bin/python pyproject.toml
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+# Rebuild the extension in place (release) after Rust changes.
+build: $(STAMP)
+	$(VPY) -m pip install -q --no-deps --no-build-isolation -e . 2>/dev/null || $(VPY) -m pip install -q --no-deps -e .
+
+# The main job. Until the server lands (issue "server"), it runs the CPU attention benchmark.
+serve: build
+	$(VPY) benches/attn_cpu.py --quick
+
+test-rust:
+	cargo test --release
+	NEO_RS_SIMD=scalar cargo test --release --test attn_cpu
+
+test-python: build
+	$(VPY) -m pytest -q
+
+test: test-rust test-python
+
+lint: $(STAMP)
+	cargo fmt --check
+	cargo clippy --all-targets --release -- -D warnings
+	cargo clippy --features python --release -- -D warnings
+	$(VENV)/bin/ruff check python tests benches
+	$(VENV)/bin/ruff format --check python tests benches
+
+bench: build
+	cargo bench --bench attn_cpu
+	$(VPY) benches/attn_cpu.py
+
+clean:
+	rm -rf target $(VENV)

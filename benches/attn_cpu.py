@@ -1,0 +1,123 @@
+"""CPU paged decode attention through the Python binding, side by side in one run with
+(a) the machine's read bandwidth (a streaming sum over a >= 1 GiB buffer at the same thread count)
+and (b) torch's CPU baseline (gather the pages into a reused workspace + SDPA). Prints GB/s of K+V
+read and the ratios kernel / bandwidth and kernel / torch. Figures only; not a CI gate.
+
+    python benches/attn_cpu.py [--quick] [--threads 1,2] [--dtype bfloat16,float32]
+"""
+
+import argparse
+import functools
+import os
+import statistics
+import time
+
+import neo_rs
+import torch
+import torch.nn.functional as F
+
+MODELS = {"llama3-8b": (32, 8), "llama2-7b": (32, 32)}  # (q heads, kv heads), head_dim 128
+SHAPES = [(1, 8192), (16, 2048), (64, 512), (256, 256)]
+HEAD_DIM, BLOCK = 128, 16
+
+
+def timed(fn, reps):
+    fn()
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def read_bandwidth(threads, reps):
+    torch.set_num_threads(threads)
+    buf = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB
+    return buf.numel() * 4 / timed(lambda: buf.sum(), reps) / 1e9
+
+
+def setup(hq, hkv, batch, ctx, dtype):
+    max_blocks = ctx // BLOCK
+    nb = batch * max_blocks
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(1, nb, hkv, BLOCK, HEAD_DIM, generator=g).to(dtype)
+    v = torch.randn(1, nb, hkv, BLOCK, HEAD_DIM, generator=g).to(dtype)
+    tables = torch.randperm(nb, generator=g).to(torch.int32).reshape(batch, max_blocks)
+    q = torch.randn(batch, hq, HEAD_DIM, generator=g).to(dtype)
+    return q, k, v, tables, torch.full((batch,), ctx, dtype=torch.int32)
+
+
+def torch_baseline(q, k, v, tables, scale):
+    """Gather + SDPA per sequence into a reused workspace (the anchor's method a)."""
+    batch, hq, d = q.shape
+    _, nb, hkv, bs, _ = k.shape
+    kc, vc = k[0].view(nb, hkv, bs * d), v[0].view(nb, hkv, bs * d)
+    mb = tables.shape[1]
+    wk = torch.empty(hkv, mb, bs * d, dtype=k.dtype)
+    wv = torch.empty_like(wk)
+    out = torch.empty(batch, hq, d, dtype=q.dtype)
+    idx = tables.long()
+
+    def run():
+        for s in range(batch):
+            torch.index_select(kc, 0, idx[s], out=wk.transpose(0, 1))
+            torch.index_select(vc, 0, idx[s], out=wv.transpose(0, 1))
+            qs = q[s].view(hkv, hq // hkv, d)
+            ks, vs = wk.view(hkv, mb * bs, d), wv.view(hkv, mb * bs, d)
+            out[s] = F.scaled_dot_product_attention(qs, ks, vs, scale=scale).view(hq, d)
+
+    return run
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one model, two shapes, few reps")
+    ap.add_argument("--threads", default=f"1,{os.cpu_count()}")
+    ap.add_argument("--dtype", default="bfloat16,float32")
+    ap.add_argument("--reps", type=int, default=9)
+    a = ap.parse_args()
+    threads = sorted({int(t) for t in a.threads.split(",")})
+    dtypes = [getattr(torch, d) for d in a.dtype.split(",")]
+    models, shapes, reps = MODELS, SHAPES, a.reps
+    if a.quick:
+        models, shapes, reps, dtypes = (
+            {"llama3-8b": MODELS["llama3-8b"]},
+            [(16, 2048), (64, 512)],
+            5,
+            dtypes[:1],
+        )
+    print(f"neo_rs {neo_rs.__version__}: SIMD tiers {neo_rs.simd_tiers()}")
+    print(
+        f"{'model':10} {'dtype':9} {'BxL':>8} {'thr':>3} {'kernel GB/s':>11} {'read GB/s':>9} "
+        f"{'torch GB/s':>10} {'k/bw':>6} {'k/torch':>7}"
+    )
+    for t in threads:
+        attn = neo_rs.CpuAttention(num_threads=t)
+        for name, (hq, hkv) in models.items():
+            for dtype in dtypes:
+                for batch, ctx in shapes:
+                    q, k, v, tables, lens = setup(hq, hkv, batch, ctx, dtype)
+                    out = torch.empty_like(q)
+                    kv_bytes = 2 * k.numel() * k.element_size()
+                    scale = HEAD_DIM**-0.5
+                    # Measured back to back so the ratios share the machine's current state.
+                    bw = read_bandwidth(t, reps)
+                    kern = (
+                        kv_bytes
+                        / timed(functools.partial(attn.forward, q, k, v, 0, tables, lens, scale, out), reps)
+                        / 1e9
+                    )
+                    torch.set_num_threads(t)
+                    base = kv_bytes / timed(torch_baseline(q, k, v, tables, scale), max(3, reps // 3)) / 1e9
+                    print(
+                        f"{name:10} {str(dtype)[6:]:9} {f'{batch}x{ctx}':>8} {t:>3} {kern:11.1f} {bw:9.1f} "
+                        f"{base:10.1f} {kern / bw:6.2f} {kern / base:7.1f}",
+                        flush=True,
+                    )
+    print(f"(simd={attn.simd}, bf16 dot products: {attn.bf16_dot})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+//! NEON implementation of the kernel primitives (4 f32 lanes).
+
+use std::arch::aarch64::*;
+
+use crate::attn::element::Element;
+use crate::attn::kernel::{self, Geometry, Item, Scratch};
+use crate::attn::simd::{exp_consts as ec, Simd};
+
+#[derive(Clone, Copy)]
+pub(crate) struct Neon;
+
+impl Simd for Neon {
+    const LANES: usize = 4;
+    type V = float32x4_t;
+
+    #[inline(always)]
+    unsafe fn zero() -> float32x4_t {
+        // SAFETY: NEON is part of the aarch64 baseline.
+        unsafe { vdupq_n_f32(0.0) }
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> float32x4_t {
+        // SAFETY: as above.
+        unsafe { vdupq_n_f32(x) }
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> float32x4_t {
+        // SAFETY: the caller guarantees 4 readable f32 at `p`.
+        unsafe { vld1q_f32(p) }
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, v: float32x4_t) {
+        // SAFETY: the caller guarantees 4 writable f32 at `p`.
+        unsafe { vst1q_f32(p, v) }
+    }
+    #[inline(always)]
+    unsafe fn fma(a: float32x4_t, b: float32x4_t, c: float32x4_t) -> float32x4_t {
+        // SAFETY: NEON.
+        unsafe { vfmaq_f32(c, a, b) }
+    }
+    #[inline(always)]
+    unsafe fn mul(a: float32x4_t, b: float32x4_t) -> float32x4_t {
+        // SAFETY: NEON.
+        unsafe { vmulq_f32(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn add(a: float32x4_t, b: float32x4_t) -> float32x4_t {
+        // SAFETY: part of this tier's feature set.
+        unsafe { vaddq_f32(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn max(a: float32x4_t, b: float32x4_t) -> float32x4_t {
+        // SAFETY: part of this tier's feature set.
+        unsafe { vmaxq_f32(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn reduce_max(v: float32x4_t) -> f32 {
+        // SAFETY: part of this tier's feature set.
+        unsafe { vmaxvq_f32(v) }
+    }
+    #[inline(always)]
+    unsafe fn sub(a: float32x4_t, b: float32x4_t) -> float32x4_t {
+        // SAFETY: NEON.
+        unsafe { vsubq_f32(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn reduce_add(v: float32x4_t) -> f32 {
+        // SAFETY: NEON.
+        unsafe { vaddvq_f32(v) }
+    }
+    #[inline(always)]
+    unsafe fn exp(x: float32x4_t) -> float32x4_t {
+        // SAFETY: NEON.
+        unsafe {
+            let x = vminq_f32(vmaxq_f32(x, vdupq_n_f32(ec::LO)), vdupq_n_f32(ec::HI));
+            let n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(ec::LOG2E)));
+            let r = vfmsq_f32(x, n, vdupq_n_f32(ec::LN2_HI));
+            let r = vfmsq_f32(r, n, vdupq_n_f32(ec::LN2_LO));
+            let mut y = vdupq_n_f32(ec::POLY[0]);
+            for c in &ec::POLY[1..] {
+                y = vfmaq_f32(vdupq_n_f32(*c), y, r);
+            }
+            let y = vfmaq_f32(vaddq_f32(r, vdupq_n_f32(1.0)), y, vmulq_f32(r, r));
+            let pow2 = vshlq_n_s32::<23>(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)));
+            vmulq_f32(y, vreinterpretq_f32_s32(pow2))
+        }
+    }
+    #[inline(always)]
+    unsafe fn widen_bf16(p: *const u16) -> float32x4_t {
+        // SAFETY: the caller guarantees 4 readable u16 at `p`; bf16 is the top half of an f32.
+        unsafe { vreinterpretq_f32_u32(vshlq_n_u32::<16>(vmovl_u16(vld1_u16(p)))) }
+    }
+    #[inline(always)]
+    unsafe fn widen_f16(p: *const u16) -> float32x4_t {
+        // SAFETY: the caller guarantees 4 readable u16 at `p`.
+        let raw = unsafe { p.cast::<[u16; 4]>().read_unaligned() };
+        let wide = raw.map(|b| half::f16::from_bits(b).to_f32());
+        // SAFETY: `wide` holds 4 f32.
+        unsafe { vld1q_f32(wide.as_ptr()) }
+    }
+    #[inline(always)]
+    unsafe fn prefetch_l2(_p: *const u8) {}
+}
+
+/// The kernel item compiled for NEON.
+///
+/// # Safety
+/// `scratch` must be made for 4 lanes.
+#[target_feature(enable = "neon")]
+pub(crate) unsafe fn attend_item<E: Element>(
+    it: &Item<'_, E>,
+    geo: &Geometry,
+    scratch: &mut Scratch,
+    partial: &mut [f32],
+) {
+    // SAFETY: forwarded caller contract.
+    unsafe { kernel::attend_item::<Neon, E>(it, geo, scratch, partial) }
+}

@@ -1,0 +1,125 @@
+//! Storage dtypes of q, output and the KV pools (f32, f16, bf16); all arithmetic is f32.
+
+use half::{bf16, f16};
+
+use crate::attn::simd::Simd;
+
+/// A dtype tag that crosses the Python boundary as a string.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DType {
+    F32,
+    F16,
+    BF16,
+}
+
+impl DType {
+    pub fn size_bytes(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "float32",
+            DType::F16 => "float16",
+            DType::BF16 => "bfloat16",
+        }
+    }
+
+    /// Parses torch/numpy spellings (`float32`, `torch.bfloat16`, `f16`, …).
+    pub fn parse(s: &str) -> Option<DType> {
+        match s.strip_prefix("torch.").unwrap_or(s) {
+            "float32" | "float" | "f32" => Some(DType::F32),
+            "float16" | "half" | "f16" => Some(DType::F16),
+            "bfloat16" | "bf16" => Some(DType::BF16),
+            _ => None,
+        }
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
+}
+
+/// An element type the kernel reads and writes.
+pub trait Element: Copy + Send + Sync + 'static + sealed::Sealed {
+    const DTYPE: DType;
+    fn to_f32(self) -> f32;
+    fn from_f32(x: f32) -> Self;
+    /// The slice itself when the element already is f32 (lets the kernel skip the widening copy).
+    fn as_f32(s: &[Self]) -> Option<&[f32]>;
+    /// Widens `S::LANES` elements at `p`.
+    ///
+    /// # Safety
+    /// `p` must be valid for `S::LANES` reads and the CPU must support `S`.
+    #[doc(hidden)]
+    unsafe fn widen<S: Simd>(p: *const Self) -> S::V;
+}
+
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    #[inline(always)]
+    fn as_f32(s: &[Self]) -> Option<&[f32]> {
+        Some(s)
+    }
+    #[inline(always)]
+    unsafe fn widen<S: Simd>(p: *const Self) -> S::V {
+        // SAFETY: forwarded caller contract.
+        unsafe { S::load(p) }
+    }
+}
+
+impl Element for f16 {
+    const DTYPE: DType = DType::F16;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+    #[inline(always)]
+    fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
+    #[inline(always)]
+    unsafe fn widen<S: Simd>(p: *const Self) -> S::V {
+        // SAFETY: f16 is a transparent u16; forwarded caller contract.
+        unsafe { S::widen_f16(p.cast()) }
+    }
+}
+
+impl Element for bf16 {
+    const DTYPE: DType = DType::BF16;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+    #[inline(always)]
+    fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
+    #[inline(always)]
+    unsafe fn widen<S: Simd>(p: *const Self) -> S::V {
+        // SAFETY: bf16 is a transparent u16; forwarded caller contract.
+        unsafe { S::widen_bf16(p.cast()) }
+    }
+}

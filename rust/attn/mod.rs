@@ -1,0 +1,177 @@
+//! CPU paged decode attention (NEO's CPU side; PACPU in the paper): one query token per
+//! sequence against a paged K/V pool, optional fused append of the new token's K/V, multithreaded
+//! over (sequence, KV head, chunk) with a log-sum-exp merge, SIMD tier chosen at run time.
+
+pub mod check;
+pub mod dispatch;
+pub mod element;
+mod kernel;
+mod simd;
+mod split;
+
+#[cfg(target_arch = "aarch64")]
+mod aarch64;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use rayon::{ThreadPool, ThreadPoolBuilder};
+
+pub use check::{DecodeBatch, DecodeParams, PagedShape};
+pub use dispatch::Tier;
+pub use element::{DType, Element};
+
+use crate::config;
+use crate::error::{NeoError, Result};
+
+/// A CPU attention engine: a SIMD tier and a persistent thread pool. Fork-safe: a child process
+/// (aiohttp, torch and multiprocessing fork) gets a fresh pool on first use.
+pub struct CpuAttention {
+    tier: Tier,
+    num_threads: usize,
+    pool: Mutex<PoolSlot>,
+    /// Reusable merge workspaces, one per call in flight (calls may overlap from several threads).
+    workspaces: Mutex<Vec<Vec<f32>>>,
+}
+
+struct PoolSlot {
+    pid: u32,
+    pool: Arc<ThreadPool>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding these locks leaves no broken invariant behind.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn build_pool(num_threads: usize) -> Result<Arc<ThreadPool>> {
+    ThreadPoolBuilder::new()
+        .num_threads(num_threads)
+        .thread_name(|i| format!("neo-attn-{i}"))
+        .build()
+        .map(Arc::new)
+        .map_err(|e| NeoError::Runtime(format!("cannot start the CPU attention thread pool: {e}")))
+}
+
+impl CpuAttention {
+    /// `num_threads`: `None` means `NEO_RS_CPU_THREADS`, else the machine's cores.
+    /// `tier`: `None` means `NEO_RS_SIMD`, else the best tier of this CPU.
+    pub fn new(num_threads: Option<usize>, tier: Option<Tier>) -> Result<Self> {
+        let tier = match tier {
+            Some(t) => t.require()?,
+            None => Tier::from_env()?,
+        };
+        let num_threads = match num_threads {
+            Some(0) => return Err(NeoError::Value("num_threads must be at least 1".into())),
+            Some(n) => n,
+            None => {
+                config::cpu_threads()?.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+            }
+        };
+        let pool = build_pool(num_threads)?;
+        Ok(CpuAttention {
+            tier,
+            num_threads,
+            pool: Mutex::new(PoolSlot { pid: std::process::id(), pool }),
+            workspaces: Mutex::new(Vec::new()),
+        })
+    }
+
+    pub fn tier(&self) -> Tier {
+        self.tier
+    }
+
+    pub fn num_threads(&self) -> usize {
+        self.num_threads
+    }
+
+    /// The thread pool, rebuilt if this process is a fork of the one that built it (a forked
+    /// child has the pool's bookkeeping but none of its threads).
+    pub fn pool(&self) -> Result<Arc<ThreadPool>> {
+        let mut slot = lock(&self.pool);
+        let pid = std::process::id();
+        if slot.pid != pid {
+            let fresh = build_pool(self.num_threads)?;
+            // The old pool's threads do not exist here; dropping it could wait on them.
+            std::mem::forget(std::mem::replace(&mut slot.pool, fresh));
+            slot.pid = pid;
+        }
+        Ok(Arc::clone(&slot.pool))
+    }
+
+    /// Decode attention of `q` `[num_seqs, num_q_heads, head_dim]` against one pool layer
+    /// (`k`, `v`: `[num_blocks, num_kv_heads, block_size, head_dim]`) into `out` (shaped like `q`).
+    /// Sequences of length 0 give zeros.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode<E: Element>(
+        &self,
+        q: &[E],
+        k: &[E],
+        v: &[E],
+        shape: &PagedShape,
+        batch: &DecodeBatch<'_>,
+        params: &DecodeParams,
+        out: &mut [E],
+    ) -> Result<()> {
+        check::check_decode(shape, batch, params, q.len(), k.len(), v.len(), out.len())?;
+        self.run(q, k, v, shape, batch, params, out)
+    }
+
+    /// `decode` after writing each sequence's new K/V row `[num_seqs, num_kv_heads, head_dim]` at
+    /// position `seq_len - 1` (how CPU-resident requests grow their cache). Nothing is written
+    /// unless every input is valid.
+    #[allow(clippy::too_many_arguments)]
+    pub fn append_and_decode<E: Element>(
+        &self,
+        q: &[E],
+        k: &mut [E],
+        v: &mut [E],
+        shape: &PagedShape,
+        batch: &DecodeBatch<'_>,
+        params: &DecodeParams,
+        new_k: &[E],
+        new_v: &[E],
+        out: &mut [E],
+    ) -> Result<()> {
+        check::check_decode(shape, batch, params, q.len(), k.len(), v.len(), out.len())?;
+        check::check_append(shape, batch, new_k.len(), new_v.len())?;
+        append(k, v, shape, batch, new_k, new_v);
+        self.run(q, k, v, shape, batch, params, out)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run<E: Element>(
+        &self,
+        q: &[E],
+        k: &[E],
+        v: &[E],
+        shape: &PagedShape,
+        batch: &DecodeBatch<'_>,
+        params: &DecodeParams,
+        out: &mut [E],
+    ) -> Result<()> {
+        let kernel = self.tier.kernel::<E>()?;
+        let pool = self.pool()?;
+        let mut ws = lock(&self.workspaces).pop().unwrap_or_default();
+        split::run(&kernel, &pool, q, k, v, shape, batch, params, out, &mut ws);
+        lock(&self.workspaces).push(ws);
+        Ok(())
+    }
+}
+
+/// Writes the new K/V rows (inputs already checked). Serial: a few KiB per sequence, and two
+/// sequences naming the same slot must not race.
+fn append<E: Element>(k: &mut [E], v: &mut [E], shape: &PagedShape, batch: &DecodeBatch<'_>, new_k: &[E], new_v: &[E]) {
+    let (bs, d, hkv) = (shape.block_size, shape.head_dim, shape.num_kv_heads);
+    for s in 0..batch.num_seqs() {
+        let pos = batch.len(s) - 1;
+        let block = batch.row(s)[pos / bs] as usize;
+        for h in 0..hkv {
+            let dst = ((block * hkv + h) * bs + pos % bs) * d;
+            let src = (s * hkv + h) * d;
+            k[dst..dst + d].copy_from_slice(&new_k[src..src + d]);
+            v[dst..dst + d].copy_from_slice(&new_v[src..src + d]);
+        }
+    }
+}

@@ -1,0 +1,126 @@
+//! The small per-ISA primitive set the attention kernel is written once against (candle / ggml
+//! style): f32 vectors, FMA, reductions, a vector `exp`, half-precision widening and an L2 prefetch.
+//! Each tier implements it under `x86/` or `aarch64/`; `Portable` is the scalar reference tier.
+
+/// Lane-parallel f32 operations of one instruction set.
+///
+/// # Safety
+/// Every method is `unsafe`: the caller guarantees that the CPU supports the tier (dispatch checks
+/// this once) and that each pointer is valid for `LANES` elements.
+pub trait Simd {
+    /// f32 lanes per vector; every padded head dimension is a multiple of this.
+    const LANES: usize;
+    type V: Copy;
+
+    unsafe fn zero() -> Self::V;
+    unsafe fn splat(x: f32) -> Self::V;
+    unsafe fn load(p: *const f32) -> Self::V;
+    unsafe fn store(p: *mut f32, v: Self::V);
+    /// `a * b + c`
+    unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+    unsafe fn mul(a: Self::V, b: Self::V) -> Self::V;
+    unsafe fn add(a: Self::V, b: Self::V) -> Self::V;
+    unsafe fn sub(a: Self::V, b: Self::V) -> Self::V;
+    unsafe fn max(a: Self::V, b: Self::V) -> Self::V;
+    unsafe fn reduce_max(v: Self::V) -> f32;
+    unsafe fn reduce_add(v: Self::V) -> f32;
+    /// `e^x` to a few ulp; inputs below about -87 give (near) zero, never NaN for finite or -inf input.
+    unsafe fn exp(v: Self::V) -> Self::V;
+    /// `LANES` bf16 values (raw bits) widened to f32.
+    unsafe fn widen_bf16(p: *const u16) -> Self::V;
+    /// `LANES` IEEE f16 values (raw bits) widened to f32.
+    unsafe fn widen_f16(p: *const u16) -> Self::V;
+    /// Hint that the cache line at `p` is needed soon, into L2 (see CPU-ATTN-ANCHOR.md: `prefetcht1`
+    /// ahead of the 16-token paged tiles is what lets a core keep enough misses in flight).
+    unsafe fn prefetch_l2(p: *const u8);
+}
+
+/// Scalar reference tier: plain Rust over `[f32; 8]`, compiled for any target.
+#[derive(Clone, Copy)]
+pub(crate) struct Portable;
+
+const PL: usize = 8;
+
+impl Simd for Portable {
+    const LANES: usize = PL;
+    type V = [f32; PL];
+
+    #[inline(always)]
+    unsafe fn zero() -> Self::V {
+        [0.0; PL]
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self::V {
+        [x; PL]
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self::V {
+        // SAFETY: the caller guarantees `p` is valid for LANES f32 reads.
+        unsafe { p.cast::<[f32; PL]>().read_unaligned() }
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, v: Self::V) {
+        // SAFETY: the caller guarantees `p` is valid for LANES f32 writes.
+        unsafe { p.cast::<[f32; PL]>().write_unaligned(v) }
+    }
+    #[inline(always)]
+    unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V {
+        std::array::from_fn(|i| a[i].mul_add(b[i], c[i]))
+    }
+    #[inline(always)]
+    unsafe fn mul(a: Self::V, b: Self::V) -> Self::V {
+        std::array::from_fn(|i| a[i] * b[i])
+    }
+    #[inline(always)]
+    unsafe fn add(a: Self::V, b: Self::V) -> Self::V {
+        std::array::from_fn(|i| a[i] + b[i])
+    }
+    #[inline(always)]
+    unsafe fn sub(a: Self::V, b: Self::V) -> Self::V {
+        std::array::from_fn(|i| a[i] - b[i])
+    }
+    #[inline(always)]
+    unsafe fn max(a: Self::V, b: Self::V) -> Self::V {
+        std::array::from_fn(|i| a[i].max(b[i]))
+    }
+    #[inline(always)]
+    unsafe fn reduce_max(v: Self::V) -> f32 {
+        v.into_iter().fold(f32::NEG_INFINITY, f32::max)
+    }
+    #[inline(always)]
+    unsafe fn reduce_add(v: Self::V) -> f32 {
+        v.iter().sum()
+    }
+    #[inline(always)]
+    unsafe fn exp(v: Self::V) -> Self::V {
+        v.map(f32::exp)
+    }
+    #[inline(always)]
+    unsafe fn widen_bf16(p: *const u16) -> Self::V {
+        // SAFETY: the caller guarantees `p` is valid for LANES u16 reads.
+        let raw = unsafe { p.cast::<[u16; PL]>().read_unaligned() };
+        raw.map(|b| half::bf16::from_bits(b).to_f32())
+    }
+    #[inline(always)]
+    unsafe fn widen_f16(p: *const u16) -> Self::V {
+        // SAFETY: the caller guarantees `p` is valid for LANES u16 reads.
+        let raw = unsafe { p.cast::<[u16; PL]>().read_unaligned() };
+        raw.map(|b| half::f16::from_bits(b).to_f32())
+    }
+    #[inline(always)]
+    unsafe fn prefetch_l2(_p: *const u8) {}
+}
+
+/// Cody–Waite range reduction constants shared by the vector `exp` of every SIMD tier:
+/// `e^x = 2^n · e^r`, `n = round(x·log2 e)`, `r = x − n·ln2` (split in two for accuracy), and a
+/// degree-6 polynomial for `e^r` on |r| ≤ ln2/2 (max rel. error ~2 ulp).
+#[allow(dead_code)] // unused on targets with no SIMD tier
+pub(crate) mod exp_consts {
+    pub const LO: f32 = -87.336_54;
+    pub const HI: f32 = 88.722_83;
+    pub const LOG2E: f32 = std::f32::consts::LOG2_E;
+    pub const LN2_HI: f32 = 0.693_359_4;
+    pub const LN2_LO: f32 = -2.121_944_4e-4;
+    /// Cephes `expf` coefficients of r^7 … r^2, in Horner order: `e^r ≈ poly(r)·r² + r + 1`.
+    pub const POLY: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5];
+}

@@ -1,0 +1,327 @@
+//! `CpuAttention` for Python: blocking `forward` and asynchronous `submit` (a handle whose
+//! `wait()` releases the GIL), so Python can keep launching device work while the Rust pool
+//! runs CPU attention.
+
+use std::ops::Range;
+use std::sync::{Arc, Condvar, Mutex};
+
+use half::{bf16, f16};
+use pyo3::prelude::*;
+
+use super::tensor::{overlaps, TensorRef};
+use crate::attn::{self, DType, DecodeBatch, DecodeParams, Element, PagedShape, Tier};
+use crate::error::{ensure, NeoError, Result};
+
+/// A checked call: raw addresses and sizes of every tensor, valid while the tensors live.
+struct Call {
+    dtype: DType,
+    shape: PagedShape,
+    num_seqs: usize,
+    max_blocks: usize,
+    params: DecodeParams,
+    q: usize,
+    k_layer: usize,
+    v_layer: usize,
+    tables: usize,
+    lens: usize,
+    out: usize,
+    append: Option<(usize, usize)>,
+}
+
+impl Call {
+    #[allow(clippy::too_many_arguments)]
+    fn prepare(
+        q: &TensorRef,
+        k: &TensorRef,
+        v: &TensorRef,
+        layer: usize,
+        tables: &TensorRef,
+        lens: &TensorRef,
+        scale: f32,
+        out: &TensorRef,
+        new_kv: Option<(&TensorRef, &TensorRef)>,
+    ) -> Result<Call> {
+        let dtype = q.float()?;
+        let mut floats = vec![k, v, out];
+        floats.extend(new_kv.iter().flat_map(|(a, b)| [*a, *b]));
+        for t in &floats {
+            ensure!(t.float()? == dtype, DType, "{} is {}, but q is {}", t.name, t.float()?.name(), dtype.name());
+        }
+        let qd = q.dims(3)?;
+        let kd = k.dims(5)?;
+        ensure!(v.shape == k.shape, Shape, "v_cache shape {:?} differs from k_cache {:?}", v.shape, k.shape);
+        ensure!(out.shape == q.shape, Shape, "out shape {:?} differs from q {:?}", out.shape, q.shape);
+        tables.require_int32()?;
+        lens.require_int32()?;
+        let td = tables.dims(2)?;
+        let num_seqs = lens.dims(1)?[0];
+        ensure!(qd[0] == num_seqs && td[0] == num_seqs, Shape, "q, block_tables and seq_lens disagree on num_seqs");
+        ensure!(layer < kd[0], Value, "layer {layer} is out of range for {} layers", kd[0]);
+        ensure!(qd[2] == kd[4], Shape, "q head_dim {} differs from the cache's {}", qd[2], kd[4]);
+        let shape = PagedShape { num_blocks: kd[1], num_kv_heads: kd[2], block_size: kd[3], head_dim: kd[4] };
+        let layer_bytes = shape.layer_numel().unwrap_or(usize::MAX) * dtype.size_bytes();
+        let k_layer = k.addr + layer * layer_bytes;
+        let v_layer = v.addr + layer * layer_bytes;
+        if let Some((nk, nv)) = new_kv {
+            let want = [num_seqs, shape.num_kv_heads, shape.head_dim];
+            ensure!(nk.shape == want && nv.shape == want, Shape, "new_k/new_v must be {want:?}");
+        }
+        // Nothing written may alias anything else: `out` always, the cache layers when appending.
+        let mut written: Vec<(&str, Range<usize>)> = vec![(out.name, out.bytes())];
+        if new_kv.is_some() {
+            written.push(("k_cache", k_layer..k_layer + layer_bytes));
+            written.push(("v_cache", v_layer..v_layer + layer_bytes));
+        }
+        let mut all: Vec<(&str, Range<usize>)> = vec![
+            (q.name, q.bytes()),
+            ("k_cache", k_layer..k_layer + layer_bytes),
+            ("v_cache", v_layer..v_layer + layer_bytes),
+            (tables.name, tables.bytes()),
+            (lens.name, lens.bytes()),
+            (out.name, out.bytes()),
+        ];
+        all.extend(new_kv.iter().flat_map(|(a, b)| [(a.name, a.bytes()), (b.name, b.bytes())]));
+        for (wn, w) in &written {
+            for (n, r) in &all {
+                ensure!(wn == n || !overlaps(w, r), Value, "{wn} overlaps {n} in memory");
+            }
+        }
+        Ok(Call {
+            dtype,
+            shape,
+            num_seqs,
+            max_blocks: td[1],
+            params: DecodeParams { num_q_heads: qd[1], scale },
+            q: q.addr,
+            k_layer,
+            v_layer,
+            tables: tables.addr,
+            lens: lens.addr,
+            out: out.addr,
+            append: new_kv.map(|(a, b)| (a.addr, b.addr)),
+        })
+    }
+
+    /// # Safety
+    /// The tensors `prepare` saw must still be alive and unchanged in size, and nothing else may
+    /// write them (or read what this call writes) until it returns.
+    unsafe fn execute(&self, engine: &attn::CpuAttention) -> Result<()> {
+        // SAFETY: forwarded caller contract.
+        unsafe {
+            match self.dtype {
+                DType::F32 => self.run::<f32>(engine),
+                DType::F16 => self.run::<f16>(engine),
+                DType::BF16 => self.run::<bf16>(engine),
+            }
+        }
+    }
+
+    unsafe fn run<E: Element>(&self, engine: &attn::CpuAttention) -> Result<()> {
+        let qn = self.num_seqs * self.params.num_q_heads * self.shape.head_dim;
+        let layer = self.shape.layer_numel().ok_or_else(|| NeoError::Shape("cache too large".into()))?;
+        let new_n = self.num_seqs * self.shape.num_kv_heads * self.shape.head_dim;
+        // SAFETY: addresses and element counts come from live, contiguous CPU tensors of dtype E
+        // (checked in `prepare`, kept alive by the caller); written ranges were checked not to
+        // overlap anything else the call touches.
+        unsafe {
+            let q = std::slice::from_raw_parts(self.q as *const E, qn);
+            let tables = std::slice::from_raw_parts(self.tables as *const i32, self.num_seqs * self.max_blocks);
+            let lens = std::slice::from_raw_parts(self.lens as *const i32, self.num_seqs);
+            let out = std::slice::from_raw_parts_mut(self.out as *mut E, qn);
+            let batch = DecodeBatch { block_tables: tables, max_blocks_per_seq: self.max_blocks, seq_lens: lens };
+            match self.append {
+                None => {
+                    let k = std::slice::from_raw_parts(self.k_layer as *const E, layer);
+                    let v = std::slice::from_raw_parts(self.v_layer as *const E, layer);
+                    engine.decode(q, k, v, &self.shape, &batch, &self.params, out)
+                }
+                Some((nk, nv)) => {
+                    let k = std::slice::from_raw_parts_mut(self.k_layer as *mut E, layer);
+                    let v = std::slice::from_raw_parts_mut(self.v_layer as *mut E, layer);
+                    let nk = std::slice::from_raw_parts(nk as *const E, new_n);
+                    let nv = std::slice::from_raw_parts(nv as *const E, new_n);
+                    engine.append_and_decode(q, k, v, &self.shape, &batch, &self.params, nk, nv, out)
+                }
+            }
+        }
+    }
+}
+
+/// CPU paged decode attention over torch CPU tensors (see `_core.pyi`).
+#[pyclass(module = "neo_rs._core", frozen)]
+pub(crate) struct CpuAttention {
+    engine: Arc<attn::CpuAttention>,
+}
+
+type Args<'py> = (
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+    Option<Bound<'py, PyAny>>,
+    Option<Bound<'py, PyAny>>,
+);
+
+fn prepare(args: &Args<'_>, layer: usize, scale: f32) -> PyResult<Call> {
+    let (q, k, v, tables, lens, out, new_k, new_v) = args;
+    let new_kv = match (new_k, new_v) {
+        (Some(a), Some(b)) => Some((TensorRef::extract(a, "new_k")?, TensorRef::extract(b, "new_v")?)),
+        (None, None) => None,
+        _ => return Err(NeoError::Value("pass both new_k and new_v, or neither".into()).into()),
+    };
+    Ok(Call::prepare(
+        &TensorRef::extract(q, "q")?,
+        &TensorRef::extract(k, "k_cache")?,
+        &TensorRef::extract(v, "v_cache")?,
+        layer,
+        &TensorRef::extract(tables, "block_tables")?,
+        &TensorRef::extract(lens, "seq_lens")?,
+        scale,
+        &TensorRef::extract(out, "out")?,
+        new_kv.as_ref().map(|(a, b)| (a, b)),
+    )?)
+}
+
+/// Completion slot shared by a submitted job and its handle.
+#[derive(Default)]
+struct Completion {
+    result: Mutex<Option<Result<()>>>,
+    done: Condvar,
+}
+
+impl Completion {
+    fn finish(&self, r: Result<()>) {
+        *self.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+        self.done.notify_all();
+    }
+
+    fn wait(&self) -> Result<()> {
+        let mut slot = self.result.lock().unwrap_or_else(|e| e.into_inner());
+        while slot.is_none() {
+            slot = self.done.wait(slot).unwrap_or_else(|e| e.into_inner());
+        }
+        slot.clone().unwrap_or(Ok(()))
+    }
+
+    fn is_done(&self) -> bool {
+        self.result.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+    }
+}
+
+#[pymethods]
+impl CpuAttention {
+    #[new]
+    #[pyo3(signature = (num_threads=None, simd=None))]
+    fn new(num_threads: Option<usize>, simd: Option<&str>) -> PyResult<Self> {
+        let tier = simd.map(Tier::parse).transpose()?;
+        Ok(CpuAttention { engine: Arc::new(attn::CpuAttention::new(num_threads, tier)?) })
+    }
+
+    #[getter]
+    fn simd(&self) -> &'static str {
+        self.engine.tier().name()
+    }
+
+    #[getter]
+    fn num_threads(&self) -> usize {
+        self.engine.num_threads()
+    }
+
+    /// Whether bf16 inputs use the AVX-512 BF16 dot-product instructions.
+    #[getter]
+    fn bf16_dot(&self) -> bool {
+        self.engine.tier().uses_bf16_dot()
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (q, k_cache, v_cache, layer, block_tables, seq_lens, scale, out, new_k=None, new_v=None))]
+    fn forward<'py>(
+        &self,
+        py: Python<'py>,
+        q: Bound<'py, PyAny>,
+        k_cache: Bound<'py, PyAny>,
+        v_cache: Bound<'py, PyAny>,
+        layer: usize,
+        block_tables: Bound<'py, PyAny>,
+        seq_lens: Bound<'py, PyAny>,
+        scale: f32,
+        out: Bound<'py, PyAny>,
+        new_k: Option<Bound<'py, PyAny>>,
+        new_v: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<()> {
+        let args = (q, k_cache, v_cache, block_tables, seq_lens, out, new_k, new_v);
+        let call = prepare(&args, layer, scale)?;
+        let engine = &self.engine;
+        // SAFETY: `args` holds every tensor alive across the call; torch cannot resize them
+        // while this thread is inside the call, and callers must not write them concurrently.
+        py.detach(|| unsafe { call.execute(engine) })?;
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (q, k_cache, v_cache, layer, block_tables, seq_lens, scale, out, new_k=None, new_v=None))]
+    fn submit<'py>(
+        &self,
+        q: Bound<'py, PyAny>,
+        k_cache: Bound<'py, PyAny>,
+        v_cache: Bound<'py, PyAny>,
+        layer: usize,
+        block_tables: Bound<'py, PyAny>,
+        seq_lens: Bound<'py, PyAny>,
+        scale: f32,
+        out: Bound<'py, PyAny>,
+        new_k: Option<Bound<'py, PyAny>>,
+        new_v: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<AttentionHandle> {
+        let args = (q, k_cache, v_cache, block_tables, seq_lens, out, new_k, new_v);
+        let call = prepare(&args, layer, scale)?;
+        let (q, k, v, t, l, o, nk, nv) = args;
+        let mut keep: Vec<Py<PyAny>> = [q, k, v, t, l, o].into_iter().map(Bound::unbind).collect();
+        keep.extend(nk.into_iter().chain(nv).map(Bound::unbind));
+        let completion = Arc::new(Completion::default());
+        let (job_done, engine) = (Arc::clone(&completion), Arc::clone(&self.engine));
+        let pool = self.engine.pool()?;
+        pool.spawn(move || {
+            // SAFETY: the handle keeps every tensor alive until this job finishes (its drop
+            // waits for completion); callers must not touch them before `wait()`.
+            let r = unsafe { call.execute(&engine) };
+            job_done.finish(r);
+        });
+        Ok(AttentionHandle { completion, _keep: keep })
+    }
+
+    fn __repr__(&self) -> String {
+        format!("CpuAttention(simd={:?}, num_threads={})", self.simd(), self.num_threads())
+    }
+}
+
+/// A submitted CPU attention call. `wait()` blocks (without the GIL) until it is done and
+/// raises its error, if any. Dropping an unfinished handle waits for it too.
+#[pyclass(module = "neo_rs._core", frozen)]
+pub(crate) struct AttentionHandle {
+    completion: Arc<Completion>,
+    _keep: Vec<Py<PyAny>>,
+}
+
+#[pymethods]
+impl AttentionHandle {
+    fn wait(&self, py: Python<'_>) -> PyResult<()> {
+        let c = &self.completion;
+        Ok(py.detach(|| c.wait())?)
+    }
+
+    fn done(&self) -> bool {
+        self.completion.is_done()
+    }
+}
+
+impl Drop for AttentionHandle {
+    fn drop(&mut self) {
+        if !self.completion.is_done() {
+            let c = &self.completion;
+            Python::attach(|py| py.detach(|| c.wait())).ok();
+        }
+    }
+}

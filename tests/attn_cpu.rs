@@ -1,0 +1,378 @@
+//! CPU paged decode attention: every tier this host supports against an f64 reference on random,
+//! awkward shapes (ragged lengths, seq_len 1, partial last blocks, shuffled block tables, GQA
+//! ratios, every dtype, fused append on and off), plus the safe entry's rejections.
+
+use half::{bf16, f16};
+use neo_rs::attn::{CpuAttention, DecodeBatch, DecodeParams, Element, PagedShape, Tier};
+use neo_rs::NeoError;
+use proptest::prelude::*;
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+    fn vec<E: Element>(&mut self, n: usize, amp: f32) -> Vec<E> {
+        (0..n).map(|_| E::from_f32(self.unit() * amp)).collect()
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Case {
+    head_dim: usize,
+    block_size: usize,
+    num_kv_heads: usize,
+    group: usize,
+    seq_lens: Vec<usize>,
+    append: bool,
+    /// Scale of q (1 gives ordinary scores; large values give scores of magnitude ~1e4).
+    q_amp: f32,
+    seed: u64,
+}
+
+struct Inputs<E> {
+    shape: PagedShape,
+    layer: usize,
+    q: Vec<E>,
+    k: Vec<E>,
+    v: Vec<E>,
+    new_k: Vec<E>,
+    new_v: Vec<E>,
+    tables: Vec<i32>,
+    max_blocks: usize,
+    lens: Vec<i32>,
+    scale: f32,
+}
+
+fn make_inputs<E: Element>(c: &Case) -> Inputs<E> {
+    let mut rng = Rng(c.seed);
+    let (d, bs, hkv) = (c.head_dim, c.block_size, c.num_kv_heads);
+    let hq = hkv * c.group;
+    let blocks_needed: Vec<usize> = c.seq_lens.iter().map(|l| l.div_ceil(bs)).collect();
+    let max_blocks = blocks_needed.iter().copied().max().unwrap_or(0) + 1;
+    let num_blocks = blocks_needed.iter().sum::<usize>() + 3;
+    // A shuffled pool: block ids handed out in random order, padding entries are -1.
+    let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+    for i in (1..ids.len()).rev() {
+        ids.swap(i, rng.below(i + 1));
+    }
+    let mut next = ids.into_iter();
+    let mut tables = vec![-1i32; c.seq_lens.len() * max_blocks];
+    for (s, &nb) in blocks_needed.iter().enumerate() {
+        for j in 0..nb {
+            tables[s * max_blocks + j] = next.next().unwrap();
+        }
+    }
+    let shape = PagedShape { num_blocks, num_kv_heads: hkv, block_size: bs, head_dim: d };
+    let num_layers = 2;
+    let pool = num_layers * num_blocks * hkv * bs * d;
+    let n = c.seq_lens.len();
+    Inputs {
+        shape,
+        layer: 1,
+        q: rng.vec(n * hq * d, c.q_amp),
+        k: rng.vec(pool, 1.0),
+        v: rng.vec(pool, 1.0),
+        new_k: rng.vec(n * hkv * d, 1.0),
+        new_v: rng.vec(n * hkv * d, 1.0),
+        tables,
+        max_blocks,
+        lens: c.seq_lens.iter().map(|&l| l as i32).collect(),
+        scale: 1.0 / (d as f32).sqrt(),
+    }
+}
+
+impl<E: Element> Inputs<E> {
+    fn layer_range(&self) -> std::ops::Range<usize> {
+        let n = self.shape.layer_numel().unwrap();
+        self.layer * n..(self.layer + 1) * n
+    }
+    fn batch(&self) -> DecodeBatch<'_> {
+        DecodeBatch { block_tables: &self.tables, max_blocks_per_seq: self.max_blocks, seq_lens: &self.lens }
+    }
+    fn params(&self, group: usize) -> DecodeParams {
+        DecodeParams { num_q_heads: self.shape.num_kv_heads * group, scale: self.scale }
+    }
+
+    /// f64 reference on the element values (after appending, when asked).
+    fn reference(&self, group: usize, append: bool) -> Vec<f64> {
+        let PagedShape { num_kv_heads: hkv, block_size: bs, head_dim: d, .. } = self.shape;
+        let hq = hkv * group;
+        let r = self.layer_range();
+        let (k, v) = (&self.k[r.clone()], &self.v[r]);
+        let mut out = vec![0.0f64; self.lens.len() * hq * d];
+        for (s, &len) in self.lens.iter().enumerate() {
+            let len = len as usize;
+            for h in 0..hq {
+                let kvh = h / group;
+                let row = |pool: &[E], new: &[E], t: usize| -> Vec<f64> {
+                    if append && t == len - 1 {
+                        let o = (s * hkv + kvh) * d;
+                        return new[o..o + d].iter().map(|x| x.to_f32() as f64).collect();
+                    }
+                    let b = self.tables[s * self.max_blocks + t / bs] as usize;
+                    let o = ((b * hkv + kvh) * bs + t % bs) * d;
+                    pool[o..o + d].iter().map(|x| x.to_f32() as f64).collect()
+                };
+                let qo = (s * hq + h) * d;
+                let q: Vec<f64> = self.q[qo..qo + d].iter().map(|x| x.to_f32() as f64).collect();
+                let scores: Vec<f64> = (0..len)
+                    .map(|t| row(k, &self.new_k, t).iter().zip(&q).map(|(a, b)| a * b).sum::<f64>() * self.scale as f64)
+                    .collect();
+                let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let w: Vec<f64> = scores.iter().map(|x| (x - m).exp()).collect();
+                let z: f64 = w.iter().sum();
+                for (t, wt) in w.iter().enumerate() {
+                    for (i, x) in row(v, &self.new_v, t).iter().enumerate() {
+                        out[qo + i] += wt / z * x;
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+fn tolerance<E: Element>() -> (f64, f64) {
+    match E::DTYPE {
+        neo_rs::attn::DType::F32 => (2e-5, 2e-4),
+        neo_rs::attn::DType::F16 => (2e-3, 4e-3),
+        neo_rs::attn::DType::BF16 => (1.5e-2, 2e-2),
+    }
+}
+
+fn run_case<E: Element>(c: &Case, attn: &CpuAttention) {
+    let mut inp = make_inputs::<E>(c);
+    let group = c.group;
+    let want = inp.reference(group, c.append);
+    let mut out = vec![E::from_f32(f32::NAN); inp.q.len()];
+    let r = inp.layer_range();
+    let (shape, params, max_blocks) = (inp.shape, inp.params(group), inp.max_blocks);
+    let res = if c.append {
+        let (k, v) = (&mut inp.k[r.clone()], &mut inp.v[r.clone()]);
+        let batch = DecodeBatch { block_tables: &inp.tables, max_blocks_per_seq: max_blocks, seq_lens: &inp.lens };
+        attn.append_and_decode(&inp.q, k, v, &shape, &batch, &params, &inp.new_k, &inp.new_v, &mut out)
+    } else {
+        attn.decode(&inp.q, &inp.k[r.clone()], &inp.v[r], &shape, &inp.batch(), &params, &mut out)
+    };
+    res.unwrap();
+    let (atol, rtol) = tolerance::<E>();
+    for (i, (got, want)) in out.iter().zip(&want).enumerate() {
+        let got = got.to_f32() as f64;
+        assert!(
+            (got - want).abs() <= atol + rtol * want.abs(),
+            "tier {} {:?} {c:?}: out[{i}] = {got}, reference {want}",
+            attn.tier().name(),
+            E::DTYPE
+        );
+    }
+    if c.append {
+        // The new rows really landed in the pool at position len - 1.
+        let (bs, d, hkv) = (shape.block_size, shape.head_dim, shape.num_kv_heads);
+        let base = inp.layer_range().start;
+        for (s, &len) in inp.lens.iter().enumerate() {
+            let pos = len as usize - 1;
+            let b = inp.tables[s * max_blocks + pos / bs] as usize;
+            for h in 0..hkv {
+                let o = base + ((b * hkv + h) * bs + pos % bs) * d;
+                let n = (s * hkv + h) * d;
+                assert!(inp.k[o..o + d].iter().zip(&inp.new_k[n..n + d]).all(|(a, b)| a.to_f32() == b.to_f32()));
+                assert!(inp.v[o..o + d].iter().zip(&inp.new_v[n..n + d]).all(|(a, b)| a.to_f32() == b.to_f32()));
+            }
+        }
+    }
+}
+
+fn engines(threads: usize) -> Vec<CpuAttention> {
+    Tier::supported().into_iter().map(|t| CpuAttention::new(Some(threads), Some(t)).unwrap()).collect()
+}
+
+fn run_all_dtypes(c: &Case, engines: &[CpuAttention]) {
+    for e in engines {
+        run_case::<f32>(c, e);
+        run_case::<f16>(c, e);
+        run_case::<bf16>(c, e);
+    }
+}
+
+fn case(
+    head_dim: usize,
+    block_size: usize,
+    num_kv_heads: usize,
+    group: usize,
+    seq_lens: &[usize],
+    append: bool,
+) -> Case {
+    Case { head_dim, block_size, num_kv_heads, group, seq_lens: seq_lens.to_vec(), append, q_amp: 1.0, seed: 7 }
+}
+
+#[test]
+fn head_dims_and_gqa_ratios() {
+    let engines = engines(2);
+    for (i, &d) in [64, 80, 96, 128, 256, 8, 24].iter().enumerate() {
+        for &group in &[1, 2, 4, 7, 8] {
+            let mut c = case(d, 16, 2, group, &[1, 17, 40, 5], i % 2 == 0);
+            c.seed = (i * 31 + group) as u64;
+            run_all_dtypes(&c, &engines);
+        }
+    }
+}
+
+#[test]
+fn block_sizes_ragged_lengths_and_append() {
+    let engines = engines(3);
+    for &bs in &[8, 16, 32] {
+        for append in [false, true] {
+            let lens = [1, bs - 1, bs, bs + 1, 3 * bs + 5, 2, 100];
+            run_all_dtypes(&case(128, bs, 4, 4, &lens, append), &engines);
+        }
+    }
+}
+
+#[test]
+fn empty_sequences_give_zeros_without_nan() {
+    let engines = engines(2);
+    run_all_dtypes(&case(64, 16, 2, 2, &[0, 5, 0], false), &engines);
+    run_all_dtypes(&case(64, 16, 2, 2, &[0], false), &engines);
+}
+
+#[test]
+fn huge_scores_stay_finite() {
+    let engines = engines(2);
+    for append in [false, true] {
+        let mut c = case(128, 16, 2, 4, &[1, 33, 300], append);
+        c.q_amp = 2000.0; // |q·k|/sqrt(d) reaches ~1e4
+        run_all_dtypes(&c, &engines);
+    }
+}
+
+#[test]
+fn long_sequence_is_split_and_merged() {
+    // With 4 threads the planner cuts these into several chunks per (sequence, head).
+    for e in engines(4) {
+        let c = case(128, 16, 2, 4, &[6000, 1, 2500], true);
+        run_case::<f32>(&c, &e);
+        run_case::<bf16>(&c, &e);
+    }
+}
+
+#[test]
+fn many_short_sequences() {
+    let lens: Vec<usize> = (0..64).map(|i| 1 + (i * 37) % 90).collect();
+    for e in engines(2) {
+        run_case::<bf16>(&case(128, 16, 8, 4, &lens, true), &e);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+    #[test]
+    fn random_shapes_match_reference(
+        d8 in 1usize..=32,
+        bs_pow in 3u32..=5,
+        hkv in 1usize..=3,
+        group in 1usize..=8,
+        lens in proptest::collection::vec(0usize..=120, 1..6),
+        append in any::<bool>(),
+        threads in 1usize..=3,
+        seed in any::<u64>(),
+    ) {
+        let mut c = case(d8 * 8, 1 << bs_pow, hkv, group, &lens, append);
+        c.seed = seed;
+        if append {
+            c.seq_lens.iter_mut().for_each(|l| *l = (*l).max(1));
+        }
+        run_all_dtypes(&c, &engines(threads));
+    }
+}
+
+fn expect_err(res: neo_rs::Result<()>, kind: fn(&NeoError) -> bool, what: &str) {
+    match res {
+        Err(e) if kind(&e) => {}
+        other => panic!("{what}: expected a typed error, got {other:?}"),
+    }
+}
+
+#[test]
+fn bad_inputs_are_rejected_before_any_work() {
+    let e = CpuAttention::new(Some(2), None).unwrap();
+    let c = case(64, 16, 2, 2, &[5, 20], true);
+    let inp = make_inputs::<f32>(&c);
+    let r = inp.layer_range();
+    let (k, v) = (&inp.k[r.clone()], &inp.v[r]);
+    let p = inp.params(2);
+    let mut out = vec![0.0f32; inp.q.len()];
+    let shape = inp.shape;
+    let is_shape = |e: &NeoError| matches!(e, NeoError::Shape(_));
+    let is_value = |e: &NeoError| matches!(e, NeoError::Value(_));
+    let b = inp.batch();
+
+    let mut s = shape;
+    s.head_dim = 60;
+    expect_err(e.decode(&inp.q, k, v, &s, &b, &p, &mut out), is_shape, "head_dim not a multiple of 8");
+    let mut s = shape;
+    s.block_size = 12;
+    expect_err(e.decode(&inp.q, k, v, &s, &b, &p, &mut out), is_shape, "block size 12");
+    expect_err(e.decode(&inp.q[1..], k, v, &shape, &b, &p, &mut out), is_shape, "short q");
+    expect_err(e.decode(&inp.q, &k[1..], v, &shape, &b, &p, &mut out), is_shape, "short k");
+    expect_err(e.decode(&inp.q, k, v, &shape, &b, &p, &mut out[2..]), is_shape, "short out");
+    let bad_p = DecodeParams { num_q_heads: 3, scale: p.scale };
+    expect_err(e.decode(&inp.q, k, v, &shape, &b, &bad_p, &mut out), is_shape, "heads not a multiple");
+    let bad_p = DecodeParams { num_q_heads: 4, scale: f32::NAN };
+    expect_err(e.decode(&inp.q, k, v, &shape, &b, &bad_p, &mut out), is_value, "NaN scale");
+
+    let mut tables = inp.tables.clone();
+    tables[1] = shape.num_blocks as i32; // second block of sequence 0 does not exist
+    let lens = [20, 5];
+    let bb = DecodeBatch { block_tables: &tables, max_blocks_per_seq: inp.max_blocks, seq_lens: &lens };
+    expect_err(e.decode(&inp.q, k, v, &shape, &bb, &p, &mut out), is_value, "block id out of range");
+    tables[1] = -1;
+    let bb = DecodeBatch { block_tables: &tables, max_blocks_per_seq: inp.max_blocks, seq_lens: &lens };
+    expect_err(e.decode(&inp.q, k, v, &shape, &bb, &p, &mut out), is_value, "negative block id");
+    let lens = [(inp.max_blocks * 16 + 1) as i32, 5];
+    let bb = DecodeBatch { block_tables: &inp.tables, max_blocks_per_seq: inp.max_blocks, seq_lens: &lens };
+    expect_err(e.decode(&inp.q, k, v, &shape, &bb, &p, &mut out), is_value, "seq_len beyond the table");
+    let lens = [-1, 5];
+    let bb = DecodeBatch { block_tables: &inp.tables, max_blocks_per_seq: inp.max_blocks, seq_lens: &lens };
+    expect_err(e.decode(&inp.q, k, v, &shape, &bb, &p, &mut out), is_value, "negative seq_len");
+    let bb = DecodeBatch { block_tables: &inp.tables[1..], max_blocks_per_seq: inp.max_blocks, seq_lens: &inp.lens };
+    expect_err(e.decode(&inp.q, k, v, &shape, &bb, &p, &mut out), is_shape, "short block table");
+
+    // Fused append: a bad call writes nothing.
+    let (mut k2, mut v2) = (k.to_vec(), v.to_vec());
+    expect_err(
+        e.append_and_decode(&inp.q, &mut k2, &mut v2, &shape, &b, &p, &inp.new_k[1..], &inp.new_v, &mut out),
+        is_shape,
+        "short new_k",
+    );
+    let lens = [0, 5];
+    let bb = DecodeBatch { block_tables: &inp.tables, max_blocks_per_seq: inp.max_blocks, seq_lens: &lens };
+    expect_err(
+        e.append_and_decode(&inp.q, &mut k2, &mut v2, &shape, &bb, &p, &inp.new_k, &inp.new_v, &mut out),
+        is_value,
+        "append to an empty sequence",
+    );
+    assert!(k2 == k && v2 == v, "a rejected call modified the pool");
+}
+
+#[test]
+fn tiers_parse_and_unsupported_tiers_are_refused() {
+    assert_eq!(Tier::parse("AVX512").unwrap(), Tier::Avx512);
+    assert!(Tier::parse("sse9").is_err());
+    assert!(Tier::Scalar.is_supported());
+    for t in Tier::ALL {
+        assert_eq!(CpuAttention::new(Some(1), Some(t)).is_ok(), t.is_supported(), "{t:?}");
+    }
+    assert!(CpuAttention::new(Some(0), None).is_err());
+}

@@ -1,0 +1,221 @@
+"""neo_rs.CpuAttention against torch SDPA on gathered pages; async submit; GIL release; bad input."""
+
+import multiprocessing as mp
+import threading
+import time
+
+import neo_rs
+import pytest
+import torch
+import torch.nn.functional as F
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def make_case(lens, hq, hkv, d, bs, dtype, num_layers=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = max(1, max((n + bs - 1) // bs for n in lens))
+    num_blocks = sum((n + bs - 1) // bs for n in lens) + 2
+    shape = (num_layers, num_blocks, hkv, bs, d)
+    k = torch.randn(shape, generator=g).to(dtype)
+    v = torch.randn(shape, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g).to(torch.int32)
+    tables = torch.full((len(lens), max_blocks), -1, dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(lens):
+        nb = (n + bs - 1) // bs
+        tables[s, :nb] = perm[used : used + nb]
+        used += nb
+    q = torch.randn(len(lens), hq, d, generator=g).to(dtype)
+    new_k = torch.randn(len(lens), hkv, d, generator=g).to(dtype)
+    new_v = torch.randn(len(lens), hkv, d, generator=g).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    return q, k, v, tables, seq_lens, new_k, new_v
+
+
+def reference(q, k, v, layer, tables, seq_lens, scale):
+    """Gather each sequence's pages and run torch SDPA (fp32)."""
+    hq, d = q.shape[1], q.shape[2]
+    hkv, bs = k.shape[2], k.shape[3]
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    for s, n in enumerate(seq_lens.tolist()):
+        if n == 0:
+            continue
+        nb = (n + bs - 1) // bs
+        blocks = tables[s, :nb].long()
+        ks = k[layer, blocks].float().permute(1, 0, 2, 3).reshape(hkv, nb * bs, d)[:, :n]
+        vs = v[layer, blocks].float().permute(1, 0, 2, 3).reshape(hkv, nb * bs, d)[:, :n]
+        qs = q[s].float().reshape(hkv, hq // hkv, d)  # query heads of a group share a KV head
+        out[s] = F.scaled_dot_product_attention(qs, ks, vs, scale=scale).reshape(hq, d)
+    return out
+
+
+@pytest.fixture(params=neo_rs.simd_tiers())
+def attn(request):
+    return neo_rs.CpuAttention(num_threads=2, simd=request.param)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d,bs", [(8, 8, 64, 16), (8, 2, 128, 16), (14, 2, 80, 8), (4, 1, 256, 32)])
+@pytest.mark.parametrize("append", [False, True])
+def test_matches_sdpa(attn, dtype, hq, hkv, d, bs, append):
+    lens = [1, 17, 70, bs, 3]
+    q, k, v, tables, seq_lens, new_k, new_v = make_case(lens, hq, hkv, d, bs, dtype, seed=hq + d)
+    layer, scale = 1, d**-0.5
+    out = torch.empty_like(q)
+    if append:
+        k_ref, v_ref = k.clone(), v.clone()
+        for s, n in enumerate(lens):
+            blk = tables[s, (n - 1) // bs].item()
+            k_ref[layer, blk, :, (n - 1) % bs] = new_k[s]
+            v_ref[layer, blk, :, (n - 1) % bs] = new_v[s]
+        attn.forward(q, k, v, layer, tables, seq_lens, scale, out, new_k=new_k, new_v=new_v)
+        assert torch.equal(k, k_ref) and torch.equal(v, v_ref), "new K/V not written where expected"
+    else:
+        attn.forward(q, k, v, layer, tables, seq_lens, scale, out)
+    want = reference(q, k, v, layer, tables, seq_lens, scale)
+    torch.testing.assert_close(out.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_submit_from_many_threads():
+    attn = neo_rs.CpuAttention()
+    cases = [make_case([5 + i, 40, 300], 8, 2, 128, 16, torch.bfloat16, seed=i) for i in range(8)]
+    outs = [torch.empty_like(c[0]) for c in cases]
+    errors = []
+
+    def worker(i):
+        try:
+            q, k, v, tables, seq_lens, _, _ = cases[i]
+            handles = [attn.submit(q, k, v, layer, tables, seq_lens, 0.1, outs[i]) for layer in (0,)]
+            for h in handles:
+                h.wait()
+            assert handles[0].done()
+        except Exception as e:  # noqa: BLE001 - re-raised in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for (q, k, v, tables, seq_lens, _, _), out in zip(cases, outs, strict=True):
+        torch.testing.assert_close(
+            out.float(), reference(q, k, v, 0, tables, seq_lens, 0.1), atol=2e-2, rtol=2e-2
+        )
+
+
+def test_gil_is_released_while_kernel_runs():
+    attn = neo_rs.CpuAttention(num_threads=1, simd="scalar")  # slow on purpose: a long kernel
+    q, k, v, tables, seq_lens, _, _ = make_case([4096] * 4, 8, 8, 128, 16, torch.float32, num_layers=1)
+    out = torch.empty_like(q)
+    ticks = 0
+    stop = threading.Event()
+
+    def ticker():
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            time.sleep(0.001)
+
+    t = threading.Thread(target=ticker)
+    t.start()
+    time.sleep(0.01)
+    before = ticks
+    start = time.perf_counter()
+    attn.forward(q, k, v, 0, tables, seq_lens, 0.1, out)
+    elapsed = time.perf_counter() - start
+    during = ticks - before
+    stop.set()
+    t.join()
+    # The kernel ran long enough for many ticks; with the GIL held there would be ~none.
+    assert elapsed > 0.05
+    assert during >= 0.25 * elapsed / 0.0011
+
+
+def test_async_wait_returns_after_work_overlaps_python():
+    attn = neo_rs.CpuAttention(num_threads=1, simd="scalar")
+    q, k, v, tables, seq_lens, _, _ = make_case([4096] * 2, 8, 8, 128, 16, torch.float32, num_layers=1)
+    out = torch.full_like(q, float("nan"))
+    h = attn.submit(q, k, v, 0, tables, seq_lens, 0.1, out)
+    busy = sum(i * i for i in range(20000))  # Python keeps running meanwhile
+    h.wait()
+    assert busy > 0 and h.done()
+    torch.testing.assert_close(out, reference(q, k, v, 0, tables, seq_lens, 0.1), atol=1e-4, rtol=1e-4)
+
+
+def _bad_calls():
+    q, k, v, tables, seq_lens, nk, nv = make_case([5, 20], 4, 2, 64, 16, torch.float32)
+    out = torch.empty_like(q)
+    ok = dict(q=q, k_cache=k, v_cache=v, layer=0, block_tables=tables, seq_lens=seq_lens, scale=0.1, out=out)
+    bad_tables = tables.clone()
+    bad_tables[1, 1] = 999
+    return [
+        ("q wrong dtype", dict(ok, q=q.double()), neo_rs.DTypeError),
+        ("q bf16 vs f32 cache", dict(ok, q=q.bfloat16(), out=out.bfloat16()), neo_rs.DTypeError),
+        ("tables int64", dict(ok, block_tables=tables.long()), neo_rs.DTypeError),
+        ("q 2-d", dict(ok, q=q[0]), neo_rs.ShapeError),
+        ("out shape", dict(ok, out=out[:1]), neo_rs.ShapeError),
+        ("cache 4-d", dict(ok, k_cache=k[0]), neo_rs.ShapeError),
+        ("v differs", dict(ok, v_cache=v[:, :-1].contiguous()), neo_rs.ShapeError),
+        ("layer out of range", dict(ok, layer=2), neo_rs.InvalidArgumentError),
+        ("block id out of range", dict(ok, block_tables=bad_tables), neo_rs.InvalidArgumentError),
+        (
+            "seq too long",
+            dict(ok, seq_lens=torch.tensor([5, 999], dtype=torch.int32)),
+            neo_rs.InvalidArgumentError,
+        ),
+        ("non-contiguous", dict(ok, q=q.transpose(0, 1)), neo_rs.InvalidArgumentError),
+        ("out aliases q", dict(ok, out=q), neo_rs.InvalidArgumentError),
+        ("only new_k", dict(ok, new_k=nk), neo_rs.InvalidArgumentError),
+        ("new_k shape", dict(ok, new_k=nk[:1], new_v=nv[:1]), neo_rs.ShapeError),
+        ("not a tensor", dict(ok, q=[1, 2, 3]), TypeError),
+    ]
+
+
+@pytest.mark.parametrize("name,kwargs,exc", _bad_calls(), ids=[c[0] for c in _bad_calls()])
+def test_bad_input_raises_typed_error(name, kwargs, exc):
+    attn = neo_rs.CpuAttention(num_threads=2)
+    with pytest.raises(exc):
+        attn.forward(**kwargs)
+    with pytest.raises(exc):
+        attn.submit(**kwargs).wait()
+    # The process (and the engine) survive.
+    q, k, v, tables, seq_lens, _, _ = make_case([3], 4, 2, 64, 16, torch.float32)
+    out = torch.empty_like(q)
+    attn.forward(q, k, v, 0, tables, seq_lens, 0.1, out)
+    assert torch.isfinite(out).all()
+
+
+def test_errors_share_one_root():
+    for e in (neo_rs.ShapeError, neo_rs.DTypeError, neo_rs.InvalidArgumentError, neo_rs.BackendError):
+        assert issubclass(e, neo_rs.NeoRsError)
+    with pytest.raises(neo_rs.InvalidArgumentError):
+        neo_rs.CpuAttention(simd="sse9")
+    with pytest.raises(neo_rs.InvalidArgumentError):
+        neo_rs.CpuAttention(num_threads=0)
+
+
+def _child(conn):
+    # Only neo_rs runs here: torch's own OpenMP pool is not fork-safe, ours must be.
+    attn, (q, k, v, tables, seq_lens) = _child.state
+    out = torch.empty_like(q)
+    attn.forward(q, k, v, 0, tables, seq_lens, 0.1, out)
+    conn.send(out.tolist())
+
+
+def test_fork_safe():
+    attn = neo_rs.CpuAttention(num_threads=2)
+    q, k, v, tables, seq_lens, _, _ = make_case([50, 7], 4, 2, 64, 16, torch.float32)
+    attn.forward(q, k, v, 0, tables, seq_lens, 0.1, torch.empty_like(q))  # pool threads started
+    _child.state = (attn, (q, k, v, tables, seq_lens))
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_child, args=(child,))
+    p.start()
+    assert parent.poll(60), "forked child hung"
+    got = torch.tensor(parent.recv())
+    p.join(10)
+    assert p.exitcode == 0
+    torch.testing.assert_close(got, reference(q, k, v, 0, tables, seq_lens, 0.1), atol=1e-4, rtol=1e-4)
