@@ -1,7 +1,7 @@
 //! Kernel tiers and their run-time selection: probed once per `CpuAttention`, overridable with
 //! `NEO_RS_SIMD=scalar|avx2|avx512|neon`. Never compiled for the build host (`target-cpu=native`).
 
-use crate::attn::element::{DType, Element};
+use crate::attn::element::Element;
 use crate::attn::kernel::{self, Geometry, Item, Scratch};
 use crate::attn::simd::{Portable, Simd};
 use crate::attn::split::Kernel;
@@ -100,7 +100,7 @@ impl Tier {
             #[cfg(target_arch = "x86_64")]
             Tier::Avx2 => Kernel { lanes: 8, item: crate::attn::x86::avx2::attend_item::<E> },
             #[cfg(target_arch = "x86_64")]
-            Tier::Avx512 if E::DTYPE == DType::BF16 && self.uses_bf16_dot() => {
+            Tier::Avx512 if E::DTYPE == crate::attn::DType::BF16 && self.uses_bf16_dot() => {
                 Kernel { lanes: 32, item: crate::attn::x86::avx512_bf16::attend_item::<E> }
             }
             #[cfg(target_arch = "x86_64")]

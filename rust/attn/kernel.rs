@@ -74,6 +74,7 @@ pub(crate) struct Scratch {
     pub max: Vec<f32>,
     pub sum: Vec<f32>,
     /// bf16 probability pairs `[group][score_stride / 2]` (the BF16 dot-product tier).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub pairs: Vec<u32>,
 }
 

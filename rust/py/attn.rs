@@ -59,7 +59,7 @@ impl Call {
         ensure!(layer < kd[0], Value, "layer {layer} is out of range for {} layers", kd[0]);
         ensure!(qd[2] == kd[4], Shape, "q head_dim {} differs from the cache's {}", qd[2], kd[4]);
         let shape = PagedShape { num_blocks: kd[1], num_kv_heads: kd[2], block_size: kd[3], head_dim: kd[4] };
-        let layer_bytes = shape.layer_numel().unwrap_or(usize::MAX) * dtype.size_bytes();
+        let layer_bytes = shape.layer_numel().unwrap_or(usize::MAX).saturating_mul(dtype.size_bytes());
         let k_layer = k.addr + layer * layer_bytes;
         let v_layer = v.addr + layer * layer_bytes;
         if let Some((nk, nv)) = new_kv {
