@@ -116,7 +116,7 @@ def main():
                         f"{base:10.1f} {kern / bw:6.2f} {kern / base:7.1f}",
                         flush=True,
                     )
-    print(f"(simd={attn.simd}, bf16 dot products: {attn.bf16_dot})")
+    print(f"(simd={attn.simd})")
 
 
 if __name__ == "__main__":

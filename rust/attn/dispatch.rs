@@ -84,25 +84,12 @@ impl Tier {
         }
     }
 
-    /// Whether bf16 inputs use the AVX-512 BF16 dot-product instructions on this tier.
-    pub fn uses_bf16_dot(self) -> bool {
-        #[cfg(target_arch = "x86_64")]
-        if self == Tier::Avx512 {
-            return is_x86_feature_detected!("avx512bf16");
-        }
-        false
-    }
-
     /// The item function of this tier for element type `E`.
     pub(crate) fn kernel<E: Element>(self) -> Result<Kernel<E>> {
         self.require()?;
         Ok(match self {
             #[cfg(target_arch = "x86_64")]
             Tier::Avx2 => Kernel { lanes: 8, item: crate::attn::x86::avx2::attend_item::<E> },
-            #[cfg(target_arch = "x86_64")]
-            Tier::Avx512 if E::DTYPE == crate::attn::DType::BF16 && self.uses_bf16_dot() => {
-                Kernel { lanes: 32, item: crate::attn::x86::avx512_bf16::attend_item::<E> }
-            }
             #[cfg(target_arch = "x86_64")]
             Tier::Avx512 => Kernel { lanes: 16, item: crate::attn::x86::avx512::attend_item::<E> },
             #[cfg(target_arch = "aarch64")]

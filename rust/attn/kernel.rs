@@ -1,14 +1,15 @@
 //! One work item of paged decode attention — a (sequence, KV head, token chunk) — written once
-//! over the `Simd` primitives. Every query head of the GQA group shares each K/V row load; the
-//! chunk is walked block by block with an online (single-pass) softmax, and the result is an
-//! unnormalised partial (acc, max, sum) that `split.rs` merges FlashDecoding-style.
+//! over the `Simd` primitives. The chunk is walked block by block with an online (single-pass)
+//! softmax; K/V rows are widened to f32 in registers straight from the pool and each load serves
+//! a register tile of query heads (q·k: heads x tokens = LANES accumulators folded by one
+//! transposed reduction; p·v: up to 4 heads per V-row load). The result is an unnormalised
+//! partial (acc, max, sum) that `split.rs` merges FlashDecoding-style.
 
 use crate::attn::element::Element;
 use crate::attn::simd::Simd;
 
 /// Blocks ahead of the current one whose K/V tiles are prefetched into L2.
 const PREFETCH_BLOCKS: usize = 2;
-const CACHE_LINE: usize = 64;
 
 /// Per-call geometry shared by every item.
 #[derive(Debug, Clone, Copy)]
@@ -64,36 +65,28 @@ impl<E> Item<'_, E> {
 /// Per-thread f32 workspaces, sized once per call for the padded head dim (a multiple of LANES,
 /// zero-filled past `head_dim` so padded lanes contribute nothing).
 pub(crate) struct Scratch {
-    pub padded_dim: usize,
-    pub score_stride: usize,
+    padded_dim: usize,
+    score_stride: usize,
     q: Vec<f32>,
-    pub acc: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    pub scores: Vec<f32>,
-    pub max: Vec<f32>,
-    pub sum: Vec<f32>,
-    /// bf16 probability pairs `[group][score_stride / 2]` (the BF16 dot-product tier).
-    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-    pub pairs: Vec<u32>,
+    acc: Vec<f32>,
+    scores: Vec<f32>,
+    max: Vec<f32>,
+    sum: Vec<f32>,
 }
 
 impl Scratch {
     pub fn new(geo: &Geometry, lanes: usize) -> Self {
         let padded_dim = geo.head_dim.next_multiple_of(lanes);
-        // Scores are processed 16 f32 at a time at most, whatever the dim padding.
+        // Scores are processed up to 16 f32 at a time, whatever the tier.
         let score_stride = geo.block_size.next_multiple_of(16);
         Scratch {
             padded_dim,
             score_stride,
             q: vec![0.0; geo.group * padded_dim],
             acc: vec![0.0; geo.group * padded_dim],
-            k: vec![0.0; geo.block_size * padded_dim],
-            v: vec![0.0; geo.block_size * padded_dim],
             scores: vec![0.0; geo.group * score_stride],
             max: vec![0.0; geo.group],
             sum: vec![0.0; geo.group],
-            pairs: vec![0; geo.group * score_stride / 2],
         }
     }
 }
@@ -109,37 +102,45 @@ pub(crate) unsafe fn attend_item<S: Simd, E: Element>(
     scratch: &mut Scratch,
     partial: &mut [f32],
 ) {
-    let (d, bs, group) = (geo.head_dim, geo.block_size, geo.group);
-    let dp = scratch.padded_dim;
-    let sp = scratch.score_stride;
+    let (d, group) = (geo.head_dim, geo.group);
+    let (dp, sp) = (scratch.padded_dim, scratch.score_stride);
     assert!(dp.is_multiple_of(S::LANES) && sp.is_multiple_of(S::LANES) && partial.len() == geo.partial_len());
-    assert!(it.q.len() == group * d && it.start.is_multiple_of(bs) && it.start < it.end);
+    assert!(it.q.len() == group * d && it.start.is_multiple_of(geo.block_size) && it.start < it.end);
 
     for g in 0..group {
         let row = &mut scratch.q[g * dp..(g + 1) * dp];
-        // SAFETY: forwarded caller contract (CPU supports S).
-        unsafe { widen_row::<S, E>(&it.q[g * d..(g + 1) * d], row) };
-        row.iter_mut().for_each(|x| *x *= it.scale);
+        for (x, y) in row.iter_mut().zip(&it.q[g * d..(g + 1) * d]) {
+            *x = y.to_f32() * it.scale;
+        }
     }
     scratch.acc.fill(0.0);
     scratch.max.fill(f32::NEG_INFINITY);
     scratch.sum.fill(0.0);
 
-    for b in it.start / bs..it.end.div_ceil(bs) {
+    for b in it.start / geo.block_size..it.end.div_ceil(geo.block_size) {
         let (n, off, ahead) = it.block_tile(geo, b);
+        let (k, v) = (&it.k[off..off + n * d], &it.v[off..off + n * d]);
+        // With no block ahead, "prefetch" the current tile: a harmless hint, and no branch.
+        let ahead = if ahead.is_empty() { off..off + n * d } else { ahead };
         let (k_ahead, v_ahead) = (&it.k[ahead.clone()], &it.v[ahead]);
-        // SAFETY: forwarded caller contract; the rows/scratch sizes are asserted inside.
+        // SAFETY: (whole block) the CPU supports S (caller); every slice length a helper relies
+        // on is asserted inside it.
         unsafe {
-            let (k, ks) = rows_f32::<S, E>(&it.k[off..off + n * d], k_ahead, n, d, dp, &mut scratch.k);
             let mut g0 = 0;
             while g0 < group {
                 let gt = group_tile(group - g0);
                 let (q, sc) = (&scratch.q[g0 * dp..], &mut scratch.scores[g0 * sp..]);
-                match gt {
-                    8 => qk_tile::<S, 8>(q, k, ks, n, dp, sc, sp),
-                    4 => qk_tile::<S, 4>(q, k, ks, n, dp, sc, sp),
-                    2 => qk_tile::<S, 2>(q, k, ks, n, dp, sc, sp),
-                    _ => qk_tile::<S, 1>(q, k, ks, n, dp, sc, sp),
+                let ka = k_ahead;
+                match (S::LANES, gt) {
+                    (16, 4) => qk_tile::<S, E, 4, 4>(q, k, ka, n, d, dp, sc, sp),
+                    (16, 2) => qk_tile::<S, E, 2, 8>(q, k, ka, n, d, dp, sc, sp),
+                    (16, _) => qk_tile::<S, E, 1, 16>(q, k, ka, n, d, dp, sc, sp),
+                    (8, 4) => qk_tile::<S, E, 4, 2>(q, k, ka, n, d, dp, sc, sp),
+                    (8, 2) => qk_tile::<S, E, 2, 4>(q, k, ka, n, d, dp, sc, sp),
+                    (8, _) => qk_tile::<S, E, 1, 8>(q, k, ka, n, d, dp, sc, sp),
+                    (4, 4) => qk_tile::<S, E, 4, 1>(q, k, ka, n, d, dp, sc, sp),
+                    (4, 2) => qk_tile::<S, E, 2, 2>(q, k, ka, n, d, dp, sc, sp),
+                    _ => qk_tile::<S, E, 1, 4>(q, k, ka, n, d, dp, sc, sp),
                 }
                 g0 += gt;
             }
@@ -152,140 +153,127 @@ pub(crate) unsafe fn attend_item<S: Simd, E: Element>(
                     &mut scratch.sum[g],
                 );
             }
-            let (v, vs) = rows_f32::<S, E>(&it.v[off..off + n * d], v_ahead, n, d, dp, &mut scratch.v);
             let mut g0 = 0;
             while g0 < group {
                 let gt = group_tile(group - g0);
                 let (p, acc) = (&scratch.scores[g0 * sp..], &mut scratch.acc[g0 * dp..]);
+                let va = v_ahead;
                 match gt {
-                    8 => pv_tile::<S, 8>(p, sp, v, vs, n, dp, acc),
-                    4 => pv_tile::<S, 4>(p, sp, v, vs, n, dp, acc),
-                    2 => pv_tile::<S, 2>(p, sp, v, vs, n, dp, acc),
-                    _ => pv_tile::<S, 1>(p, sp, v, vs, n, dp, acc),
+                    4 => pv_tile::<S, E, 4>(p, sp, v, va, n, d, dp, acc),
+                    2 => pv_tile::<S, E, 2>(p, sp, v, va, n, d, dp, acc),
+                    _ => pv_tile::<S, E, 1>(p, sp, v, va, n, d, dp, acc),
                 }
                 g0 += gt;
             }
         }
     }
-    write_partial(geo, &scratch.acc, &scratch.max, &scratch.sum, partial, |g, acc, out| {
-        out.copy_from_slice(&acc[g * dp..g * dp + d])
-    });
+    for g in 0..group {
+        partial[g * d..(g + 1) * d].copy_from_slice(&scratch.acc[g * dp..g * dp + d]);
+    }
+    partial[group * d..group * (d + 1)].copy_from_slice(&scratch.max);
+    partial[group * (d + 1)..].copy_from_slice(&scratch.sum);
 }
 
-/// Width of the next register tile of query heads when `remaining` are left: 8, 4, 2 or 1.
+/// Width of the next register tile of query heads when `remaining` are left: 4, 2 or 1.
 /// (Loops, not closures, drive the tiles: a closure would not inherit the tier's target features.)
 #[inline(always)]
-pub(crate) fn group_tile(remaining: usize) -> usize {
+fn group_tile(remaining: usize) -> usize {
     match remaining {
-        r if r >= 8 => 8,
         r if r >= 4 => 4,
         r if r >= 2 => 2,
         _ => 1,
     }
 }
 
-/// Writes `acc` (via `copy_acc(g, acc, out_row)`, which may un-permute), `max` and `sum` into the
-/// partial layout of `Geometry::partial_len`.
-#[inline(always)]
-pub(crate) fn write_partial(
-    geo: &Geometry,
-    acc: &[f32],
-    max: &[f32],
-    sum: &[f32],
-    partial: &mut [f32],
-    mut copy_acc: impl FnMut(usize, &[f32], &mut [f32]),
-) {
-    let (d, group) = (geo.head_dim, geo.group);
-    for g in 0..group {
-        copy_acc(g, acc, &mut partial[g * d..(g + 1) * d]);
-    }
-    partial[group * d..group * (d + 1)].copy_from_slice(&max[..group]);
-    partial[group * (d + 1)..].copy_from_slice(&sum[..group]);
-}
-
-/// Issues L2 prefetches for every cache line of `rows`.
+/// `count` (<= LANES) elements at `p` widened to f32, the rest of the lanes zero. With
+/// `count == LANES` (the literal, after inlining) this is one widening load.
 ///
 /// # Safety
-/// The CPU must support `S`.
+/// `p` must be valid for `count` reads; the CPU must support `S`.
 #[inline(always)]
-pub(crate) unsafe fn prefetch_rows<S: Simd, E>(rows: &[E]) {
-    for off in (0..std::mem::size_of_val(rows)).step_by(CACHE_LINE) {
-        // SAFETY: `off` is inside `rows`; prefetch never faults anyway.
-        unsafe { S::prefetch_l2(rows.as_ptr().cast::<u8>().add(off)) };
+unsafe fn load_chunk<S: Simd, E: Element>(p: *const E, count: usize) -> S::V {
+    // SAFETY: forwarded caller contract; the partial path reads exactly `count` elements.
+    unsafe {
+        if count == S::LANES {
+            E::widen::<S>(p)
+        } else {
+            let mut buf = [0f32; 16];
+            for (i, x) in buf.iter_mut().enumerate().take(count) {
+                *x = (*p.add(i)).to_f32();
+            }
+            S::load(buf.as_ptr())
+        }
     }
 }
 
-/// Widens `src` (`head_dim` values) into `dst` (`padded_dim` values; the tail is left as is,
-/// which the scratch keeps at zero).
+/// Scaled scores (q is pre-scaled) of `GT` query heads x `TT` tokens at a time (GT * TT = LANES
+/// accumulators, folded by one transposed reduction) for the `n` rows of a K tile.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn widen_row<S: Simd, E: Element>(src: &[E], dst: &mut [f32]) {
-    assert!(dst.len() >= src.len() && dst.len().is_multiple_of(S::LANES));
-    let full = src.len() / S::LANES * S::LANES;
-    for c in (0..full).step_by(S::LANES) {
-        // SAFETY: c + LANES <= full <= src.len() <= dst.len(); the CPU supports S (caller).
-        unsafe { S::store(dst.as_mut_ptr().add(c), E::widen::<S>(src.as_ptr().add(c))) };
-    }
-    for c in full..src.len() {
-        dst[c] = src[c].to_f32();
-    }
-}
-
-/// `n` rows of `head_dim` elements as f32 rows of stride `padded_dim`: the pool itself for f32
-/// when no padding is needed, else widened into `buf`. Returns (rows, row stride). Prefetches
-/// `ahead` (the same head's tile of a later block, or empty) on the way.
-#[inline(always)]
-unsafe fn rows_f32<'a, S: Simd, E: Element>(
-    src: &'a [E],
-    ahead: &[E],
+unsafe fn qk_tile<S: Simd, E: Element, const GT: usize, const TT: usize>(
+    q: &[f32],
+    k: &[E],
+    k_ahead: &[E],
     n: usize,
     d: usize,
-    dp: usize,
-    buf: &'a mut [f32],
-) -> (&'a [f32], usize) {
-    if d == dp {
-        if let Some(rows) = E::as_f32(src) {
-            // SAFETY: forwarded caller contract.
-            unsafe { prefetch_rows::<S, E>(ahead) };
-            return (rows, d);
-        }
-    }
-    for t in 0..n {
-        // SAFETY: forwarded caller contract.
-        unsafe {
-            if let Some(row) = ahead.get(t * d..(t + 1) * d) {
-                prefetch_rows::<S, E>(row);
-            }
-            widen_row::<S, E>(&src[t * d..(t + 1) * d], &mut buf[t * dp..(t + 1) * dp]);
-        }
-    }
-    (&buf[..n * dp], dp)
-}
-
-/// `scores[g][t] = q[g] · k[t]` for `GT` query heads (rows `dp` apart) and `n` key rows.
-#[inline(always)]
-unsafe fn qk_tile<S: Simd, const GT: usize>(
-    q: &[f32],
-    k: &[f32],
-    ks: usize,
-    n: usize,
     dp: usize,
     scores: &mut [f32],
     sp: usize,
 ) {
-    assert!(q.len() >= GT * dp && k.len() >= (n - 1) * ks + dp && scores.len() >= (GT - 1) * sp + n);
-    for t in 0..n {
-        // SAFETY: the asserts above bound every offset: c + LANES <= dp for rows t < n, g < GT.
+    assert!(GT * TT == S::LANES && S::LANES <= 16);
+    assert!(q.len() >= GT * dp && k.len() >= n * d && n >= 1 && scores.len() >= (GT - 1) * sp + n);
+    assert!(k_ahead.len() >= n * d);
+    let (full, tail) = (d / S::LANES, d % S::LANES);
+    for t0 in (0..n).step_by(TT) {
+        // SAFETY: rows are clamped to n - 1 and chunks never pass d, so every read lies inside
+        // `k`; q offsets stay below GT * dp (asserted above); the CPU supports S (caller).
         unsafe {
-            let krow = k.as_ptr().add(t * ks);
-            let mut acc = [S::zero(); GT];
-            for c in (0..dp).step_by(S::LANES) {
-                let kv = S::load(krow.add(c));
-                for (g, a) in acc.iter_mut().enumerate() {
-                    *a = S::fma(S::load(q.as_ptr().add(g * dp + c)), kv, *a);
+            let (mut rows, mut ahead) = ([k.as_ptr(); TT], [k_ahead.as_ptr(); TT]);
+            for i in 0..TT {
+                let off = (t0 + i).min(n - 1) * d;
+                (rows[i], ahead[i]) = (k.as_ptr().add(off), k_ahead.as_ptr().add(off));
+            }
+            let mut acc = [[S::zero(); TT]; GT];
+            for c in 0..full {
+                qk_chunk::<S, E, GT, TT>(&rows, &ahead, q, dp, c * S::LANES, S::LANES, &mut acc);
+            }
+            if tail > 0 {
+                qk_chunk::<S, E, GT, TT>(&rows, &ahead, q, dp, full * S::LANES, tail, &mut acc);
+            }
+            let mut s = [0f32; 16];
+            S::store(s.as_mut_ptr(), S::transpose_sum(acc.as_flattened()));
+            for g in 0..GT {
+                for i in 0..TT.min(n - t0) {
+                    scores[g * sp + t0 + i] = s[g * TT + i];
                 }
             }
-            for (g, a) in acc.iter().enumerate() {
-                scores[g * sp + t] = S::reduce_add(*a);
+        }
+    }
+}
+
+#[inline(always)]
+unsafe fn qk_chunk<S: Simd, E: Element, const GT: usize, const TT: usize>(
+    rows: &[*const E; TT],
+    ahead: &[*const E; TT],
+    q: &[f32],
+    dp: usize,
+    c: usize,
+    count: usize,
+    acc: &mut [[S::V; TT]; GT],
+) {
+    // SAFETY: the caller (qk_tile) guarantees `count` readable elements at rows[i] + c (and
+    // ahead[i] + c, only prefetched) and LANES readable f32 at q[g * dp + c] for g < GT.
+    unsafe {
+        let mut qv = [S::zero(); GT];
+        for (g, x) in qv.iter_mut().enumerate() {
+            *x = S::load(q.as_ptr().add(g * dp + c));
+        }
+        for (i, row) in rows.iter().enumerate() {
+            // One row of the tile PREFETCH_BLOCKS ahead per row read keeps the misses spread out.
+            S::prefetch_l2(ahead[i].add(c).cast());
+            let kv = load_chunk::<S, E>(row.add(c), count);
+            for g in 0..GT {
+                acc[g][i] = S::fma(qv[g], kv, acc[g][i]);
             }
         }
     }
@@ -295,13 +283,7 @@ unsafe fn qk_tile<S: Simd, const GT: usize>(
 /// probabilities relative to the running max, rescales `acc` and the running sum when the max
 /// grows. Entries from `n` up to the next multiple of LANES become (near) zero.
 #[inline(always)]
-pub(crate) unsafe fn online_softmax_step<S: Simd>(
-    scores: &mut [f32],
-    n: usize,
-    acc: &mut [f32],
-    max: &mut f32,
-    sum: &mut f32,
-) {
+unsafe fn online_softmax_step<S: Simd>(scores: &mut [f32], n: usize, acc: &mut [f32], max: &mut f32, sum: &mut f32) {
     let padded = n.next_multiple_of(S::LANES);
     assert!(acc.len().is_multiple_of(S::LANES) && padded <= scores.len());
     scores[n..padded].fill(f32::NEG_INFINITY);
@@ -334,31 +316,70 @@ pub(crate) unsafe fn online_softmax_step<S: Simd>(
     }
 }
 
-/// `acc[g] += Σ_t p[g][t] · v[t]` for `GT` query heads; each V row load is shared by the tile.
+/// `acc[g] += Σ_t p[g][t] · v[t]` for `GT` query heads over the `n` rows of a V tile: per chunk
+/// of LANES dims the GT accumulators stay in registers and each widened V row serves them all.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn pv_tile<S: Simd, const GT: usize>(
+unsafe fn pv_tile<S: Simd, E: Element, const GT: usize>(
     p: &[f32],
     sp: usize,
-    v: &[f32],
-    vs: usize,
+    v: &[E],
+    v_ahead: &[E],
     n: usize,
+    d: usize,
     dp: usize,
     acc: &mut [f32],
 ) {
-    assert!(p.len() >= (GT - 1) * sp + n && v.len() >= (n - 1) * vs + dp && acc.len() >= GT * dp);
-    for c in (0..dp).step_by(S::LANES) {
-        // SAFETY: the asserts above bound every offset: c + LANES <= dp, t < n, g < GT.
-        unsafe {
-            let mut o: [S::V; GT] = std::array::from_fn(|g| S::load(acc.as_ptr().add(g * dp + c)));
-            for t in 0..n {
-                let vv = S::load(v.as_ptr().add(t * vs + c));
-                for (g, og) in o.iter_mut().enumerate() {
-                    *og = S::fma(S::splat(*p.get_unchecked(g * sp + t)), vv, *og);
-                }
+    assert!(p.len() >= (GT - 1) * sp + n && v.len() >= n * d && v_ahead.len() >= n * d && acc.len() >= GT * dp);
+    let (full, tail) = (d / S::LANES, d % S::LANES);
+    // SAFETY: the asserts above bound every offset (chunks never pass d <= dp); the CPU
+    // supports S (caller).
+    unsafe {
+        for c in 0..full {
+            pv_chunk::<S, E, GT>(p, sp, v, v_ahead, n, d, dp, c * S::LANES, S::LANES, acc);
+        }
+        if tail > 0 {
+            pv_chunk::<S, E, GT>(p, sp, v, v_ahead, n, d, dp, full * S::LANES, tail, acc);
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn pv_chunk<S: Simd, E: Element, const GT: usize>(
+    p: &[f32],
+    sp: usize,
+    v: &[E],
+    ahead: &[E],
+    n: usize,
+    d: usize,
+    dp: usize,
+    c: usize,
+    count: usize,
+    acc: &mut [f32],
+) {
+    // SAFETY: the caller (pv_tile) bounds every offset: rows t < n of `v` and `ahead` (only
+    // prefetched), chunk c + count <= d, p[g * sp + t] for g < GT, acc[g * dp + c..][..LANES].
+    unsafe {
+        let mut o = [S::zero(); GT];
+        let mut prow = [p.as_ptr(); GT];
+        for g in 0..GT {
+            o[g] = S::load(acc.as_ptr().add(g * dp + c));
+            prow[g] = p.as_ptr().add(g * sp);
+        }
+        let (mut vrow, mut arow) = (v.as_ptr().add(c), ahead.as_ptr().add(c));
+        for t in 0..n {
+            S::prefetch_l2(arow.cast());
+            let vv = load_chunk::<S, E>(vrow, count);
+            for g in 0..GT {
+                o[g] = S::fma(S::splat(*prow[g].add(t)), vv, o[g]);
             }
-            for (g, og) in o.iter().enumerate() {
-                S::store(acc.as_mut_ptr().add(g * dp + c), *og);
+            if t + 1 < n {
+                (vrow, arow) = (vrow.add(d), arow.add(d));
             }
+        }
+        for (g, x) in o.iter().enumerate() {
+            S::store(acc.as_mut_ptr().add(g * dp + c), *x);
         }
     }
 }

@@ -24,6 +24,9 @@ pub trait Simd {
     unsafe fn max(a: Self::V, b: Self::V) -> Self::V;
     unsafe fn reduce_max(v: Self::V) -> f32;
     unsafe fn reduce_add(v: Self::V) -> f32;
+    /// Lane i of the result is the sum of the lanes of `v[i]`; `v.len() == LANES` (a transposed
+    /// reduction: far fewer shuffles than LANES separate horizontal sums).
+    unsafe fn transpose_sum(v: &[Self::V]) -> Self::V;
     /// `e^x` to a few ulp; inputs below about -87 give (near) zero, never NaN for finite or -inf input.
     unsafe fn exp(v: Self::V) -> Self::V;
     /// `LANES` bf16 values (raw bits) widened to f32.
@@ -82,6 +85,10 @@ impl Simd for Portable {
     #[inline(always)]
     unsafe fn max(a: Self::V, b: Self::V) -> Self::V {
         std::array::from_fn(|i| a[i].max(b[i]))
+    }
+    #[inline(always)]
+    unsafe fn transpose_sum(v: &[Self::V]) -> Self::V {
+        std::array::from_fn(|i| v[i].iter().sum())
     }
     #[inline(always)]
     unsafe fn reduce_max(v: Self::V) -> f32 {

@@ -229,12 +229,6 @@ impl CpuAttention {
         self.engine.num_threads()
     }
 
-    /// Whether bf16 inputs use the AVX-512 BF16 dot-product instructions.
-    #[getter]
-    fn bf16_dot(&self) -> bool {
-        self.engine.tier().uses_bf16_dot()
-    }
-
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (q, k_cache, v_cache, layer, block_tables, seq_lens, scale, out, new_k=None, new_v=None))]
     fn forward<'py>(

@@ -69,6 +69,12 @@ impl Simd for Neon {
         unsafe { vaddvq_f32(v) }
     }
     #[inline(always)]
+    unsafe fn transpose_sum(v: &[float32x4_t]) -> float32x4_t {
+        assert!(v.len() == 4);
+        // SAFETY: NEON.
+        unsafe { vpaddq_f32(vpaddq_f32(v[0], v[1]), vpaddq_f32(v[2], v[3])) }
+    }
+    #[inline(always)]
     unsafe fn exp(x: float32x4_t) -> float32x4_t {
         // SAFETY: NEON.
         unsafe {

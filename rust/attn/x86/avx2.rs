@@ -78,6 +78,17 @@ impl Simd for Avx2 {
         }
     }
     #[inline(always)]
+    unsafe fn transpose_sum(v: &[__m256]) -> __m256 {
+        assert!(v.len() == 8);
+        // SAFETY: register arithmetic of this tier.
+        unsafe {
+            // hadd(hadd(a,b), hadd(c,d)): per 128-bit half the four vectors' half sums.
+            let q0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+            let q1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+            _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(q0, q1), _mm256_permute2f128_ps::<0x31>(q0, q1))
+        }
+    }
+    #[inline(always)]
     unsafe fn exp(x: __m256) -> __m256 {
         // SAFETY: AVX2 + FMA are part of this tier's feature set.
         unsafe {

@@ -69,6 +69,30 @@ impl Simd for Avx512 {
         unsafe { _mm512_reduce_add_ps(v) }
     }
     #[inline(always)]
+    unsafe fn transpose_sum(v: &[__m512]) -> __m512 {
+        assert!(v.len() == 16);
+        // SAFETY: register arithmetic of this tier.
+        unsafe {
+            // 16 -> 8: per 128-bit lane [a0+a2, b0+b2, a1+a3, b1+b3].
+            let mut x = [_mm512_setzero_ps(); 8];
+            for (i, x) in x.iter_mut().enumerate() {
+                let (a, b) = (v[2 * i], v[2 * i + 1]);
+                *x = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+            }
+            // 8 -> 4: per 128-bit lane the four vectors' lane sums [a, b, c, d].
+            let mut y = [_mm512_setzero_ps(); 4];
+            for (i, y) in y.iter_mut().enumerate() {
+                let (a, b) = (_mm512_castps_pd(x[2 * i]), _mm512_castps_pd(x[2 * i + 1]));
+                let (lo, hi) = (_mm512_unpacklo_pd(a, b), _mm512_unpackhi_pd(a, b));
+                *y = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+            }
+            // 4 -> 2 -> 1: add the four 128-bit lanes together, keeping vectors in order.
+            let z0 = fold_lanes(y[0], y[1]);
+            let z1 = fold_lanes(y[2], y[3]);
+            fold_lanes(z0, z1)
+        }
+    }
+    #[inline(always)]
     unsafe fn exp(x: __m512) -> __m512 {
         // SAFETY: AVX-512F.
         unsafe {
@@ -107,6 +131,13 @@ impl Simd for Avx512 {
     }
 }
 
+/// `[a.L0+a.L1, a.L2+a.L3, b.L0+b.L1, b.L2+b.L3]` over 128-bit lanes.
+#[inline(always)]
+unsafe fn fold_lanes(a: __m512, b: __m512) -> __m512 {
+    // SAFETY: register arithmetic of this tier; the CPU supports it (caller).
+    unsafe { _mm512_add_ps(_mm512_shuffle_f32x4::<0b10_00_10_00>(a, b), _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b)) }
+}
+
 /// The kernel item compiled for AVX-512 F/BW/VL.
 ///
 /// # Safety
@@ -120,4 +151,35 @@ pub(crate) unsafe fn attend_item<E: Element>(
 ) {
     // SAFETY: forwarded caller contract.
     unsafe { kernel::attend_item::<Avx512, E>(it, geo, scratch, partial) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transpose_sum_adds_each_vector_in_order() {
+        if !std::arch::is_x86_feature_detected!("avx512f") {
+            return;
+        }
+        let rows: Vec<[f32; 16]> = (0..16).map(|i| std::array::from_fn(|j| (i * 100 + j) as f32)).collect();
+        #[target_feature(enable = "avx512f")]
+        fn run(rows: &[[f32; 16]]) -> [f32; 16] {
+            let mut v = [_mm512_setzero_ps(); 16];
+            let mut out = [0f32; 16];
+            // SAFETY: each row holds 16 f32; the feature is enabled on this function.
+            unsafe {
+                for (v, r) in v.iter_mut().zip(rows) {
+                    *v = _mm512_loadu_ps(r.as_ptr());
+                }
+                _mm512_storeu_ps(out.as_mut_ptr(), Avx512::transpose_sum(&v));
+            }
+            out
+        }
+        // SAFETY: AVX-512F checked above.
+        let got = unsafe { run(&rows) };
+        for (i, r) in rows.iter().enumerate() {
+            assert_eq!(got[i], r.iter().sum::<f32>(), "lane {i}");
+        }
+    }
 }
