@@ -159,9 +159,9 @@ pub(crate) unsafe fn attend_item<S: Simd, E: Element>(
                 let (p, acc) = (&scratch.scores[g0 * sp..], &mut scratch.acc[g0 * dp..]);
                 let va = v_ahead;
                 match gt {
-                    4 => pv_tile::<S, E, 4>(p, sp, v, va, n, d, dp, acc),
-                    2 => pv_tile::<S, E, 2>(p, sp, v, va, n, d, dp, acc),
-                    _ => pv_tile::<S, E, 1>(p, sp, v, va, n, d, dp, acc),
+                    4 => pv_tile::<S, E, 4, 2>(p, sp, v, va, n, d, dp, acc),
+                    2 => pv_tile::<S, E, 2, 4>(p, sp, v, va, n, d, dp, acc),
+                    _ => pv_tile::<S, E, 1, 8>(p, sp, v, va, n, d, dp, acc),
                 }
                 g0 += gt;
             }
@@ -316,11 +316,12 @@ unsafe fn online_softmax_step<S: Simd>(scores: &mut [f32], n: usize, acc: &mut [
     }
 }
 
-/// `acc[g] += Σ_t p[g][t] · v[t]` for `GT` query heads over the `n` rows of a V tile: per chunk
-/// of LANES dims the GT accumulators stay in registers and each widened V row serves them all.
+/// `acc[g] += Σ_t p[g][t] · v[t]` for `GT` query heads over the `n` rows of a V tile. Each
+/// pass keeps GT heads x CB chunks of LANES dims in registers (GT * CB = 4 or 8), so each widened
+/// V load serves every head and the per-row loop overhead is shared by CB chunks.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn pv_tile<S: Simd, E: Element, const GT: usize>(
+unsafe fn pv_tile<S: Simd, E: Element, const GT: usize, const CB: usize>(
     p: &[f32],
     sp: usize,
     v: &[E],
@@ -332,21 +333,29 @@ unsafe fn pv_tile<S: Simd, E: Element, const GT: usize>(
 ) {
     assert!(p.len() >= (GT - 1) * sp + n && v.len() >= n * d && v_ahead.len() >= n * d && acc.len() >= GT * dp);
     let (full, tail) = (d / S::LANES, d % S::LANES);
+    let l = S::LANES;
     // SAFETY: the asserts above bound every offset (chunks never pass d <= dp); the CPU
     // supports S (caller).
     unsafe {
-        for c in 0..full {
-            pv_chunk::<S, E, GT>(p, sp, v, v_ahead, n, d, dp, c * S::LANES, S::LANES, acc);
+        let mut c = 0;
+        while c + CB <= full {
+            pv_chunks::<S, E, GT, CB>(p, sp, v, v_ahead, n, d, dp, c * l, l, acc);
+            c += CB;
+        }
+        while c < full {
+            pv_chunks::<S, E, GT, 1>(p, sp, v, v_ahead, n, d, dp, c * l, l, acc);
+            c += 1;
         }
         if tail > 0 {
-            pv_chunk::<S, E, GT>(p, sp, v, v_ahead, n, d, dp, full * S::LANES, tail, acc);
+            pv_chunks::<S, E, GT, 1>(p, sp, v, v_ahead, n, d, dp, full * l, tail, acc);
         }
     }
 }
 
+/// `CB` consecutive chunks starting at dim `c`; the last holds `count` (<= LANES) dims.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn pv_chunk<S: Simd, E: Element, const GT: usize>(
+unsafe fn pv_chunks<S: Simd, E: Element, const GT: usize, const CB: usize>(
     p: &[f32],
     sp: usize,
     v: &[E],
@@ -359,27 +368,38 @@ unsafe fn pv_chunk<S: Simd, E: Element, const GT: usize>(
     acc: &mut [f32],
 ) {
     // SAFETY: the caller (pv_tile) bounds every offset: rows t < n of `v` and `ahead` (only
-    // prefetched), chunk c + count <= d, p[g * sp + t] for g < GT, acc[g * dp + c..][..LANES].
+    // prefetched), dims c + (CB - 1) * LANES + count <= d, p[g * sp + t] for g < GT,
+    // acc[g * dp + c..][..CB * LANES].
     unsafe {
-        let mut o = [S::zero(); GT];
+        let mut o = [[S::zero(); CB]; GT];
         let mut prow = [p.as_ptr(); GT];
         for g in 0..GT {
-            o[g] = S::load(acc.as_ptr().add(g * dp + c));
+            for j in 0..CB {
+                o[g][j] = S::load(acc.as_ptr().add(g * dp + c + j * S::LANES));
+            }
             prow[g] = p.as_ptr().add(g * sp);
         }
         let (mut vrow, mut arow) = (v.as_ptr().add(c), ahead.as_ptr().add(c));
         for t in 0..n {
             S::prefetch_l2(arow.cast());
-            let vv = load_chunk::<S, E>(vrow, count);
+            let mut vv = [S::zero(); CB];
+            for (j, x) in vv.iter_mut().enumerate() {
+                *x = load_chunk::<S, E>(vrow.add(j * S::LANES), if j + 1 == CB { count } else { S::LANES });
+            }
             for g in 0..GT {
-                o[g] = S::fma(S::splat(*prow[g].add(t)), vv, o[g]);
+                let pg = S::splat(*prow[g].add(t));
+                for j in 0..CB {
+                    o[g][j] = S::fma(pg, vv[j], o[g][j]);
+                }
             }
             if t + 1 < n {
                 (vrow, arow) = (vrow.add(d), arow.add(d));
             }
         }
-        for (g, x) in o.iter().enumerate() {
-            S::store(acc.as_mut_ptr().add(g * dp + c), *x);
+        for g in 0..GT {
+            for j in 0..CB {
+                S::store(acc.as_mut_ptr().add(g * dp + c + j * S::LANES), o[g][j]);
+            }
         }
     }
 }
