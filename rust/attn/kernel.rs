@@ -353,7 +353,8 @@ unsafe fn pv_tile<S: Simd, E: Element, const GT: usize, const CB: usize>(
 }
 
 /// `CB` consecutive chunks starting at dim `c`; the last holds `count` (<= LANES) dims.
-#[allow(clippy::too_many_arguments)]
+/// (Index loops: the register tile is addressed by head and chunk at once.)
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 #[inline(always)]
 unsafe fn pv_chunks<S: Simd, E: Element, const GT: usize, const CB: usize>(
     p: &[f32],
