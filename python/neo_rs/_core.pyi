@@ -49,6 +49,8 @@ class CpuAttention:
         (``[num_seqs, num_kv_heads, head_dim]``) the new token's K/V are first written at
         position ``seq_len - 1``. All CPU, contiguous, one float dtype. Releases the GIL.
         """
+    def stream_read(self, buf: torch.Tensor) -> int:
+        """Read every byte of ``buf`` once on this engine's pool; time it for the read bandwidth."""
     def submit(
         self,
         q: torch.Tensor,

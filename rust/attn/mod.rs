@@ -6,6 +6,7 @@ pub mod check;
 pub mod dispatch;
 pub mod element;
 mod kernel;
+mod membw;
 mod simd;
 mod split;
 

@@ -286,6 +286,19 @@ impl CpuAttention {
         Ok(AttentionHandle { completion, _keep: keep })
     }
 
+    /// Reads every byte of a CPU tensor once on this engine's pool (GIL released) and returns a
+    /// checksum: time it for the read bandwidth the kernel is compared against.
+    fn stream_read(&self, py: Python<'_>, buf: Bound<'_, PyAny>) -> PyResult<u64> {
+        let t = TensorRef::extract(&buf, "buf")?;
+        let bytes = t.numel() * t.elem_size();
+        ensure!(t.addr.is_multiple_of(8) && bytes.is_multiple_of(8), Value, "buf must be 8-byte aligned and sized");
+        let engine = &self.engine;
+        // SAFETY: a live, contiguous CPU tensor of `bytes` bytes at an 8-aligned address, held by
+        // `buf` for the whole call; it is only read.
+        let words = unsafe { std::slice::from_raw_parts(t.addr as *const u64, bytes / 8) };
+        Ok(py.detach(|| engine.stream_read(words))?)
+    }
+
     fn __repr__(&self) -> String {
         format!("CpuAttention(simd={:?}, num_threads={})", self.simd(), self.num_threads())
     }

@@ -219,3 +219,10 @@ def test_fork_safe():
     p.join(10)
     assert p.exitcode == 0
     torch.testing.assert_close(got, reference(q, k, v, 0, tables, seq_lens, 0.1), atol=1e-4, rtol=1e-4)
+
+
+def test_stream_read_reads_every_word():
+    buf = torch.arange(1 << 20, dtype=torch.int64).to(torch.float32)  # any 8-byte-sized dtype view
+    words = buf.view(torch.int64)
+    want = int(words.sum().item()) % (1 << 64)
+    assert neo_rs.CpuAttention(num_threads=2).stream_read(buf) == want
