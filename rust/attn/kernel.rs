@@ -130,17 +130,16 @@ pub(crate) unsafe fn attend_item<S: Simd, E: Element>(
             while g0 < group {
                 let gt = group_tile(group - g0);
                 let (q, sc) = (&scratch.q[g0 * dp..], &mut scratch.scores[g0 * sp..]);
-                let ka = k_ahead;
                 match (S::LANES, gt) {
-                    (16, 4) => qk_tile::<S, E, 4, 4>(q, k, ka, n, d, dp, sc, sp),
-                    (16, 2) => qk_tile::<S, E, 2, 8>(q, k, ka, n, d, dp, sc, sp),
-                    (16, _) => qk_tile::<S, E, 1, 16>(q, k, ka, n, d, dp, sc, sp),
-                    (8, 4) => qk_tile::<S, E, 4, 2>(q, k, ka, n, d, dp, sc, sp),
-                    (8, 2) => qk_tile::<S, E, 2, 4>(q, k, ka, n, d, dp, sc, sp),
-                    (8, _) => qk_tile::<S, E, 1, 8>(q, k, ka, n, d, dp, sc, sp),
-                    (4, 4) => qk_tile::<S, E, 4, 1>(q, k, ka, n, d, dp, sc, sp),
-                    (4, 2) => qk_tile::<S, E, 2, 2>(q, k, ka, n, d, dp, sc, sp),
-                    _ => qk_tile::<S, E, 1, 4>(q, k, ka, n, d, dp, sc, sp),
+                    (16, 4) => qk_tile::<S, E, 4, 4>(q, k, k_ahead, n, d, dp, sc, sp),
+                    (16, 2) => qk_tile::<S, E, 2, 8>(q, k, k_ahead, n, d, dp, sc, sp),
+                    (16, _) => qk_tile::<S, E, 1, 16>(q, k, k_ahead, n, d, dp, sc, sp),
+                    (8, 4) => qk_tile::<S, E, 4, 2>(q, k, k_ahead, n, d, dp, sc, sp),
+                    (8, 2) => qk_tile::<S, E, 2, 4>(q, k, k_ahead, n, d, dp, sc, sp),
+                    (8, _) => qk_tile::<S, E, 1, 8>(q, k, k_ahead, n, d, dp, sc, sp),
+                    (4, 4) => qk_tile::<S, E, 4, 1>(q, k, k_ahead, n, d, dp, sc, sp),
+                    (4, 2) => qk_tile::<S, E, 2, 2>(q, k, k_ahead, n, d, dp, sc, sp),
+                    _ => qk_tile::<S, E, 1, 4>(q, k, k_ahead, n, d, dp, sc, sp),
                 }
                 g0 += gt;
             }
@@ -157,11 +156,10 @@ pub(crate) unsafe fn attend_item<S: Simd, E: Element>(
             while g0 < group {
                 let gt = group_tile(group - g0);
                 let (p, acc) = (&scratch.scores[g0 * sp..], &mut scratch.acc[g0 * dp..]);
-                let va = v_ahead;
                 match gt {
-                    4 => pv_tile::<S, E, 4, 2>(p, sp, v, va, n, d, dp, acc),
-                    2 => pv_tile::<S, E, 2, 4>(p, sp, v, va, n, d, dp, acc),
-                    _ => pv_tile::<S, E, 1, 8>(p, sp, v, va, n, d, dp, acc),
+                    4 => pv_tile::<S, E, 4, 2>(p, sp, v, v_ahead, n, d, dp, acc),
+                    2 => pv_tile::<S, E, 2, 4>(p, sp, v, v_ahead, n, d, dp, acc),
+                    _ => pv_tile::<S, E, 1, 8>(p, sp, v, v_ahead, n, d, dp, acc),
                 }
                 g0 += gt;
             }
