@@ -194,8 +194,13 @@ fn run_case<E: Element>(c: &Case, attn: &CpuAttention) {
     }
 }
 
+/// Every tier this host supports, or only the one `NEO_RS_SIMD` forces.
 fn engines(threads: usize) -> Vec<CpuAttention> {
-    Tier::supported().into_iter().map(|t| CpuAttention::new(Some(threads), Some(t)).unwrap()).collect()
+    let tiers = match std::env::var_os("NEO_RS_SIMD") {
+        Some(_) => vec![Tier::from_env().unwrap()],
+        None => Tier::supported(),
+    };
+    tiers.into_iter().map(|t| CpuAttention::new(Some(threads), Some(t)).unwrap()).collect()
 }
 
 fn run_all_dtypes(c: &Case, engines: &[CpuAttention]) {
