@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: build serve test test-rust test-python lint bench clean
+.PHONY: build serve test test-rust test-python test-aarch64 lint bench clean
 
 $(VENV)/bin/python:
 	$(PY) -m venv $(VENV)
@@ -30,6 +30,13 @@ test-python: build
 	$(VPY) -m pytest -q
 
 test: test-rust test-python
+
+# The NEON tier under qemu-user (needs: rustup target add aarch64-unknown-linux-gnu;
+# apt-get install qemu-user gcc-aarch64-linux-gnu libc6-dev-arm64-cross). Not part of `make test`.
+test-aarch64:
+	CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
+	CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch64-linux-gnu" \
+	cargo test --release --target aarch64-unknown-linux-gnu --test attn_cpu --lib
 
 lint: $(STAMP)
 	cargo fmt --check
