@@ -68,7 +68,8 @@ impl Simd for Portable {
     }
     #[inline(always)]
     unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V {
-        std::array::from_fn(|i| a[i].mul_add(b[i], c[i]))
+        // Not `mul_add`: without hardware FMA in the baseline target that is a slow libm call.
+        std::array::from_fn(|i| a[i] * b[i] + c[i])
     }
     #[inline(always)]
     unsafe fn mul(a: Self::V, b: Self::V) -> Self::V {
