@@ -107,8 +107,13 @@ def test_submit_from_many_threads():
 
 
 def test_gil_is_released_while_kernel_runs():
-    attn = neo_rs.CpuAttention(num_threads=1, simd="scalar")  # slow on purpose: a long kernel
-    q, k, v, tables, seq_lens, _, _ = make_case([4096] * 4, 8, 8, 128, 16, torch.float32, num_layers=1)
+    attn = neo_rs.CpuAttention(num_threads=1, simd="scalar")  # slow on purpose: one long call
+    q, k, v, tables, seq_lens, _, _ = make_case([4096], 8, 8, 128, 16, torch.float32, num_layers=1)
+    # 96 sequences sharing one 4096-token cache: a long kernel over a small pool.
+    batch = 96
+    q = q.repeat(batch, 1, 1).contiguous()
+    tables = tables.repeat(batch, 1).contiguous()
+    seq_lens = seq_lens.repeat(batch).contiguous()
     out = torch.empty_like(q)
     ticks = 0
     stop = threading.Event()
