@@ -51,8 +51,6 @@ pub trait Element: Copy + Send + Sync + 'static + sealed::Sealed {
     const DTYPE: DType;
     fn to_f32(self) -> f32;
     fn from_f32(x: f32) -> Self;
-    /// The slice itself when the element already is f32 (lets the kernel skip the widening copy).
-    fn as_f32(s: &[Self]) -> Option<&[f32]>;
     /// Widens `S::LANES` elements at `p`.
     ///
     /// # Safety
@@ -72,10 +70,6 @@ impl Element for f32 {
         x
     }
     #[inline(always)]
-    fn as_f32(s: &[Self]) -> Option<&[f32]> {
-        Some(s)
-    }
-    #[inline(always)]
     unsafe fn widen<S: Simd>(p: *const Self) -> S::V {
         // SAFETY: forwarded caller contract.
         unsafe { S::load(p) }
@@ -93,10 +87,6 @@ impl Element for f16 {
         f16::from_f32(x)
     }
     #[inline(always)]
-    fn as_f32(_: &[Self]) -> Option<&[f32]> {
-        None
-    }
-    #[inline(always)]
     unsafe fn widen<S: Simd>(p: *const Self) -> S::V {
         // SAFETY: f16 is a transparent u16; forwarded caller contract.
         unsafe { S::widen_f16(p.cast()) }
@@ -112,10 +102,6 @@ impl Element for bf16 {
     #[inline(always)]
     fn from_f32(x: f32) -> Self {
         bf16::from_f32(x)
-    }
-    #[inline(always)]
-    fn as_f32(_: &[Self]) -> Option<&[f32]> {
-        None
     }
     #[inline(always)]
     unsafe fn widen<S: Simd>(p: *const Self) -> S::V {

@@ -5,6 +5,8 @@
 //! transposed reduction; p·v: up to 4 heads per V-row load). The result is an unnormalised
 //! partial (acc, max, sum) that `split.rs` merges FlashDecoding-style.
 
+use std::ops::Range;
+
 use crate::attn::element::Element;
 use crate::attn::simd::Simd;
 
@@ -46,19 +48,21 @@ pub(crate) struct Item<'a, E> {
 }
 
 impl<E> Item<'_, E> {
-    /// For block index `b` of the sequence: the number of tokens in it, the pool offset of this
-    /// head's tile, and the range of the tile `PREFETCH_BLOCKS` ahead (empty near the end), which
-    /// is prefetched row by row as this block's rows are read so the misses in flight stay spread.
+    /// For block index `b` of the sequence: the number of tokens in it, and the pool ranges of
+    /// this head's tile and of the tile to prefetch — `PREFETCH_BLOCKS` ahead, or the current
+    /// one near the end (a harmless hint that keeps the hot loops branch-free). Both ranges hold
+    /// at least `n` rows.
     #[inline(always)]
-    pub fn block_tile(&self, geo: &Geometry, b: usize) -> (usize, usize, std::ops::Range<usize>) {
+    fn block_tile(&self, geo: &Geometry, b: usize) -> (usize, Range<usize>, Range<usize>) {
         let (bs, tile) = (geo.block_size, geo.block_size * geo.head_dim);
         let offset = |b: usize| (self.blocks[b] as usize * geo.num_kv_heads + self.kv_head) * tile;
         let n = self.end.min((b + 1) * bs) - b * bs;
+        let current = offset(b)..offset(b) + n * geo.head_dim;
         let ahead = match b + PREFETCH_BLOCKS < self.end.div_ceil(bs) {
             true => offset(b + PREFETCH_BLOCKS)..offset(b + PREFETCH_BLOCKS) + tile,
-            false => 0..0,
+            false => current.clone(),
         };
-        (n, offset(b), ahead)
+        (n, current, ahead)
     }
 }
 
@@ -118,10 +122,8 @@ pub(crate) unsafe fn attend_item<S: Simd, E: Element>(
     scratch.sum.fill(0.0);
 
     for b in it.start / geo.block_size..it.end.div_ceil(geo.block_size) {
-        let (n, off, ahead) = it.block_tile(geo, b);
-        let (k, v) = (&it.k[off..off + n * d], &it.v[off..off + n * d]);
-        // With no block ahead, "prefetch" the current tile: a harmless hint, and no branch.
-        let ahead = if ahead.is_empty() { off..off + n * d } else { ahead };
+        let (n, tile, ahead) = it.block_tile(geo, b);
+        let (k, v) = (&it.k[tile.clone()], &it.v[tile]);
         let (k_ahead, v_ahead) = (&it.k[ahead.clone()], &it.v[ahead]);
         // SAFETY: (whole block) the CPU supports S (caller); every slice length a helper relies
         // on is asserted inside it.
