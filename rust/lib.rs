@@ -5,6 +5,8 @@
 pub mod attn;
 pub mod config;
 pub mod error;
+pub mod kv;
+pub mod sched;
 
 #[cfg(feature = "python")]
 mod py;

@@ -1,5 +1,7 @@
 """Typed stubs of the Rust extension module ``neo_rs._core``."""
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 class NeoRsError(Exception): ...
@@ -65,3 +67,56 @@ class CpuAttention:
         new_v: torch.Tensor | None = None,
     ) -> AttentionHandle:
         """Like ``forward`` but returns at once; the tensors must not be touched before ``wait()``."""
+
+class SchedulerOutput:
+    """One iteration's plan; rows in batch order (``num_decodes`` decodes, then prefill chunks)."""
+
+    req_ids: npt.NDArray[np.int64]
+    num_computed_tokens: npt.NDArray[np.int64]
+    num_new_tokens: npt.NDArray[np.int64]
+    num_decodes: int
+    input_ids: npt.NDArray[np.int64]
+    positions: npt.NDArray[np.int64]
+    slot_mapping: npt.NDArray[np.int64]
+    query_start_loc: npt.NDArray[np.int32]
+    seq_lens: npt.NDArray[np.int32]
+    block_tables: npt.NDArray[np.int32]
+    sample_rows: npt.NDArray[np.int64]
+    sample_ids: npt.NDArray[np.int64]
+    swap_out: npt.NDArray[np.int64]
+    """``[n, 2]`` (device block, host block) pairs; apply before ``swap_in`` and the forward."""
+    swap_in: npt.NDArray[np.int64]
+    """``[n, 2]`` (host block, device block) pairs."""
+    recomputed: list[int]
+
+class Scheduler:
+    """Continuous-batching scheduler with chunked prefill and the KV accounting of both pools."""
+
+    def __init__(
+        self,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+    ) -> None: ...
+    def add_request(self, request_id: int, prompt_token_ids: list[int], max_tokens: int) -> None:
+        """Queue a request; ``InvalidArgumentError`` if it can never run (empty, too long, duplicate)."""
+    def abort(self, request_id: int) -> bool:
+        """Drop a request wherever it is and free its blocks; ``False`` if unknown."""
+    def schedule(self) -> SchedulerOutput: ...
+    def update(self, sampled: list[int], stopped: list[int]) -> list[tuple[int, str]]:
+        """One token per sampled row; ``stopped`` ids finish with ``stop``. Returns the finished requests."""
+    def has_unfinished(self) -> bool: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_swapped(self) -> int: ...
+    def num_free_blocks(self, device_name: str) -> int: ...
+    def num_total_blocks(self, device_name: str) -> int: ...
+    def stats(self) -> dict[str, int]: ...
+    def check_invariants(self) -> None: ...

@@ -3,6 +3,7 @@
 //! `NeoError` onto a Python hierarchy under `NeoRsError`.
 
 mod attn;
+mod sched;
 mod tensor;
 
 use pyo3::create_exception;
@@ -45,5 +46,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(simd_tiers, m)?)?;
     m.add_class::<attn::CpuAttention>()?;
     m.add_class::<attn::AttentionHandle>()?;
+    m.add_class::<sched::Scheduler>()?;
+    m.add_class::<sched::SchedulerOutput>()?;
     Ok(())
 }

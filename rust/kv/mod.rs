@@ -1,0 +1,38 @@
+//! Paged KV accounting for both pools (NEO's GPU and CPU KV caches): the block pool with its
+//! free list, a per-device manager of block tables, and swap plans that move a whole request.
+//! Only ids live here; Python owns the pool tensors.
+
+mod block_pool;
+mod manager;
+
+pub use block_pool::BlockPool;
+pub use manager::{KvManager, SwapPlan};
+
+use std::fmt;
+
+/// Where a KV block lives: the device pool or the host pool. `Gpu` is whatever device the model
+/// runs on (the CPU itself when there is no GPU).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Device {
+    Gpu,
+    Cpu,
+}
+
+impl Device {
+    pub fn name(self) -> &'static str {
+        match self {
+            Device::Gpu => "gpu",
+            Device::Cpu => "cpu",
+        }
+    }
+}
+
+/// Index of a block in one pool's tensors (`[num_layers, num_blocks, ...]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BlockId(pub u32);
+
+impl fmt::Display for BlockId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "#{}", self.0)
+    }
+}

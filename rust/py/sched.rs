@@ -1,0 +1,158 @@
+//! `Scheduler` for Python: requests in by id and token list, plans out as numpy arrays (the flat
+//! model inputs are built in Rust), sampled tokens back in. `schedule`/`update` release the GIL.
+
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::kv::{Device, SwapPlan};
+use crate::sched::{self, RequestId, SchedulerConfig};
+
+#[pyclass(module = "neo_rs._core")]
+pub struct Scheduler {
+    inner: sched::Scheduler,
+}
+
+/// One iteration's plan. Rows are in batch order: `num_decodes` one-token decodes, then prefill
+/// chunks.
+#[pyclass(module = "neo_rs._core", get_all, frozen)]
+pub struct SchedulerOutput {
+    req_ids: Py<PyArray1<i64>>,
+    num_computed_tokens: Py<PyArray1<i64>>,
+    num_new_tokens: Py<PyArray1<i64>>,
+    num_decodes: usize,
+    input_ids: Py<PyArray1<i64>>,
+    positions: Py<PyArray1<i64>>,
+    slot_mapping: Py<PyArray1<i64>>,
+    query_start_loc: Py<PyArray1<i32>>,
+    seq_lens: Py<PyArray1<i32>>,
+    block_tables: Py<PyArray2<i32>>,
+    sample_rows: Py<PyArray1<i64>>,
+    sample_ids: Py<PyArray1<i64>>,
+    swap_out: Py<PyArray2<i64>>,
+    swap_in: Py<PyArray2<i64>>,
+    recomputed: Vec<u64>,
+}
+
+fn device(name: &str) -> PyResult<Device> {
+    match name {
+        "gpu" => Ok(Device::Gpu),
+        "cpu" => Ok(Device::Cpu),
+        _ => Err(super::InvalidArgumentError::new_err(format!("device must be 'gpu' or 'cpu', got {name:?}"))),
+    }
+}
+
+fn pairs<'py>(py: Python<'py>, plan: &SwapPlan) -> PyResult<Bound<'py, PyArray2<i64>>> {
+    let flat: Vec<i64> = plan.pairs.iter().flat_map(|(s, d)| [i64::from(s.0), i64::from(d.0)]).collect();
+    flat.into_pyarray(py).reshape([plan.pairs.len(), 2])
+}
+
+fn column(v: impl Iterator<Item = usize>) -> Vec<i64> {
+    v.map(|x| x as i64).collect()
+}
+
+#[pymethods]
+impl Scheduler {
+    #[new]
+    #[pyo3(signature = (*, max_num_seqs, max_num_batched_tokens, max_model_len, block_size, num_gpu_blocks, num_cpu_blocks))]
+    fn new(
+        max_num_seqs: usize,
+        max_num_batched_tokens: usize,
+        max_model_len: usize,
+        block_size: usize,
+        num_gpu_blocks: u32,
+        num_cpu_blocks: u32,
+    ) -> PyResult<Self> {
+        let config = SchedulerConfig {
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_model_len,
+            block_size,
+            num_gpu_blocks,
+            num_cpu_blocks,
+        };
+        Ok(Scheduler { inner: sched::Scheduler::new(config)? })
+    }
+
+    fn add_request(&mut self, request_id: u64, prompt_token_ids: Vec<u32>, max_tokens: usize) -> PyResult<()> {
+        Ok(self.inner.add_request(RequestId(request_id), prompt_token_ids, max_tokens)?)
+    }
+
+    fn abort(&mut self, request_id: u64) -> bool {
+        self.inner.abort(RequestId(request_id))
+    }
+
+    fn schedule(&mut self, py: Python<'_>) -> PyResult<SchedulerOutput> {
+        let out = py.detach(|| self.inner.schedule());
+        let s = &out.scheduled;
+        let m = out.inputs;
+        let num_reqs = s.len();
+        Ok(SchedulerOutput {
+            req_ids: s.iter().map(|r| r.id.0 as i64).collect::<Vec<_>>().into_pyarray(py).unbind(),
+            num_computed_tokens: column(s.iter().map(|r| r.num_computed_tokens)).into_pyarray(py).unbind(),
+            num_new_tokens: column(s.iter().map(|r| r.num_new_tokens)).into_pyarray(py).unbind(),
+            num_decodes: out.num_decodes,
+            input_ids: m.input_ids.into_pyarray(py).unbind(),
+            positions: m.positions.into_pyarray(py).unbind(),
+            slot_mapping: m.slot_mapping.into_pyarray(py).unbind(),
+            query_start_loc: m.query_start_loc.into_pyarray(py).unbind(),
+            seq_lens: m.seq_lens.into_pyarray(py).unbind(),
+            block_tables: m.block_tables.into_pyarray(py).reshape([num_reqs, m.max_blocks])?.unbind(),
+            sample_rows: m.sample_rows.into_pyarray(py).unbind(),
+            sample_ids: m.sample_ids.iter().map(|&i| i as i64).collect::<Vec<_>>().into_pyarray(py).unbind(),
+            swap_out: pairs(py, &out.swap_out)?.unbind(),
+            swap_in: pairs(py, &out.swap_in)?.unbind(),
+            recomputed: out.recomputed.iter().map(|r| r.0).collect(),
+        })
+    }
+
+    /// Returns `[(request_id, finish_reason)]` of the requests that finished.
+    fn update(&mut self, py: Python<'_>, sampled: Vec<u32>, stopped: Vec<u64>) -> PyResult<Vec<(u64, &'static str)>> {
+        let stopped: Vec<RequestId> = stopped.into_iter().map(RequestId).collect();
+        let finished = py.detach(|| self.inner.update(&sampled, &stopped))?;
+        Ok(finished.into_iter().map(|(id, r)| (id.0, r.name())).collect())
+    }
+
+    fn has_unfinished(&self) -> bool {
+        self.inner.has_unfinished()
+    }
+
+    #[getter]
+    fn num_waiting(&self) -> usize {
+        self.inner.num_waiting()
+    }
+
+    #[getter]
+    fn num_running(&self) -> usize {
+        self.inner.num_running()
+    }
+
+    #[getter]
+    fn num_swapped(&self) -> usize {
+        self.inner.num_swapped()
+    }
+
+    fn num_free_blocks(&self, device_name: &str) -> PyResult<usize> {
+        Ok(self.inner.kv(device(device_name)?).num_free_blocks())
+    }
+
+    fn num_total_blocks(&self, device_name: &str) -> PyResult<usize> {
+        Ok(self.inner.kv(device(device_name)?).num_total_blocks())
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.stats();
+        let d = PyDict::new(py);
+        d.set_item("num_swapped_out", s.num_swapped_out)?;
+        d.set_item("num_swapped_in", s.num_swapped_in)?;
+        d.set_item("num_recomputed", s.num_recomputed)?;
+        d.set_item("num_swapped_out_blocks", s.num_swapped_out_blocks)?;
+        d.set_item("num_swapped_in_blocks", s.num_swapped_in_blocks)?;
+        Ok(d)
+    }
+
+    /// Raise `BackendError` if the KV accounting is inconsistent (tests, debugging).
+    fn check_invariants(&self) -> PyResult<()> {
+        self.inner.check_invariants().map_err(super::BackendError::new_err)
+    }
+}

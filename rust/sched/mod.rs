@@ -1,0 +1,11 @@
+//! Requests, queues and the per-iteration scheduler (vLLM v1's vocabulary: `schedule()` then
+//! `update()`), with the KV of both pools accounted in `crate::kv`. This is the GPU-only policy
+//! (NEO's `none` baseline); offloading policies build on the same queues and managers.
+
+mod output;
+mod request;
+mod scheduler;
+
+pub use output::{ModelInputs, ScheduledRequest, SchedulerOutput};
+pub use request::{FinishReason, Request, RequestId, RequestStatus};
+pub use scheduler::{Scheduler, SchedulerConfig, SchedulerStats};

@@ -1,0 +1,103 @@
+//! The per-iteration plan (vLLM's `SchedulerOutput`): which requests run how many tokens, the
+//! swaps to apply first, and the flat model inputs, built here so Python never loops per token.
+
+use super::request::{Request, RequestId};
+use crate::kv::{KvManager, SwapPlan};
+
+/// One request's share of an iteration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScheduledRequest {
+    pub id: RequestId,
+    /// Tokens already in the cache before this iteration.
+    pub num_computed_tokens: usize,
+    /// Tokens this iteration runs (1 for a decode, a chunk for a prefill).
+    pub num_new_tokens: usize,
+    /// Whether the last row is sampled (the request is caught up after this iteration).
+    pub sample: bool,
+}
+
+/// Flat inputs of one forward pass, rows in batch order (decodes first, then prefills).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ModelInputs {
+    /// `[num_tokens]` token ids and their positions.
+    pub input_ids: Vec<i64>,
+    pub positions: Vec<i64>,
+    /// `[num_tokens]` flat cache slot `block * block_size + offset` each token's K/V goes to.
+    pub slot_mapping: Vec<i64>,
+    /// `[num_reqs + 1]` start row of each request (cumulative `num_new_tokens`).
+    pub query_start_loc: Vec<i32>,
+    /// `[num_reqs]` context length after this iteration (`num_computed + num_new`).
+    pub seq_lens: Vec<i32>,
+    /// `[num_reqs, max_blocks]` block tables, row-major, padded with block 0.
+    pub block_tables: Vec<i32>,
+    pub max_blocks: usize,
+    /// Rows whose logits are sampled, and their requests, in batch order.
+    pub sample_rows: Vec<i64>,
+    pub sample_ids: Vec<u64>,
+}
+
+#[derive(Debug, Clone)]
+pub struct SchedulerOutput {
+    /// Batch order: the first `num_decodes` run one token each, the rest are prefill chunks.
+    pub scheduled: Vec<ScheduledRequest>,
+    pub num_decodes: usize,
+    /// Apply before the forward pass, swap-outs first. One iteration never has both.
+    pub swap_out: SwapPlan,
+    pub swap_in: SwapPlan,
+    /// Preempted this iteration; their KV was dropped and will be recomputed.
+    pub recomputed: Vec<RequestId>,
+    pub inputs: ModelInputs,
+}
+
+impl SchedulerOutput {
+    pub fn num_batched_tokens(&self) -> usize {
+        self.scheduled.iter().map(|s| s.num_new_tokens).sum()
+    }
+}
+
+impl ModelInputs {
+    /// Build the rows of `scheduled` (already in batch order) from the requests' tokens and
+    /// their block tables in `kv`.
+    pub fn build<'a>(
+        scheduled: &[ScheduledRequest],
+        mut request: impl FnMut(RequestId) -> &'a Request,
+        kv: &KvManager,
+    ) -> ModelInputs {
+        let bs = kv.block_size();
+        let num_tokens: usize = scheduled.iter().map(|s| s.num_new_tokens).sum();
+        let max_blocks = scheduled.iter().map(|s| kv.table(s.id).len()).max().unwrap_or(0);
+        let mut m = ModelInputs {
+            input_ids: Vec::with_capacity(num_tokens),
+            positions: Vec::with_capacity(num_tokens),
+            slot_mapping: Vec::with_capacity(num_tokens),
+            query_start_loc: Vec::with_capacity(scheduled.len() + 1),
+            seq_lens: Vec::with_capacity(scheduled.len()),
+            block_tables: vec![0; scheduled.len() * max_blocks],
+            max_blocks,
+            ..ModelInputs::default()
+        };
+        m.query_start_loc.push(0);
+        for (i, s) in scheduled.iter().enumerate() {
+            let req = request(s.id);
+            let table = kv.table(s.id);
+            let range = s.num_computed_tokens..s.num_computed_tokens + s.num_new_tokens;
+            debug_assert!(table.len() * bs >= range.end, "request {} has too few blocks", s.id);
+            m.input_ids.extend(req.token_ids[range.clone()].iter().map(|&t| i64::from(t)));
+            for pos in range.clone() {
+                m.positions.push(pos as i64);
+                m.slot_mapping.push((table[pos / bs].0 as usize * bs + pos % bs) as i64);
+            }
+            let row = &mut m.block_tables[i * max_blocks..i * max_blocks + table.len()];
+            for (dst, b) in row.iter_mut().zip(table) {
+                *dst = b.0 as i32;
+            }
+            m.query_start_loc.push(m.input_ids.len() as i32);
+            m.seq_lens.push(range.end as i32);
+            if s.sample {
+                m.sample_rows.push(m.input_ids.len() as i64 - 1);
+                m.sample_ids.push(s.id.0);
+            }
+        }
+        m
+    }
+}

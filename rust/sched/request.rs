@@ -1,0 +1,75 @@
+//! A request as the scheduler sees it (vLLM's `Request`): its tokens (prompt, then outputs),
+//! how many have KV computed, its token limit and where it stands.
+
+use std::fmt;
+
+/// Caller-chosen request id (Python numbers its requests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(pub u64);
+
+impl fmt::Display for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// Which queue holds the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestStatus {
+    /// FCFS queue; holds no KV blocks (new, or preempted for recomputation).
+    Waiting,
+    /// Scheduled each iteration; KV in the device pool.
+    Running,
+    /// Preempted by swapping; KV wholly in the host pool.
+    Swapped,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An EOS or stop token or string (decided by the caller).
+    Stop,
+    /// `max_tokens` outputs, or the model's context is full.
+    Length,
+    /// Aborted by the caller.
+    Abort,
+}
+
+impl FinishReason {
+    pub fn name(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub id: RequestId,
+    /// Prompt followed by the outputs so far.
+    pub token_ids: Vec<u32>,
+    pub num_prompt_tokens: usize,
+    pub max_tokens: usize,
+    /// Tokens whose KV is in the cache (vLLM's `num_computed_tokens`).
+    pub num_computed_tokens: usize,
+    pub status: RequestStatus,
+    /// Order of arrival; FCFS ties and preemption victims follow it.
+    pub arrival: u64,
+    pub num_preemptions: u32,
+}
+
+impl Request {
+    pub fn num_tokens(&self) -> usize {
+        self.token_ids.len()
+    }
+
+    pub fn num_output_tokens(&self) -> usize {
+        self.token_ids.len() - self.num_prompt_tokens
+    }
+
+    /// Tokens still to run through the model before the next sample.
+    pub fn num_pending_tokens(&self) -> usize {
+        self.num_tokens() - self.num_computed_tokens
+    }
+}

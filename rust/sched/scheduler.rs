@@ -1,0 +1,389 @@
+//! Continuous batching with chunked prefill: running requests first (FCFS), then swapped-out ones
+//! back in, then new prefills, all under `max_num_seqs` and the token budget. When the device
+//! pool is full the newest running request is preempted: swapped to the host pool when it has
+//! room, else dropped for recomputation.
+
+use std::collections::{HashMap, VecDeque};
+
+use super::output::{ModelInputs, ScheduledRequest, SchedulerOutput};
+use super::request::{FinishReason, Request, RequestId, RequestStatus};
+use crate::error::{ensure, Result};
+use crate::kv::{Device, KvManager, SwapPlan};
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    /// Longest prompt + output a request may reach.
+    pub max_model_len: usize,
+    pub block_size: usize,
+    pub num_gpu_blocks: u32,
+    /// Host pool blocks (swap space; CPU decodes once offloading exists).
+    pub num_cpu_blocks: u32,
+}
+
+impl SchedulerConfig {
+    pub fn validate(&self) -> Result<()> {
+        ensure!(self.max_num_seqs >= 1, Value, "max_num_seqs must be at least 1");
+        ensure!(self.max_num_batched_tokens >= 1, Value, "max_num_batched_tokens must be at least 1");
+        ensure!(self.max_model_len >= 1, Value, "max_model_len must be at least 1");
+        ensure!(self.block_size >= 1, Value, "block_size must be at least 1");
+        ensure!(self.num_gpu_blocks >= 1, Value, "num_gpu_blocks must be at least 1");
+        Ok(())
+    }
+}
+
+/// Counters since start (for metrics).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SchedulerStats {
+    pub num_swapped_out: u64,
+    pub num_swapped_in: u64,
+    pub num_recomputed: u64,
+    pub num_swapped_out_blocks: u64,
+    pub num_swapped_in_blocks: u64,
+}
+
+#[derive(Debug)]
+pub struct Scheduler {
+    config: SchedulerConfig,
+    gpu: KvManager,
+    cpu: KvManager,
+    requests: HashMap<RequestId, Request>,
+    waiting: VecDeque<RequestId>,
+    /// In admission order; preemption takes from the back.
+    running: Vec<RequestId>,
+    /// In arrival order.
+    swapped: VecDeque<RequestId>,
+    /// The last `schedule()`'s requests, consumed by `update()`.
+    in_flight: Vec<ScheduledRequest>,
+    next_arrival: u64,
+    stats: SchedulerStats,
+}
+
+impl Scheduler {
+    pub fn new(config: SchedulerConfig) -> Result<Self> {
+        config.validate()?;
+        Ok(Scheduler {
+            gpu: KvManager::new(Device::Gpu, config.num_gpu_blocks, config.block_size),
+            cpu: KvManager::new(Device::Cpu, config.num_cpu_blocks, config.block_size),
+            config,
+            requests: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            swapped: VecDeque::new(),
+            in_flight: Vec::new(),
+            next_arrival: 0,
+            stats: SchedulerStats::default(),
+        })
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    pub fn stats(&self) -> SchedulerStats {
+        self.stats
+    }
+
+    pub fn kv(&self, device: Device) -> &KvManager {
+        match device {
+            Device::Gpu => &self.gpu,
+            Device::Cpu => &self.cpu,
+        }
+    }
+
+    pub fn request(&self, id: RequestId) -> Option<&Request> {
+        self.requests.get(&id)
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn num_swapped(&self) -> usize {
+        self.swapped.len()
+    }
+
+    pub fn has_unfinished(&self) -> bool {
+        !self.requests.is_empty()
+    }
+
+    /// Queue a request. Fails (nothing queued) on a duplicate id, an empty prompt, no token to
+    /// generate, or a request that could never fit the context or the device pool.
+    pub fn add_request(&mut self, id: RequestId, prompt: Vec<u32>, max_tokens: usize) -> Result<()> {
+        ensure!(!self.requests.contains_key(&id), Value, "request id {id} is already in use");
+        ensure!(!prompt.is_empty(), Value, "request {id}: the prompt is empty");
+        ensure!(max_tokens >= 1, Value, "request {id}: max_tokens must be at least 1");
+        let total = prompt.len() + max_tokens;
+        ensure!(
+            total <= self.config.max_model_len,
+            Value,
+            "request {id}: prompt ({} tokens) + max_tokens ({max_tokens}) exceeds max_model_len {}",
+            prompt.len(),
+            self.config.max_model_len
+        );
+        // The last sampled token is never written to the cache.
+        let need = self.gpu.blocks_for(total - 1);
+        ensure!(
+            need <= self.gpu.num_total_blocks(),
+            Value,
+            "request {id}: {total} tokens need {need} KV blocks, but the device pool has {}",
+            self.gpu.num_total_blocks()
+        );
+        let request = Request {
+            id,
+            num_prompt_tokens: prompt.len(),
+            token_ids: prompt,
+            max_tokens,
+            num_computed_tokens: 0,
+            status: RequestStatus::Waiting,
+            arrival: self.next_arrival,
+            num_preemptions: 0,
+        };
+        self.next_arrival += 1;
+        self.requests.insert(id, request);
+        self.waiting.push_back(id);
+        Ok(())
+    }
+
+    /// Drop a request wherever it is and free its blocks in both pools. `false` if unknown.
+    pub fn abort(&mut self, id: RequestId) -> bool {
+        let Some(req) = self.requests.get(&id) else { return false };
+        match req.status {
+            RequestStatus::Waiting => self.waiting.retain(|&r| r != id),
+            RequestStatus::Running => self.running.retain(|&r| r != id),
+            RequestStatus::Swapped => self.swapped.retain(|&r| r != id),
+        }
+        self.release(id);
+        true
+    }
+
+    fn release(&mut self, id: RequestId) {
+        self.gpu.free(id);
+        self.cpu.free(id);
+        self.requests.remove(&id);
+    }
+
+    /// Plan one iteration. Call `update()` with its sampled tokens before the next `schedule()`.
+    pub fn schedule(&mut self) -> SchedulerOutput {
+        debug_assert!(self.in_flight.is_empty(), "schedule() called twice without update()");
+        let mut budget = self.config.max_num_batched_tokens;
+        let mut scheduled: Vec<ScheduledRequest> = Vec::with_capacity(self.running.len() + 1);
+        let mut swap_out = SwapPlan::new(Device::Gpu, Device::Cpu);
+        let mut swap_in = SwapPlan::new(Device::Cpu, Device::Gpu);
+        let mut recomputed = Vec::new();
+
+        // 1. Running requests, oldest first; make room by preempting the newest.
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            let req = &self.requests[&id];
+            let n = req.num_pending_tokens().min(budget);
+            let target = req.num_computed_tokens + n;
+            let mut fits = self.gpu.allocate_slots(id, target);
+            while !fits && i + 1 < self.running.len() {
+                let victim = self.running.pop().expect("running has a request after i");
+                self.preempt(victim, &mut swap_out, &mut recomputed);
+                fits = self.gpu.allocate_slots(id, target);
+            }
+            if !fits {
+                let me = self.running.pop().expect("i is the last running request");
+                self.preempt(me, &mut swap_out, &mut recomputed);
+                break;
+            }
+            scheduled.push(self.scheduled(id, n));
+            budget -= n;
+            i += 1;
+        }
+
+        // 2. Swapped requests back in, oldest first — not in an iteration that preempted, so
+        //    host blocks are never freed and reused within one iteration's copies.
+        let preempted = !swap_out.pairs.is_empty() || !recomputed.is_empty();
+        while !preempted && budget > 0 && self.running.len() < self.config.max_num_seqs {
+            let Some(&id) = self.swapped.front() else { break };
+            let req = &self.requests[&id];
+            let n = req.num_pending_tokens().min(budget);
+            if self.gpu.blocks_for(req.num_computed_tokens + n) > self.gpu.num_free_blocks() {
+                break;
+            }
+            let moved = self.cpu.swap_to(&mut self.gpu, id, &mut swap_in);
+            let grown = self.gpu.allocate_slots(id, req.num_computed_tokens + n);
+            debug_assert!(moved && grown);
+            self.swapped.pop_front();
+            self.stats.num_swapped_in += 1;
+            self.admit(id);
+            scheduled.push(self.scheduled(id, n));
+            budget -= n;
+        }
+        self.stats.num_swapped_in_blocks += swap_in.pairs.len() as u64;
+
+        // 3. New prefills (FCFS, no skipping), only once every swapped request is back.
+        while self.swapped.is_empty() && budget > 0 && self.running.len() < self.config.max_num_seqs {
+            let Some(&id) = self.waiting.front() else { break };
+            let req = &self.requests[&id];
+            let n = req.num_pending_tokens().min(budget);
+            if !self.gpu.allocate_slots(id, req.num_computed_tokens + n) {
+                break;
+            }
+            self.waiting.pop_front();
+            self.admit(id);
+            scheduled.push(self.scheduled(id, n));
+            budget -= n;
+        }
+
+        // Decodes first, prefill chunks after (stable: FCFS within each).
+        scheduled.sort_by_key(|s| s.num_new_tokens != 1);
+        let num_decodes = scheduled.iter().take_while(|s| s.num_new_tokens == 1).count();
+        let requests = &self.requests;
+        let inputs = ModelInputs::build(&scheduled, |id| &requests[&id], &self.gpu);
+        self.in_flight.clone_from(&scheduled);
+        SchedulerOutput { scheduled, num_decodes, swap_out, swap_in, recomputed, inputs }
+    }
+
+    fn scheduled(&self, id: RequestId, n: usize) -> ScheduledRequest {
+        let req = &self.requests[&id];
+        ScheduledRequest {
+            id,
+            num_computed_tokens: req.num_computed_tokens,
+            num_new_tokens: n,
+            sample: n == req.num_pending_tokens(),
+        }
+    }
+
+    fn admit(&mut self, id: RequestId) {
+        self.requests.get_mut(&id).expect("admitted request exists").status = RequestStatus::Running;
+        self.running.push(id);
+    }
+
+    /// Take `id` (already removed from `running`) off the device: to the host pool if it has
+    /// room, else drop its KV so it is recomputed from the front of the waiting queue.
+    fn preempt(&mut self, id: RequestId, swap_out: &mut SwapPlan, recomputed: &mut Vec<RequestId>) {
+        let before = swap_out.pairs.len();
+        let req = self.requests.get_mut(&id).expect("preempted request exists");
+        req.num_preemptions += 1;
+        if self.gpu.swap_to(&mut self.cpu, id, swap_out) {
+            req.status = RequestStatus::Swapped;
+            let arrival = req.arrival;
+            let at = self.swapped.partition_point(|r| self.requests[r].arrival < arrival);
+            self.swapped.insert(at, id);
+            self.stats.num_swapped_out += 1;
+            self.stats.num_swapped_out_blocks += (swap_out.pairs.len() - before) as u64;
+        } else {
+            self.gpu.free(id);
+            req.num_computed_tokens = 0;
+            req.status = RequestStatus::Waiting;
+            self.waiting.push_front(id);
+            recomputed.push(id);
+            self.stats.num_recomputed += 1;
+        }
+    }
+
+    /// Apply the last iteration's results: `sampled` holds one token per sampled row (in the
+    /// plan's `sample_ids` order); `stopped` lists requests the caller finished (EOS, stop
+    /// string). Returns every request that finished, with why. Aborted requests are skipped.
+    pub fn update(&mut self, sampled: &[u32], stopped: &[RequestId]) -> Result<Vec<(RequestId, FinishReason)>> {
+        let num_sampled = self.in_flight.iter().filter(|s| s.sample).count();
+        ensure!(
+            sampled.len() == num_sampled,
+            Shape,
+            "update() got {} sampled tokens, but the plan samples {num_sampled} rows",
+            sampled.len()
+        );
+        let mut finished = Vec::new();
+        let mut tokens = sampled.iter();
+        for s in std::mem::take(&mut self.in_flight) {
+            let token = if s.sample { tokens.next().copied() } else { None };
+            let Some(req) = self.requests.get_mut(&s.id) else { continue };
+            req.num_computed_tokens += s.num_new_tokens;
+            if let Some(t) = token {
+                req.token_ids.push(t);
+                if req.num_output_tokens() >= req.max_tokens {
+                    finished.push((s.id, FinishReason::Length));
+                }
+            }
+        }
+        for &id in stopped {
+            if self.requests.contains_key(&id) && !finished.iter().any(|&(f, _)| f == id) {
+                finished.push((id, FinishReason::Stop));
+            }
+        }
+        if !finished.is_empty() {
+            for &(id, _) in &finished {
+                self.release(id);
+            }
+            let requests = &self.requests;
+            self.running.retain(|id| requests.contains_key(id));
+            self.waiting.retain(|id| requests.contains_key(id));
+            self.swapped.retain(|id| requests.contains_key(id));
+        }
+        Ok(finished)
+    }
+
+    /// Check the accounting: pools agree with their tables, no block owned twice, every request
+    /// in exactly one queue holding blocks only where its status says.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        for kv in [&self.gpu, &self.cpu] {
+            kv.pool().check()?;
+            let mut owned = vec![false; kv.num_total_blocks()];
+            let mut num_owned = 0;
+            for (id, table) in kv.tables() {
+                if !self.requests.contains_key(&id) {
+                    return Err(format!("{} pool holds blocks of unknown request {id}", kv.device().name()));
+                }
+                for b in table {
+                    let slot = &mut owned[b.0 as usize];
+                    if *slot || !kv.pool().is_in_use(*b) {
+                        return Err(format!("{} block {b} owned twice or not marked in use", kv.device().name()));
+                    }
+                    *slot = true;
+                    num_owned += 1;
+                }
+            }
+            if num_owned != kv.pool().num_used() {
+                return Err(format!(
+                    "{} pool: {num_owned} blocks owned, {} in use",
+                    kv.device().name(),
+                    kv.pool().num_used()
+                ));
+            }
+        }
+        let queued = self.waiting.len() + self.running.len() + self.swapped.len();
+        if queued != self.requests.len() {
+            return Err(format!("{queued} queued requests, {} known", self.requests.len()));
+        }
+        if self.running.len() > self.config.max_num_seqs {
+            return Err(format!("{} running > max_num_seqs {}", self.running.len(), self.config.max_num_seqs));
+        }
+        let queues = [
+            (RequestStatus::Waiting, self.waiting.iter().collect::<Vec<_>>()),
+            (RequestStatus::Running, self.running.iter().collect()),
+            (RequestStatus::Swapped, self.swapped.iter().collect()),
+        ];
+        for (status, ids) in queues {
+            for id in ids {
+                let req = self.requests.get(id).ok_or(format!("queued request {id} is unknown"))?;
+                if req.status != status {
+                    return Err(format!("request {id} is queued as {status:?} but marked {:?}", req.status));
+                }
+                let (gpu, cpu) = (self.gpu.table(*id).len(), self.cpu.table(*id).len());
+                let cached = self.gpu.blocks_for(req.num_computed_tokens);
+                let ok = match status {
+                    RequestStatus::Waiting => gpu == 0 && cpu == 0 && req.num_computed_tokens == 0,
+                    RequestStatus::Running => cpu == 0 && gpu >= cached,
+                    RequestStatus::Swapped => gpu == 0 && cpu == cached,
+                };
+                if !ok {
+                    return Err(format!(
+                        "request {id} ({status:?}, {} computed) holds {gpu} gpu / {cpu} cpu blocks",
+                        req.num_computed_tokens
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,257 @@
+//! Property tests of the scheduler and KV managers: random workloads (arrivals, lengths, aborts,
+//! stops, tiny pools) driven through schedule -> fake model -> update, with every invariant
+//! checked after every step and every request accounted for at the end.
+
+use std::collections::HashMap;
+
+use neo_rs::kv::Device;
+use neo_rs::sched::{FinishReason, RequestId, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput};
+use proptest::prelude::*;
+
+/// The token at `pos` of request `id`, for prompts and fake samples alike, so the plan's
+/// `input_ids` can be checked against what each request must hold.
+fn token(id: u64, pos: usize) -> u32 {
+    (id.wrapping_mul(2_654_435_761).wrapping_add(pos as u64 * 40_503) % 50_000) as u32
+}
+
+#[derive(Debug, Clone)]
+struct Job {
+    arrival_step: usize,
+    prompt_len: usize,
+    max_tokens: usize,
+    abort_at_step: Option<usize>,
+    stop_after: Option<usize>,
+}
+
+#[derive(Debug, Clone)]
+struct Workload {
+    config: SchedulerConfig,
+    jobs: Vec<Job>,
+}
+
+fn workload() -> impl Strategy<Value = Workload> {
+    let config = (1usize..=6, 1usize..=48, prop_oneof![Just(1usize), Just(2), Just(4), Just(16)], 1u32..=24, 0u32..=24)
+        .prop_map(|(max_num_seqs, budget, block_size, gpu, cpu)| SchedulerConfig {
+            max_num_seqs,
+            max_num_batched_tokens: budget,
+            max_model_len: 64,
+            block_size,
+            num_gpu_blocks: gpu,
+            num_cpu_blocks: cpu,
+        });
+    let job = (
+        0usize..40,
+        1usize..40,
+        1usize..24,
+        prop::option::weighted(0.15, 0usize..80),
+        prop::option::weighted(0.2, 1usize..12),
+    )
+        .prop_map(|(arrival_step, prompt_len, max_tokens, abort_at_step, stop_after)| Job {
+            arrival_step,
+            prompt_len,
+            max_tokens,
+            abort_at_step,
+            stop_after,
+        });
+    (config, prop::collection::vec(job, 1..24)).prop_map(|(config, jobs)| Workload { config, jobs })
+}
+
+/// What one plan must satisfy on its own.
+fn check_plan(s: &Scheduler, out: &SchedulerOutput) -> Result<(), TestCaseError> {
+    let c = s.config();
+    prop_assert!(out.num_batched_tokens() <= c.max_num_batched_tokens);
+    prop_assert!(out.scheduled.len() <= c.max_num_seqs);
+    prop_assert!(out.swap_out.pairs.is_empty() || out.swap_in.pairs.is_empty());
+    let m = &out.inputs;
+    prop_assert_eq!(m.input_ids.len(), out.num_batched_tokens());
+    prop_assert_eq!(m.query_start_loc.len(), out.scheduled.len() + 1);
+    let gpu = s.kv(Device::Gpu);
+    let mut slots = std::collections::HashSet::new();
+    for (i, sr) in out.scheduled.iter().enumerate() {
+        let req = s.request(sr.id).expect("scheduled request exists");
+        prop_assert_eq!(req.status, RequestStatus::Running);
+        prop_assert_eq!(i < out.num_decodes, sr.num_new_tokens == 1);
+        prop_assert!(sr.num_new_tokens >= 1);
+        prop_assert_eq!(sr.sample, sr.num_computed_tokens + sr.num_new_tokens == req.num_tokens());
+        let table = gpu.table(sr.id);
+        let row = &m.block_tables[i * m.max_blocks..(i + 1) * m.max_blocks];
+        prop_assert!(table.iter().zip(row).all(|(b, &r)| b.0 as i32 == r));
+        prop_assert_eq!(m.seq_lens[i] as usize, sr.num_computed_tokens + sr.num_new_tokens);
+        let start = m.query_start_loc[i] as usize;
+        for (k, pos) in (sr.num_computed_tokens..sr.num_computed_tokens + sr.num_new_tokens).enumerate() {
+            prop_assert_eq!(m.input_ids[start + k], i64::from(token(sr.id.0, pos)));
+            prop_assert_eq!(m.positions[start + k], pos as i64);
+            let slot = m.slot_mapping[start + k] as usize;
+            prop_assert_eq!(slot / c.block_size, table[pos / c.block_size].0 as usize);
+            prop_assert!(slots.insert(slot), "slot {} written twice", slot);
+        }
+    }
+    Ok(())
+}
+
+fn run(w: &Workload) -> Result<(), TestCaseError> {
+    let mut s = Scheduler::new(w.config.clone()).expect("valid config");
+    let mut outcome: HashMap<u64, FinishReason> = HashMap::new();
+    let mut accepted = Vec::new();
+    let mut step = 0;
+    loop {
+        for (i, job) in w.jobs.iter().enumerate().filter(|(_, j)| j.arrival_step == step) {
+            let id = i as u64;
+            let prompt = (0..job.prompt_len).map(|p| token(id, p)).collect();
+            let fits = job.prompt_len + job.max_tokens <= w.config.max_model_len
+                && (job.prompt_len + job.max_tokens - 1).div_ceil(w.config.block_size)
+                    <= w.config.num_gpu_blocks as usize;
+            prop_assert_eq!(s.add_request(RequestId(id), prompt, job.max_tokens).is_ok(), fits);
+            if fits {
+                accepted.push(i);
+            }
+        }
+        for (i, job) in w.jobs.iter().enumerate() {
+            if job.abort_at_step == Some(step) && s.abort(RequestId(i as u64)) {
+                outcome.insert(i as u64, FinishReason::Abort);
+            }
+        }
+        s.check_invariants().map_err(TestCaseError::fail)?;
+        let arrivals_left = w.jobs.iter().any(|j| j.arrival_step > step);
+        if !s.has_unfinished() && !arrivals_left {
+            break;
+        }
+        prop_assert!(step < 5_000, "no progress after {} steps", step);
+        let out = s.schedule();
+        check_plan(&s, &out)?;
+        if s.has_unfinished() && s.num_running() > 0 {
+            prop_assert!(!out.scheduled.is_empty(), "running requests but nothing scheduled");
+        }
+        let sampled: Vec<u32> = out
+            .inputs
+            .sample_ids
+            .iter()
+            .map(|&id| token(id, s.request(RequestId(id)).expect("sampled request exists").num_tokens()))
+            .collect();
+        let stopped: Vec<RequestId> = out
+            .inputs
+            .sample_ids
+            .iter()
+            .filter(|&&id| {
+                let req = s.request(RequestId(id)).expect("sampled request exists");
+                w.jobs[id as usize].stop_after == Some(req.num_output_tokens() + 1)
+            })
+            .map(|&id| RequestId(id))
+            .collect();
+        for (id, reason) in s.update(&sampled, &stopped).map_err(|e| TestCaseError::fail(e.to_string()))? {
+            prop_assert!(outcome.insert(id.0, reason).is_none(), "request {} finished twice", id);
+        }
+        s.check_invariants().map_err(TestCaseError::fail)?;
+        step += 1;
+    }
+    for kv in [s.kv(Device::Gpu), s.kv(Device::Cpu)] {
+        prop_assert_eq!(kv.num_free_blocks(), kv.num_total_blocks());
+    }
+    for i in accepted {
+        let job = &w.jobs[i];
+        let reason = outcome.get(&(i as u64)).copied();
+        prop_assert!(reason.is_some(), "request {} never finished", i);
+        if reason != Some(FinishReason::Abort) {
+            let stop_first = job.stop_after.is_some_and(|n| n < job.max_tokens);
+            let want = if stop_first { FinishReason::Stop } else { FinishReason::Length };
+            prop_assert_eq!(reason, Some(want), "request {}", i);
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 10_000, ..ProptestConfig::default() })]
+    #[test]
+    fn random_workloads_keep_every_invariant(w in workload()) {
+        run(&w)?;
+    }
+}
+
+fn config(gpu: u32, cpu: u32, budget: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        max_num_seqs: 8,
+        max_num_batched_tokens: budget,
+        max_model_len: 64,
+        block_size: 4,
+        num_gpu_blocks: gpu,
+        num_cpu_blocks: cpu,
+    }
+}
+
+/// Drive to completion with fake tokens; return every plan.
+fn drain(s: &mut Scheduler) -> Vec<SchedulerOutput> {
+    let mut plans = Vec::new();
+    while s.has_unfinished() {
+        let out = s.schedule();
+        let sampled: Vec<u32> = out.inputs.sample_ids.iter().map(|_| 7).collect();
+        s.update(&sampled, &[]).unwrap();
+        s.check_invariants().unwrap();
+        plans.push(out);
+        assert!(plans.len() < 1000);
+    }
+    plans
+}
+
+#[test]
+fn chunked_prefill_splits_a_long_prompt_and_decodes_ride_along() {
+    let mut s = Scheduler::new(config(32, 0, 8)).unwrap();
+    s.add_request(RequestId(0), vec![1; 3], 4).unwrap();
+    s.add_request(RequestId(1), vec![2; 20], 2).unwrap();
+    let plans = drain(&mut s);
+    let chunks: Vec<usize> = plans[0].scheduled.iter().map(|r| r.num_new_tokens).collect();
+    assert_eq!(chunks, vec![3, 5]);
+    // Next step: request 0 decodes, request 1 continues its prompt with the remaining budget.
+    assert_eq!(plans[1].num_decodes, 1);
+    assert_eq!(plans[1].scheduled[1].num_new_tokens, 7);
+    assert!(!plans[1].scheduled[1].sample);
+}
+
+#[test]
+fn full_device_pool_swaps_out_then_back_in() {
+    // 3 requests of 8 prompt tokens fill 6 blocks; their first decode needs a 7th.
+    let mut s = Scheduler::new(config(6, 16, 64)).unwrap();
+    for id in 0..3 {
+        s.add_request(RequestId(id), vec![3; 8], 4).unwrap();
+    }
+    let plans = drain(&mut s);
+    let out = plans.iter().position(|p| !p.swap_out.pairs.is_empty()).expect("a swap-out happened");
+    assert_eq!(plans[out].swap_out.pairs.len(), 2);
+    assert!(plans[out + 1..].iter().any(|p| !p.swap_in.pairs.is_empty()));
+    assert!(plans.iter().all(|p| p.recomputed.is_empty()));
+    let st = s.stats();
+    assert_eq!((st.num_swapped_out, st.num_swapped_in), (st.num_swapped_in, st.num_swapped_out));
+}
+
+#[test]
+fn no_host_room_means_recompute() {
+    let mut s = Scheduler::new(config(6, 0, 64)).unwrap();
+    for id in 0..3 {
+        s.add_request(RequestId(id), vec![3; 8], 4).unwrap();
+    }
+    let plans = drain(&mut s);
+    assert!(plans.iter().any(|p| !p.recomputed.is_empty()));
+    assert!(plans.iter().all(|p| p.swap_out.pairs.is_empty()));
+    // A recomputed request prefills its prompt and its outputs so far again.
+    let victim = plans.iter().find_map(|p| p.recomputed.first()).copied().unwrap();
+    assert!(plans.iter().any(|p| p.scheduled.iter().any(|r| r.id == victim && r.num_new_tokens > 8)));
+}
+
+#[test]
+fn bad_requests_are_refused_and_abort_frees_everything() {
+    let mut s = Scheduler::new(config(4, 4, 64)).unwrap();
+    assert!(s.add_request(RequestId(0), vec![], 4).is_err());
+    assert!(s.add_request(RequestId(0), vec![1], 0).is_err());
+    assert!(s.add_request(RequestId(0), vec![1; 60], 5).is_err(), "over max_model_len");
+    assert!(s.add_request(RequestId(0), vec![1; 16], 2).is_err(), "more blocks than the pool");
+    s.add_request(RequestId(0), vec![1; 10], 3).unwrap();
+    assert!(s.add_request(RequestId(0), vec![1; 2], 3).is_err(), "duplicate id");
+    let out = s.schedule();
+    assert_eq!(out.inputs.sample_ids, vec![0]);
+    assert!(s.update(&[], &[]).is_err(), "one sampled token expected");
+    assert!(s.abort(RequestId(0)));
+    assert!(!s.abort(RequestId(0)));
+    assert_eq!(s.kv(Device::Gpu).num_free_blocks(), 4);
+    s.check_invariants().unwrap();
+    assert!(Scheduler::new(config(0, 4, 64)).is_err());
+}
