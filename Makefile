@@ -44,6 +44,7 @@ lint: $(STAMP)
 	cargo clippy --features python --release -- -D warnings
 	$(VENV)/bin/ruff check python tests benches
 	$(VENV)/bin/ruff format --check python tests benches
+	$(VENV)/bin/mypy python/neo_rs
 
 bench: build
 	cargo bench --bench attn_cpu

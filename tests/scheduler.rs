@@ -152,7 +152,7 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
         let reason = outcome.get(&(i as u64)).copied();
         prop_assert!(reason.is_some(), "request {} never finished", i);
         if reason != Some(FinishReason::Abort) {
-            let stop_first = job.stop_after.is_some_and(|n| n < job.max_tokens);
+            let stop_first = job.stop_after.is_some_and(|n| n <= job.max_tokens);
             let want = if stop_first { FinishReason::Stop } else { FinishReason::Length };
             prop_assert_eq!(reason, Some(want), "request {}", i);
         }

@@ -1,28 +1,42 @@
 """neo_rs: online LLM inference with NEO-style CPU offloading of decode attention.
 
-The Rust core (``neo_rs._core``) holds the CPU paged-attention kernel; Python owns tensors.
+The Rust core (``neo_rs._core``) holds the scheduler, the KV block accounting and the CPU
+paged-attention kernel; Python owns tensors and the model.
 """
 
-from neo_rs._core import (
-    AttentionHandle,
+from neo_rs._core import AttentionHandle, CpuAttention, Scheduler, SchedulerOutput, simd_tiers
+from neo_rs.config import EngineArgs
+from neo_rs.engine import LLMEngine
+from neo_rs.errors import (
     BackendError,
-    CpuAttention,
     DTypeError,
     InvalidArgumentError,
+    ModelLoadError,
     NeoRsError,
     ShapeError,
-    simd_tiers,
 )
+from neo_rs.llm import LLM
+from neo_rs.sampling import SamplingParams
+from neo_rs.sequence import CompletionOutput, RequestOutput
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "LLM",
     "AttentionHandle",
     "BackendError",
+    "CompletionOutput",
     "CpuAttention",
     "DTypeError",
+    "EngineArgs",
     "InvalidArgumentError",
+    "LLMEngine",
+    "ModelLoadError",
     "NeoRsError",
+    "RequestOutput",
+    "SamplingParams",
+    "Scheduler",
+    "SchedulerOutput",
     "ShapeError",
     "simd_tiers",
     "__version__",

@@ -3,7 +3,7 @@
 //! pool is full the newest running request is preempted: swapped to the host pool when it has
 //! room, else dropped for recomputation.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use super::output::{ModelInputs, ScheduledRequest, SchedulerOutput};
 use super::request::{FinishReason, Request, RequestId, RequestStatus};
@@ -293,7 +293,9 @@ impl Scheduler {
             "update() got {} sampled tokens, but the plan samples {num_sampled} rows",
             sampled.len()
         );
-        let mut finished = Vec::new();
+        // A stop on the last allowed token is a stop, not a length finish.
+        let stopped: HashSet<RequestId> = stopped.iter().copied().filter(|id| self.requests.contains_key(id)).collect();
+        let mut finished: Vec<_> = stopped.iter().map(|&id| (id, FinishReason::Stop)).collect();
         let mut tokens = sampled.iter();
         for s in std::mem::take(&mut self.in_flight) {
             let token = if s.sample { tokens.next().copied() } else { None };
@@ -301,14 +303,9 @@ impl Scheduler {
             req.num_computed_tokens += s.num_new_tokens;
             if let Some(t) = token {
                 req.token_ids.push(t);
-                if req.num_output_tokens() >= req.max_tokens {
+                if req.num_output_tokens() >= req.max_tokens && !stopped.contains(&s.id) {
                     finished.push((s.id, FinishReason::Length));
                 }
-            }
-        }
-        for &id in stopped {
-            if self.requests.contains_key(&id) && !finished.iter().any(|&(f, _)| f == id) {
-                finished.push((id, FinishReason::Stop));
             }
         }
         if !finished.is_empty() {

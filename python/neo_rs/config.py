@@ -1,0 +1,200 @@
+"""Configuration: the model's shape parsed from a Hugging Face ``config.json`` (Llama, Mistral,
+Qwen2) and the engine's arguments (vLLM's ``EngineArgs`` names)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from neo_rs.errors import InvalidArgumentError, ModelLoadError
+
+log = logging.getLogger(__name__)
+
+# Architecture name (config.json "architectures") -> whether q/k/v projections carry a bias.
+ARCHITECTURES = {"LlamaForCausalLM": False, "MistralForCausalLM": False, "Qwen2ForCausalLM": True}
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    kind: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @staticmethod
+    def from_hf(cfg: dict[str, Any]) -> RopeConfig:
+        # transformers >= 5 writes "rope_parameters" (theta inside); older checkpoints write
+        # "rope_theta" and an optional "rope_scaling".
+        params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind == "default":
+            return RopeConfig(theta=theta)
+        if kind == "linear":
+            return RopeConfig(theta=theta, kind=kind, factor=float(params["factor"]))
+        if kind == "llama3":
+            return RopeConfig(
+                theta=theta,
+                kind=kind,
+                factor=float(params["factor"]),
+                low_freq_factor=float(params["low_freq_factor"]),
+                high_freq_factor=float(params["high_freq_factor"]),
+                original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+            )
+        raise ModelLoadError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+
+    def inv_freq(self, head_dim: int) -> torch.Tensor:
+        """Inverse frequencies of the rotary embedding, float32 ``[head_dim // 2]``."""
+        inv = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        if self.kind == "linear":
+            return inv / self.factor
+        if self.kind == "llama3":
+            low_wavelen = self.original_max_position_embeddings / self.low_freq_factor
+            high_wavelen = self.original_max_position_embeddings / self.high_freq_factor
+            wavelen = 2 * math.pi / inv
+            scaled = torch.where(wavelen > low_wavelen, inv / self.factor, inv)
+            smooth = (self.original_max_position_embeddings / wavelen - self.low_freq_factor) / (
+                self.high_freq_factor - self.low_freq_factor
+            )
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+            return torch.where(medium, smoothed, scaled)
+        return inv
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    qkv_bias: bool
+    tie_word_embeddings: bool
+    torch_dtype: torch.dtype
+    sliding_window: int | None = None
+
+    @staticmethod
+    def from_dir(model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ModelLoadError(f"{model_dir}: no config.json (expected a Hugging Face model directory)")
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{path}: invalid JSON ({e})") from e
+        return ModelConfig.from_hf(cfg, str(path))
+
+    @staticmethod
+    def from_hf(cfg: dict[str, Any], where: str = "config.json") -> ModelConfig:
+        archs = cfg.get("architectures") or [MODEL_TYPES.get(cfg.get("model_type", ""), "")]
+        arch = archs[0]
+        if arch not in ARCHITECTURES:
+            raise ModelLoadError(
+                f"{where}: unsupported architecture {arch or cfg.get('model_type')!r} "
+                f"(supported: {', '.join(ARCHITECTURES)})"
+            )
+        try:
+            heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+            return ModelConfig(
+                architecture=arch,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope=RopeConfig.from_hf(cfg),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                qkv_bias=ARCHITECTURES[arch] or bool(cfg.get("attention_bias", False)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                torch_dtype=DTYPES.get(
+                    str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), torch.float32
+                ),
+                sliding_window=int(window) if window else None,
+            )
+        except KeyError as e:
+            raise ModelLoadError(f"{where}: missing field {e.args[0]!r}") from e
+
+    def max_model_len(self) -> int:
+        """The longest context the model supports (a sliding window, which we do not implement,
+        caps it)."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+
+def resolve_dtype(name: str | torch.dtype, model: ModelConfig) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        return model.torch_dtype
+    if name not in DTYPES:
+        raise InvalidArgumentError(f"dtype must be auto, float32, float16 or bfloat16, got {name!r}")
+    return DTYPES[name]
+
+
+@dataclass
+class EngineArgs:
+    """Everything the engine needs besides the model directory; vLLM's names and defaults."""
+
+    model: str | None = None  # None: the built-in demo model
+    dtype: str = "auto"
+    device: str | None = None  # None: cuda when available, else cpu
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_cpu_blocks: int | None = None
+    cpu_kv_gib: float = 4.0
+    cpu_threads: int | None = None
+    seed: int = 0
+    skip_tokenizer_init: bool = False
+
+    def validate(self) -> None:
+        if self.max_num_seqs < 1:
+            raise InvalidArgumentError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.block_size not in (8, 16, 32):
+            raise InvalidArgumentError(f"block_size must be 8, 16 or 32, got {self.block_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise InvalidArgumentError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
+            raise InvalidArgumentError(f"num_gpu_blocks must be at least 1, got {self.num_gpu_blocks}")
+        if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:
+            raise InvalidArgumentError(f"num_cpu_blocks must be non-negative, got {self.num_cpu_blocks}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise InvalidArgumentError("max_num_batched_tokens must be at least 1")
+        if self.cpu_kv_gib < 0:
+            raise InvalidArgumentError(f"cpu_kv_gib must be non-negative, got {self.cpu_kv_gib}")

@@ -1,0 +1,212 @@
+"""The step loop (vLLM's ``LLMEngine``): schedule (Rust) -> swaps and forward (runner) ->
+sample -> stop checks -> update (Rust). Requests enter as text or token ids with their
+``SamplingParams``; a request with ``n > 1`` runs as ``n`` independent sequences."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from neo_rs._core import Scheduler
+from neo_rs.config import EngineArgs, ModelConfig, resolve_dtype
+from neo_rs.errors import InvalidArgumentError
+from neo_rs.runner import ModelRunner, resolve_device
+from neo_rs.sampling import SamplingParams, sample
+from neo_rs.sequence import RequestMetrics, RequestOutput, Sequence
+from neo_rs.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+
+    def output(self) -> RequestOutput:
+        finished = all(s.finished for s in self.seqs)
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_ids,
+            [s.output() for s in self.seqs],
+            finished,
+            self.metrics,
+        )
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        args.validate()
+        if args.model is None:
+            from neo_rs.demo import demo_model_dir
+
+            model_dir = demo_model_dir()
+            log.warning(
+                "no model given: using the built-in demo model from %s; its weights are RANDOM", model_dir
+            )
+        else:
+            model_dir = Path(args.model)
+        self.model_dir = model_dir
+        self.model_config = cfg = ModelConfig.from_dir(model_dir)
+        self.dtype = resolve_dtype(args.dtype, cfg)
+        self.device = resolve_device(args.device)
+        limit = cfg.max_model_len()
+        if args.max_model_len is not None and args.max_model_len > limit:
+            raise InvalidArgumentError(
+                f"max_model_len {args.max_model_len} exceeds the model's context of {limit} tokens"
+            )
+        self.max_model_len = args.max_model_len or limit
+        self.runner = ModelRunner(args, model_dir, cfg, self.dtype, self.device, self.max_model_len)
+        self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(model_dir)
+        self.eos_ids = eos_token_ids(model_dir, self.tokenizer)
+        self.scheduler = Scheduler(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+            max_model_len=self.max_model_len,
+            block_size=args.block_size,
+            num_gpu_blocks=self.runner.num_gpu_blocks,
+            num_cpu_blocks=self.runner.num_cpu_blocks,
+        )
+        self.generator = torch.Generator(self.device).manual_seed(args.seed)
+        self._requests: dict[str, _Request] = {}
+        self._seqs: dict[int, tuple[Sequence, _Request]] = {}
+        self._seq_ids = itertools.count()
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidArgumentError("this engine has no tokenizer (skip_tokenizer_init); pass token ids")
+        return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+
+    def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """Validate a prompt against the model; returns the request's max_tokens."""
+        n = len(prompt_ids)
+        if n == 0:
+            raise InvalidArgumentError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_ids):
+            raise InvalidArgumentError(f"prompt token ids must be integers in [0, {vocab})")
+        if n >= self.max_model_len:
+            raise InvalidArgumentError(
+                f"the prompt has {n} tokens, but the model's context is {self.max_model_len} "
+                "(leaving no room to generate)"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+        if n + max_tokens > self.max_model_len:
+            raise InvalidArgumentError(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"the model's context of {self.max_model_len}"
+            )
+        return max_tokens
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        prompt_ids: list[int] | None = None,
+    ) -> str:
+        """Queue a request (text, or token ids); raises ``InvalidArgumentError`` before queuing anything."""
+        params = params or SamplingParams()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._requests:
+            raise InvalidArgumentError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        if prompt_ids is None:
+            prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        max_tokens = self.check_prompt(prompt_ids, params)
+        req = _Request(request_id, text, prompt_ids, [], RequestMetrics(arrival_time=time.monotonic()))
+        for i in range(params.n):
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator(self.device).manual_seed(params.seed + i)
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+            seq = Sequence(next(self._seq_ids), i, params, prompt_ids, self.eos_ids, gen, detok)
+            req.seqs.append(seq)
+        for seq in req.seqs:
+            self.scheduler.add_request(seq.seq_id, prompt_ids, max_tokens)
+            self._seqs[seq.seq_id] = (seq, req)
+        self._requests[request_id] = req
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its KV blocks; its final output, or None if unknown."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            self._seqs.pop(seq.seq_id, None)
+            if not seq.finished:
+                self.scheduler.abort(seq.seq_id)
+                seq.finish_reason = "abort"
+        req.metrics.finished_time = time.monotonic()
+        return req.output()
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # -- the step loop ----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration; outputs of every request that got a token or finished."""
+        plan = self.scheduler.schedule()
+        if len(plan.req_ids) == 0:
+            self.scheduler.update([], [])
+            return []
+        self.runner.apply_swaps(plan)
+        logits = self.runner.execute(plan)
+        seqs = [self._seqs[i][0] for i in plan.sample_ids.tolist()]
+        result = sample(logits, [s.sample_row() for s in seqs], self.generator)
+        stopped = [
+            s.seq_id
+            for s, tok, lp in zip(seqs, result.token_ids, result.logprobs, strict=True)
+            if s.append(tok, lp)
+        ]
+        finished = self.scheduler.update(result.token_ids, stopped)
+        now = time.monotonic()
+        touched: dict[str, _Request] = {}
+        for s in seqs:
+            req = self._seqs[s.seq_id][1]
+            touched[req.request_id] = req
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = s.first_token_time
+        for seq_id, reason in finished:
+            seq, req = self._seqs.pop(seq_id)
+            seq.finish_reason = reason
+            touched[req.request_id] = req
+        outputs = []
+        for req in touched.values():
+            out = req.output()
+            if out.finished:
+                req.metrics.finished_time = now
+                del self._requests[req.request_id]
+            outputs.append(out)
+        return outputs
+
+    def kv_usage(self) -> dict[str, int]:
+        s = self.scheduler
+        return {
+            "gpu_free_blocks": s.num_free_blocks("gpu"),
+            "gpu_total_blocks": s.num_total_blocks("gpu"),
+            "cpu_free_blocks": s.num_free_blocks("cpu"),
+            "cpu_total_blocks": s.num_total_blocks("cpu"),
+        }

@@ -1,0 +1,52 @@
+"""The KV pools as tensors (Python owns them; Rust owns their block ids). Both pools share one
+layout, K and V each ``[num_layers, num_blocks, num_kv_heads, block_size, head_dim]`` in the
+model dtype: the device pool on the model's device, the host pool in CPU memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    num_layers: int
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def bytes_per_block(self) -> int:
+        """K and V of one block, all layers."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * elem
+
+
+class KvPool:
+    def __init__(self, layout: KvLayout, num_blocks: int, device: torch.device) -> None:
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.device = device
+        shape = (layout.num_layers, num_blocks, layout.num_kv_heads, layout.block_size, layout.head_dim)
+        # torch.empty leaves pages untouched, so a large host pool costs nothing until used.
+        self.k = torch.empty(shape, dtype=layout.dtype, device=device)
+        self.v = torch.empty(shape, dtype=layout.dtype, device=device)
+
+    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store each token's ``[kv_heads, head_dim]`` K/V at its slot ``block * block_size + offset``."""
+        bs = self.layout.block_size
+        block, offset = slot_mapping // bs, slot_mapping % bs
+        self.k[layer][block, :, offset] = k
+        self.v[layer][block, :, offset] = v
+
+
+def copy_blocks(src: KvPool, dst: KvPool, pairs: np.ndarray) -> None:
+    """Copy whole blocks (every layer of K and V) for each ``(src_block, dst_block)`` row of ``pairs``."""
+    if len(pairs) == 0:
+        return
+    idx = torch.from_numpy(pairs)
+    src_idx, dst_idx = idx[:, 0].to(src.device), idx[:, 1].to(dst.device)
+    for s, d in ((src.k, dst.k), (src.v, dst.v)):
+        d[:, dst_idx] = s[:, src_idx].to(dst.device, non_blocking=True)

@@ -1,0 +1,93 @@
+"""The offline API (vLLM's ``LLM``): build an engine, push a batch of prompts or conversations
+through it, return one ``RequestOutput`` per prompt in input order."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from tqdm import tqdm
+
+from neo_rs.config import EngineArgs
+from neo_rs.engine import LLMEngine
+from neo_rs.errors import InvalidArgumentError
+from neo_rs.sampling import SamplingParams
+from neo_rs.sequence import RequestOutput
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+class LLM:
+    """``LLM(model=DIR, dtype=..., max_num_seqs=..., num_gpu_blocks=... | gpu_memory_utilization=...,
+    block_size=...)``; with no model, the built-in demo model (random weights)."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        return self._run([(p, None) for p in prompts], sampling_params, use_tqdm)  # type: ignore[misc]
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of ``{"role", "content"}``) or several, through the chat template."""
+        tok = self.engine.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise InvalidArgumentError("this model has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        items: list[tuple[Prompt, list[int] | None]] = []
+        for conv in conversations:
+            text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+            items.append((text, self.engine.tokenize(text, add_special_tokens=False)))
+        return self._run(items, sampling_params, use_tqdm)
+
+    def _run(
+        self,
+        items: list[tuple[Prompt, list[int] | None]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(items)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(items):
+                raise InvalidArgumentError(f"{len(params)} sampling params for {len(items)} prompts")
+        ids: list[str] = []
+        try:
+            for (prompt, prompt_ids), p in zip(items, params, strict=True):
+                ids.append(self.engine.add_request(prompt, p, prompt_ids=prompt_ids))
+        except BaseException:
+            for rid in ids:  # all or nothing: a bad prompt queues none of the batch
+                self.engine.abort(rid)
+            raise
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+            try:
+                while len(done) < len(ids):
+                    for out in self.engine.step():
+                        if out.finished:
+                            done[out.request_id] = out
+                            bar.update(1)
+            except BaseException:
+                for rid in ids:
+                    self.engine.abort(rid)
+                raise
+        return [done[rid] for rid in ids]

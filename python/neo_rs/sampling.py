@@ -1,0 +1,191 @@
+"""Sampling parameters (vLLM's names and defaults) and the batched sampler: penalties,
+temperature, top-k, top-p, min-p, then greedy or a draw from each request's own generator, so a
+seeded request gets the same tokens whatever else is in the batch."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from neo_rs.errors import InvalidArgumentError
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the model's context
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n logprobs per output token (the sampled one is always included)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(msg: str) -> InvalidArgumentError:
+            return InvalidArgumentError(msg)
+
+        def is_int(x: Any) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        if not is_int(self.n) or self.n < 1:
+            raise bad(f"n must be a positive integer, got {self.n!r}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise bad(f"temperature must be non-negative, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not is_int(self.top_k) or self.top_k < -1:
+            raise bad(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            raise bad(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.repetition_penalty, (int, float)) or self.repetition_penalty <= 0:
+            raise bad(f"repetition_penalty must be positive, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not -2 <= v <= 2:
+                raise bad(f"{name} must be in [-2, 2], got {v!r}")
+        if self.seed is not None and not is_int(self.seed):
+            raise bad(f"seed must be an integer, got {self.seed!r}")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad(f"max_tokens must be at least 1, got {self.max_tokens!r}")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad(f"min_tokens must be non-negative, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop must be a string or a list of non-empty strings")
+        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids must be non-negative integers")
+        if self.logprobs is not None and (
+            not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise bad(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
+        """Build from a mapping, refusing unknown fields (the server's request bodies)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise InvalidArgumentError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        return cls(**d)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+@dataclass
+class SampleRow:
+    """What the sampler needs of one sequence."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]
+    generator: torch.Generator | None
+    banned_ids: list[int]  # EOS / stop ids while fewer than min_tokens were generated
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    # Per row: {token_id: logprob} of the sampled token and the top-n, or None.
+    logprobs: list[dict[int, float] | None]
+
+
+def _apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:
+    vocab = logits.shape[-1]
+    p = row.params
+    out = torch.tensor(row.output_ids, dtype=torch.long, device=logits.device)
+    counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
+    if p.repetition_penalty != 1:
+        seen = counts > 0
+        seen[torch.tensor(row.prompt_ids, dtype=torch.long, device=logits.device)] = True
+        scaled = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
+        logits.copy_(torch.where(seen, scaled, logits))
+    logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p over rows ``[R, V]``; masked entries become -inf."""
+    dev = logits.device
+    temps = torch.tensor([p.temperature for p in params], device=dev, dtype=logits.dtype)[:, None]
+    logits = logits / temps
+    vocab = logits.shape[-1]
+    ks = [p.top_k if p.top_k > 0 else vocab for p in params]
+    top_ps = [p.top_p for p in params]
+    if any(k < vocab for k in ks) or any(tp < 1 for tp in top_ps):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        k = torch.tensor(ks, device=dev)[:, None].clamp(max=vocab)
+        drop = torch.arange(vocab, device=dev)[None, :] >= k
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        before = probs.cumsum(dim=-1) - probs
+        drop |= before >= torch.tensor(top_ps, device=dev, dtype=probs.dtype)[:, None]
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    min_ps = torch.tensor([p.min_p for p in params], device=dev, dtype=logits.dtype)[:, None]
+    if bool((min_ps > 0).any()):
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < min_ps * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch.Generator) -> SampleResult:
+    """Sample one token per row of float32 ``logits`` ``[len(rows), vocab]``."""
+    want_logprobs = [r.params.logprobs is not None for r in rows]
+    raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
+    if any(r.params.has_penalties or r.banned_ids for r in rows):
+        logits = logits.clone()
+        for i, r in enumerate(rows):
+            if r.params.has_penalties:
+                _apply_penalties(logits[i], r)
+            if r.banned_ids:
+                logits[i, r.banned_ids] = float("-inf")
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if random_rows:
+        idx = torch.tensor(random_rows, device=logits.device)
+        probs = _filter(logits[idx], [rows[i].params for i in random_rows]).softmax(dim=-1)
+        # Exponential race (argmax p / E, E ~ Exp(1)) == a categorical draw; each row draws from its
+        # own generator, so its tokens do not depend on the batch.
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(random_rows):
+            noise[j].exponential_(generator=rows[i].generator or default_generator)
+        tokens[idx] = (probs / noise).argmax(dim=-1)
+    token_list = tokens.tolist()
+    logprobs: list[dict[int, float] | None] = [None] * len(rows)
+    if raw_logprobs is not None:
+        for i, r in enumerate(rows):
+            if r.params.logprobs is None:
+                continue
+            entry = {token_list[i]: float(raw_logprobs[i, token_list[i]])}
+            if r.params.logprobs:
+                top = raw_logprobs[i].topk(r.params.logprobs)
+                entry.update(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+            logprobs[i] = entry
+    return SampleResult(token_list, logprobs)

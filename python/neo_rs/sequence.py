@@ -1,0 +1,115 @@
+"""One generated sequence (a request has ``n`` of them) and the outputs handed to users: its
+tokens and text, stop checks (EOS, stop ids, stop strings, after ``min_tokens``), logprobs and
+timing. Finish reasons and ``stop_reason`` follow vLLM."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from neo_rs.sampling import SampleRow, SamplingParams
+from neo_rs.tokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # stop | length | abort
+    stop_reason: int | str | None  # the stop token id or string that ended it
+    logprobs: list[dict[int, float]] | None
+    cumulative_logprob: float | None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+
+
+@dataclass
+class Sequence:
+    seq_id: int  # the scheduler's request id
+    index: int  # which of the request's n outputs
+    params: SamplingParams
+    prompt_ids: list[int]
+    eos_ids: set[int]
+    generator: torch.Generator | None
+    detokenizer: IncrementalDetokenizer | None
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def sample_row(self) -> SampleRow:
+        banned: list[int] = []
+        if len(self.output_ids) < self.params.min_tokens:
+            banned = self.params.stop_token_ids + ([] if self.params.ignore_eos else sorted(self.eos_ids))
+        return SampleRow(self.params, self.prompt_ids, self.output_ids, self.generator, banned)
+
+    def append(self, token: int, logprobs: dict[int, float] | None) -> bool:
+        """Add a sampled token; True when it stops the sequence (the caller tells the scheduler)."""
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        self.output_ids.append(token)
+        if logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.append(logprobs)
+            self.cumulative_logprob += logprobs[token]
+        delta = self.detokenizer.add(token) if self.detokenizer else ""
+        self.text += delta
+        p = self.params
+        if len(self.output_ids) < p.min_tokens:
+            return False
+        if token in p.stop_token_ids:
+            self.stop_reason = token
+            return True
+        if not p.ignore_eos and token in self.eos_ids:
+            return True
+        if p.stop and delta:
+            return self._find_stop_string(len(delta))
+        return False
+
+    def _find_stop_string(self, delta_len: int) -> bool:
+        longest = max(len(s) for s in self.params.stop)
+        start = max(0, len(self.text) - delta_len - longest + 1)
+        hits = [(i, s) for s in self.params.stop if (i := self.text.find(s, start)) >= 0]
+        if not hits:
+            return False
+        at, stop = min(hits)
+        self.text = self.text[: at + len(stop)] if self.params.include_stop_str_in_output else self.text[:at]
+        self.stop_reason = stop
+        return True
+
+    def output(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.text,
+            token_ids=list(self.output_ids),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=self.logprobs,
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+        )

@@ -1,0 +1,86 @@
+"""Fixtures: tiny randomly initialised Hugging Face checkpoints (Llama MHA, Llama-3 style GQA
+with llama3 rope scaling, Mistral with linear rope scaling, Qwen2 with QKV bias and tied
+embeddings), saved with ``save_pretrained`` plus the demo byte-level tokenizer. No downloads."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# The demo model is cached per test session, never in the user's home.
+os.environ.setdefault(
+    "NEO_RS_CACHE_DIR", str(Path(__file__).resolve().parents[2] / "target" / "neo_rs_cache")
+)
+
+VOCAB = 300  # the tokenizer has 258 tokens; the rest decode to nothing
+
+
+def _config(kind: str):  # noqa: ANN202 (a transformers config)
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        initializer_range=0.1,
+        max_position_embeddings=512,
+        bos_token_id=256,
+        eos_token_id=257,
+    )
+    if kind == "llama":
+        return LlamaConfig(num_attention_heads=4, num_key_value_heads=4, **common)
+    if kind == "llama3":
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        }
+        return LlamaConfig(
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_parameters=rope, **common
+        )
+    if kind == "mistral":
+        rope = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+        return MistralConfig(
+            num_attention_heads=4, num_key_value_heads=1, sliding_window=None, rope_parameters=rope, **common
+        )
+    if kind == "qwen2":
+        return Qwen2Config(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, **common)
+    raise ValueError(kind)
+
+
+def make_checkpoint(root: Path, kind: str, shard: bool = False) -> Path:
+    from neo_rs.demo import save_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(_config(kind)).eval()
+    path = root / (kind + ("-sharded" if shard else ""))
+    model.save_pretrained(path, max_shard_size="60KB" if shard else "5GB")
+    save_tokenizer(path)
+    return path
+
+
+ARCHS = ["llama", "llama3", "mistral", "qwen2"]
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpt")
+    out = {kind: make_checkpoint(root, kind) for kind in ARCHS}
+    out["llama-sharded"] = make_checkpoint(root, "llama", shard=True)
+    return out
+
+
+def assert_all_blocks_free(engine) -> None:  # noqa: ANN001
+    s = engine.scheduler
+    s.check_invariants()
+    assert not engine.has_unfinished()
+    for dev in ("gpu", "cpu"):
+        assert s.num_free_blocks(dev) == s.num_total_blocks(dev), dev
