@@ -18,9 +18,9 @@ $(STAMP): $(VENV)/bin/python pyproject.toml
 build: $(STAMP)
 	$(VPY) -m pip install -q --no-deps --no-build-isolation -e . 2>/dev/null || $(VPY) -m pip install -q --no-deps -e .
 
-# The main job. Until the server lands (issue "server"), it runs the CPU attention benchmark.
+# The main job. Until the server lands (issue "server"), it generates with the built-in demo model.
 serve: build
-	$(VPY) benches/attn_cpu.py --quick
+	$(VPY) -m neo_rs.demo
 
 test-rust:
 	cargo test --release
@@ -48,7 +48,9 @@ lint: $(STAMP)
 
 bench: build
 	cargo bench --bench attn_cpu
+	cargo bench --bench scheduler
 	$(VPY) benches/attn_cpu.py
+	$(VPY) benches/offline.py
 
 clean:
 	rm -rf target $(VENV)

@@ -1,0 +1,103 @@
+"""Offline throughput: ``LLM.generate`` against Hugging Face ``generate`` on the same batch.
+
+A ~20M-parameter random Llama (vocab 32000, hidden 256, 4 layers, 8 heads / 2 KV heads, FFN 688)
+is written to a temporary directory; 64 prompts of 32-256 tokens each generate 128 tokens with
+``ignore_eos``, in float32 and bfloat16. Both engines run side by side in this process, so the
+ratio is what to read on a noisy machine.
+
+    python benches/offline.py [--prompts 64] [--max-tokens 128] [--dtypes float32,bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def make_model(root: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    path = root / "llama-20m"
+    model.save_pretrained(path)
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
+    return path
+
+
+def prompts(n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    lens = torch.randint(32, 257, (n,), generator=g).tolist()
+    return [torch.randint(3, 32000, (k,), generator=g).tolist() for k in lens]
+
+
+def run_neo(path: Path, batch: list[list[int]], max_tokens: int, dtype: str) -> float:
+    from neo_rs import LLM, SamplingParams
+
+    llm = LLM(str(path), dtype=dtype, max_num_seqs=len(batch), skip_tokenizer_init=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(
+        batch[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False
+    )  # warm-up
+    t = time.perf_counter()
+    outs = llm.generate(batch, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t
+    assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
+    return len(batch) * max_tokens / elapsed
+
+
+def run_hf(path: Path, batch: list[list[int]], max_tokens: int, dtype: str) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    width = max(len(p) for p in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(batch):  # left padding
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=4, **kw)  # warm-up
+        t = time.perf_counter()
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens, **kw
+        )
+        elapsed = time.perf_counter() - t
+    assert out.shape[1] == width + max_tokens
+    return len(batch) * max_tokens / elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    args = ap.parse_args()
+    batch = prompts(args.prompts)
+    print(f"{args.prompts} prompts ({sum(map(len, batch))} prompt tokens) x {args.max_tokens} output tokens")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_model(Path(tmp))
+        print(f"{'dtype':<10}{'neo_rs tok/s':>14}{'HF tok/s':>12}{'ratio':>8}")
+        for dtype in args.dtypes.split(","):
+            neo = run_neo(path, batch, args.max_tokens, dtype)
+            hf = run_hf(path, batch, args.max_tokens, dtype)
+            print(f"{dtype:<10}{neo:>14.1f}{hf:>12.1f}{neo / hf:>8.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()

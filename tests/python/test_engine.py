@@ -1,0 +1,152 @@
+"""The engine around the model: loading errors name what is wrong, aborts free every block,
+the torch decode fallback agrees with the Rust kernel, reduced dtypes track transformers, chat
+templates, incremental detokenization and the demo model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import assert_all_blocks_free
+from neo_rs import LLM, LLMEngine, ModelLoadError, SamplingParams
+from neo_rs.attention import AttentionBatch, paged_decode_torch
+from neo_rs.config import EngineArgs
+from neo_rs.demo import demo_model_dir
+from neo_rs.tokenizer import IncrementalDetokenizer, load_tokenizer
+
+
+def test_load_errors_name_the_problem(checkpoints, tmp_path) -> None:
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        LLM(str(tmp_path))
+    bad = tmp_path / "gpt2"
+    shutil.copytree(checkpoints["llama"], bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(cfg | {"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        LLM(str(bad))
+    (bad / "config.json").write_text(
+        json.dumps(cfg | {"rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
+    )
+    with pytest.raises(ModelLoadError, match="rope scaling type 'yarn'"):
+        LLM(str(bad))
+    (bad / "config.json").write_text(json.dumps(cfg))
+    (bad / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="no model.safetensors"):
+        LLM(str(bad))
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(checkpoints["llama"] / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, bad / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="layers.1.gate_up_proj.weight"):
+        LLM(str(bad))
+    sharded = tmp_path / "sharded"
+    shutil.copytree(checkpoints["llama-sharded"], sharded)
+    next(sharded.glob("model-00002-*.safetensors")).unlink()
+    with pytest.raises(ModelLoadError, match="missing: model-00002"):
+        LLM(str(sharded))
+
+
+def test_abort_frees_blocks_in_both_pools(checkpoints) -> None:
+    engine = LLMEngine(
+        EngineArgs(
+            model=str(checkpoints["llama"]),
+            dtype="float32",
+            num_gpu_blocks=6,
+            block_size=8,
+            num_cpu_blocks=32,
+        )
+    )
+    p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ids = [engine.add_request(list(range(1, 12)), p) for _ in range(4)]
+    s = engine.scheduler
+    for _ in range(40):
+        engine.step()
+        if s.num_swapped:
+            break
+    assert s.num_swapped > 0 and s.num_free_blocks("cpu") < s.num_total_blocks("cpu")
+    for rid in ids:
+        out = engine.abort(rid)
+        assert out is not None and out.finished and out.outputs[0].finish_reason == "abort"
+    assert engine.abort(ids[0]) is None
+    assert_all_blocks_free(engine)
+
+
+def test_torch_decode_fallback_matches_the_rust_kernel(checkpoints) -> None:
+    engine = LLMEngine(
+        EngineArgs(model=str(checkpoints["llama3"]), dtype="float32", num_gpu_blocks=64, block_size=8)
+    )
+    for n in (5, 17, 30):
+        engine.add_request(
+            list(range(1, n + 1)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        )
+    engine.step()  # prefills
+    plan = engine.scheduler.schedule()
+    assert plan.num_decodes == 3
+    runner = engine.runner
+    batch = AttentionBatch.from_plan(plan, runner.device, runner.layout.block_size)
+    layout = runner.layout
+    q = torch.randn(3, 4, layout.head_dim)
+    want = torch.empty_like(q)
+    runner.attention.decode(q, runner.device_pool, 1, batch, want)
+    got = paged_decode_torch(
+        q, runner.device_pool, 1, batch.decode_block_tables, batch.decode_seq_lens, layout.head_dim**-0.5
+    )
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    engine.scheduler.update([0, 0, 0], [])
+    for rid in list(engine._requests):
+        engine.abort(rid)
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_reduced_dtypes_track_transformers(checkpoints, dtype: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    engine = LLMEngine(EngineArgs(model=str(checkpoints["qwen2"]), dtype=dtype, num_gpu_blocks=64))
+    prompt = list(range(20, 60))
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=1))
+    ours = engine.runner.execute(engine.scheduler.schedule())[0]
+    engine.scheduler.update([0], [])
+    engine.abort(rid)
+    hf = AutoModelForCausalLM.from_pretrained(checkpoints["qwen2"], dtype=getattr(torch, dtype)).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0, -1].float()
+    assert (ours - want).abs().max() < 0.05 * want.abs().max()
+    assert_all_blocks_free(engine)
+
+
+def test_chat_uses_the_template(checkpoints) -> None:
+    llm = LLM(str(checkpoints["mistral"]), dtype="float32", num_gpu_blocks=64)
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    out = llm.chat(conv, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    tok = llm.get_tokenizer()
+    assert out.prompt == "<s><|system|>\nBe brief.\n<|user|>\nHi!\n<|assistant|>\n"
+    assert out.prompt_token_ids == tok.encode(out.prompt, add_special_tokens=False)
+    assert out.prompt_token_ids[0] == 256 and len(out.outputs[0].token_ids) == 4
+    assert_all_blocks_free(llm.engine)
+
+
+def test_incremental_detokenizer_never_splits_a_character() -> None:
+    tok = load_tokenizer(demo_model_dir())
+    text = "héllo wörld — 日本語 🙂 ok"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text)  # multi-byte characters span several tokens
+    detok = IncrementalDetokenizer(tok, [256], skip_special_tokens=True)
+    deltas = [detok.add(t) for t in ids]
+    assert "".join(deltas) == text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_demo_model_runs_and_says_its_weights_are_random(caplog) -> None:
+    with caplog.at_level("WARNING"):
+        llm = LLM(None, num_gpu_blocks=32)
+    assert "RANDOM" in caplog.text
+    cfg = json.loads((demo_model_dir() / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["num_key_value_heads"] == 2
+    a = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    b = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids and len(a[0].outputs[0].token_ids) == 8
+    assert_all_blocks_free(llm.engine)

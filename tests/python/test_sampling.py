@@ -1,0 +1,167 @@
+"""Sampling: seeded reproducibility independent of the batch, stop strings / ids, min_tokens,
+n > 1, logprobs, penalties and the filters, and typed errors for bad parameters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_all_blocks_free
+from neo_rs import LLM, InvalidArgumentError, SamplingParams
+from neo_rs.sampling import SampleRow, sample
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoints) -> LLM:
+    return LLM(str(checkpoints["llama3"]), dtype="float32", num_gpu_blocks=128)
+
+
+def gen(llm: LLM, prompts, params):  # noqa: ANN001, ANN201
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert_all_blocks_free(llm.engine)
+    return outs
+
+
+def test_seeded_sampling_is_independent_of_the_batch(llm: LLM) -> None:
+    p = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=16, ignore_eos=True)
+    alone = gen(llm, "hello", p)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=0.8, max_tokens=9, ignore_eos=True)
+    batch = gen(llm, ["xyz", "hello", "a longer prompt here"], [others, p, others])
+    assert batch[1].outputs[0].token_ids == alone
+    other_seed = gen(
+        llm, "hello", SamplingParams(temperature=1.0, top_p=0.9, seed=43, max_tokens=16, ignore_eos=True)
+    )
+    assert other_seed[0].outputs[0].token_ids != alone
+
+
+def test_n_gives_independent_samples(llm: LLM) -> None:
+    p = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    out = gen(llm, "abc", p)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    tokens = [o.token_ids for o in out.outputs]
+    assert len({tuple(t) for t in tokens}) == 3
+    # Sample i is the seed + i stream of a single request.
+    single = gen(llm, "abc", SamplingParams(temperature=1.0, seed=8, max_tokens=12, ignore_eos=True))
+    assert single[0].outputs[0].token_ids == tokens[1]
+
+
+def test_stop_token_ids_and_min_tokens(llm: LLM) -> None:
+    free = gen(llm, "stop me", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0]
+    stop_id = free.token_ids[4]
+    first = free.token_ids.index(stop_id)
+    out = gen(llm, "stop me", SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_id]))[
+        0
+    ].outputs[0]
+    assert out.token_ids == free.token_ids[: first + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+    # min_tokens bans the stop id until enough tokens exist.
+    p = SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_id], min_tokens=first + 3)
+    out = gen(llm, "stop me", p)[0].outputs[0]
+    assert len(out.token_ids) >= first + 3
+    assert stop_id not in out.token_ids[: first + 2]
+
+
+def test_stop_strings_cut_the_text(llm: LLM) -> None:
+    prompt = "The quick brown fox"
+    free = gen(llm, prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0]
+    text = free.text
+    assert len(text) > 6, text
+    stop = text[3:5]
+    cut = text.index(stop)
+    out = gen(llm, prompt, SamplingParams(temperature=0, max_tokens=24, stop=[stop]))[0].outputs[0]
+    assert (out.text, out.finish_reason, out.stop_reason) == (text[:cut], "stop", stop)
+    out = gen(
+        llm, prompt, SamplingParams(temperature=0, max_tokens=24, stop=stop, include_stop_str_in_output=True)
+    )
+    assert out[0].outputs[0].text == text[: cut + len(stop)]
+
+
+def test_eos_stops_unless_ignored(checkpoints) -> None:
+    llm = LLM(str(checkpoints["llama"]), dtype="float32", num_gpu_blocks=64)
+    free = gen(llm, "e", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0].outputs[0]
+    llm.engine.eos_ids = {free.token_ids[2]}
+    first = free.token_ids.index(free.token_ids[2])
+    out = gen(llm, "e", SamplingParams(temperature=0, max_tokens=16))[0].outputs[0]
+    assert out.token_ids == free.token_ids[: first + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", None)
+    out = gen(llm, "e", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == free.token_ids and out.finish_reason == "length"
+
+
+def test_logprobs(llm: LLM) -> None:
+    out = gen(llm, "log", SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True))[
+        0
+    ].outputs[0]
+    assert out.logprobs is not None and len(out.logprobs) == 5
+    for tok, entry in zip(out.token_ids, out.logprobs, strict=True):
+        assert len(entry) == 3 and tok in entry
+        assert entry[tok] == max(entry.values()) <= 0  # greedy picks the top-1
+    assert out.cumulative_logprob == pytest.approx(
+        sum(e[t] for t, e in zip(out.token_ids, out.logprobs, strict=True))
+    )
+
+
+def test_repetition_penalty_breaks_loops(checkpoints) -> None:
+    llm = LLM(None, num_gpu_blocks=64)  # the demo model repeats itself under greedy decoding
+    plain = gen(llm, "Hello", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0]
+    p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=5.0)
+    penalised = gen(llm, "Hello", p)[0].outputs[0]
+    assert len(set(penalised.token_ids)) > len(set(plain.token_ids))
+
+
+def _row(**kw) -> SampleRow:  # noqa: ANN003
+    return SampleRow(SamplingParams(**kw), prompt_ids=[0], output_ids=[], generator=None, banned_ids=[])
+
+
+def test_sampler_filters_and_penalties() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.tensor([[2.0, 1.9, 0.0, -1.0]])
+    for kw in (dict(top_k=1), dict(top_p=0.01), dict(min_p=1.0), dict(temperature=0)):
+        assert all(sample(logits, [_row(**kw)], g).token_ids == [0] for _ in range(20)), kw
+    # top_k=2 never draws the tail.
+    draws = {sample(logits, [_row(top_k=2, temperature=5.0)], g).token_ids[0] for _ in range(200)}
+    assert draws == {0, 1}
+    # A frequency penalty on token 0 (generated twice) makes token 1 the argmax.
+    row = SampleRow(SamplingParams(temperature=0, frequency_penalty=0.1), [3], [0, 0], None, [])
+    assert sample(logits, [row], g).token_ids == [1]
+    # Repetition penalty covers prompt tokens too; banned ids are never drawn.
+    row = SampleRow(SamplingParams(temperature=0, repetition_penalty=2.0), [0], [], None, [])
+    assert sample(logits, [row], g).token_ids == [1]
+    row = SampleRow(SamplingParams(temperature=0), [3], [], None, [0, 1])
+    assert sample(logits, [row], g).token_ids == [2]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=-0.1),
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+        dict(top_k=-2),
+        dict(min_p=2.0),
+        dict(n=0),
+        dict(max_tokens=0),
+        dict(min_tokens=5, max_tokens=2),
+        dict(presence_penalty=3.0),
+        dict(repetition_penalty=0.0),
+        dict(logprobs=100),
+        dict(stop=[""]),
+        dict(seed="x"),
+    ],
+)
+def test_bad_parameters_raise_typed_errors(kw) -> None:  # noqa: ANN001
+    with pytest.raises(InvalidArgumentError):
+        SamplingParams(**kw)
+
+
+def test_bad_requests_raise_before_anything_is_scheduled(llm: LLM) -> None:
+    with pytest.raises(InvalidArgumentError, match="unknown sampling parameter"):
+        SamplingParams.from_dict({"temperature": 1.0, "best_of_all": 3})
+    with pytest.raises(InvalidArgumentError, match="empty"):
+        llm.generate(["fine", []], use_tqdm=False)
+    with pytest.raises(InvalidArgumentError, match="context"):
+        llm.generate([[1] * 600], use_tqdm=False)
+    with pytest.raises(InvalidArgumentError, match="context"):
+        llm.generate(["ok"], SamplingParams(max_tokens=10_000), use_tqdm=False)
+    with pytest.raises(InvalidArgumentError, match="token ids"):
+        llm.generate([[1, 99_999]], use_tqdm=False)
+    assert_all_blocks_free(llm.engine)
