@@ -66,6 +66,9 @@ def test_first_step_logits_match_transformers(checkpoints, kind: str) -> None:
     assert sorted(order) == list(range(len(PROMPTS)))
     ours = engine.runner.execute(plan)
     engine.scheduler.update([0] * len(PROMPTS), [])
+    for i in range(len(PROMPTS)):
+        engine.abort(str(i))
+    assert_all_blocks_free(engine)
     hf = AutoModelForCausalLM.from_pretrained(checkpoints[kind], dtype=torch.float32).eval()
     with torch.no_grad():
         want = torch.stack([hf(torch.tensor([PROMPTS[i]])).logits[0, -1] for i in order])
@@ -73,7 +76,8 @@ def test_first_step_logits_match_transformers(checkpoints, kind: str) -> None:
 
 
 def test_sharded_checkpoint_loads_the_same_weights(checkpoints) -> None:
-    tokens, _ = run(checkpoints["llama-sharded"], num_gpu_blocks=64)
+    tokens, engine = run(checkpoints["llama-sharded"], num_gpu_blocks=64)
+    assert_all_blocks_free(engine)
     assert tokens == [hf_greedy(checkpoints["llama"], "llama", p) for p in PROMPTS]
 
 
