@@ -2,7 +2,7 @@
 //! 100–1000 prompt tokens and 128–384 outputs, each replaced by a new one when it finishes.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use neo_rs::sched::{RequestId, Scheduler, SchedulerConfig};
+use neo_rs::sched::{OffloadMode, RequestId, Scheduler, SchedulerConfig};
 
 struct Load {
     s: Scheduler,
@@ -19,6 +19,7 @@ impl Load {
             block_size,
             num_gpu_blocks: (num_running * 1400 / block_size) as u32,
             num_cpu_blocks: 0,
+            offload: OffloadMode::GpuOnly,
         })
         .expect("valid config");
         let mut load = Load { s, next_id: 0 };

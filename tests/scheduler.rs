@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use neo_rs::kv::Device;
-use neo_rs::sched::{FinishReason, RequestId, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput};
+use neo_rs::sched::{FinishReason, OffloadMode, RequestId, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput};
 use proptest::prelude::*;
 
 /// The token at `pos` of request `id`, for prompts and fake samples alike, so the plan's
@@ -30,15 +30,18 @@ struct Workload {
 }
 
 fn workload() -> impl Strategy<Value = Workload> {
-    let config = (1usize..=6, 1usize..=48, prop_oneof![Just(1usize), Just(2), Just(4), Just(16)], 1u32..=24, 0u32..=24)
-        .prop_map(|(max_num_seqs, budget, block_size, gpu, cpu)| SchedulerConfig {
-            max_num_seqs,
-            max_num_batched_tokens: budget,
-            max_model_len: 64,
-            block_size,
-            num_gpu_blocks: gpu,
-            num_cpu_blocks: cpu,
-        });
+    let mode = prop_oneof![Just(OffloadMode::GpuOnly), Just(OffloadMode::AllCpu)];
+    let config =
+        (1usize..=6, 1usize..=48, prop_oneof![Just(1usize), Just(2), Just(4), Just(16)], 1u32..=24, 0u32..=24, mode)
+            .prop_map(|(max_num_seqs, budget, block_size, gpu, cpu, offload)| SchedulerConfig {
+                max_num_seqs,
+                max_num_batched_tokens: budget,
+                max_model_len: 64,
+                block_size,
+                num_gpu_blocks: gpu,
+                num_cpu_blocks: cpu,
+                offload,
+            });
     let job = (
         0usize..40,
         1usize..40,
@@ -62,30 +65,54 @@ fn check_plan(s: &Scheduler, out: &SchedulerOutput) -> Result<(), TestCaseError>
     prop_assert!(out.num_batched_tokens() <= c.max_num_batched_tokens);
     prop_assert!(out.scheduled.len() <= c.max_num_seqs);
     prop_assert!(out.swap_out.pairs.is_empty() || out.swap_in.pairs.is_empty());
+    if c.offload == OffloadMode::AllCpu {
+        prop_assert!(out.swap_out.pairs.is_empty() && out.swap_in.pairs.is_empty());
+    } else {
+        prop_assert!(out.num_cpu_decodes == 0 && out.prefill_to_host.pairs.is_empty());
+    }
     let m = &out.inputs;
     prop_assert_eq!(m.input_ids.len(), out.num_batched_tokens());
     prop_assert_eq!(m.query_start_loc.len(), out.scheduled.len() + 1);
-    let gpu = s.kv(Device::Gpu);
+    let num_gpu_decodes = out.num_decodes - out.num_cpu_decodes;
     let mut slots = std::collections::HashSet::new();
+    let mut staged = Vec::new();
     for (i, sr) in out.scheduled.iter().enumerate() {
         let req = s.request(sr.id).expect("scheduled request exists");
         prop_assert_eq!(req.status, RequestStatus::Running);
         prop_assert_eq!(i < out.num_decodes, sr.num_new_tokens == 1);
+        prop_assert_eq!(i >= num_gpu_decodes && i < out.num_decodes, sr.device == Device::Cpu);
         prop_assert!(sr.num_new_tokens >= 1);
         prop_assert_eq!(sr.sample, sr.num_computed_tokens + sr.num_new_tokens == req.num_tokens());
-        let table = gpu.table(sr.id);
+        let table = s.kv(sr.device).table(sr.id);
         let row = &m.block_tables[i * m.max_blocks..(i + 1) * m.max_blocks];
         prop_assert!(table.iter().zip(row).all(|(b, &r)| b.0 as i32 == r));
         prop_assert_eq!(m.seq_lens[i] as usize, sr.num_computed_tokens + sr.num_new_tokens);
+        prop_assert!(table.len() * c.block_size >= m.seq_lens[i] as usize);
         let start = m.query_start_loc[i] as usize;
         for (k, pos) in (sr.num_computed_tokens..sr.num_computed_tokens + sr.num_new_tokens).enumerate() {
             prop_assert_eq!(m.input_ids[start + k], i64::from(token(sr.id.0, pos)));
             prop_assert_eq!(m.positions[start + k], pos as i64);
-            let slot = m.slot_mapping[start + k] as usize;
+            let slot = m.slot_mapping[start + k];
+            if sr.device == Device::Cpu {
+                prop_assert_eq!(slot, -1);
+                continue;
+            }
+            let slot = slot as usize;
             prop_assert_eq!(slot / c.block_size, table[pos / c.block_size].0 as usize);
             prop_assert!(slots.insert(slot), "slot {} written twice", slot);
         }
+        // A prefill finishing in `all` mode stages every device block to its host twin.
+        let host = s.kv(Device::Cpu).table(sr.id);
+        if sr.device == Device::Gpu && !host.is_empty() {
+            prop_assert!(sr.sample && c.offload == OffloadMode::AllCpu);
+            prop_assert_eq!(host.len(), table.len());
+            staged.extend(table.iter().copied().zip(host.iter().copied()));
+        }
     }
+    let mut planned = out.prefill_to_host.pairs.clone();
+    planned.sort();
+    staged.sort();
+    prop_assert_eq!(staged, planned);
     Ok(())
 }
 
@@ -98,9 +125,10 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
         for (i, job) in w.jobs.iter().enumerate().filter(|(_, j)| j.arrival_step == step) {
             let id = i as u64;
             let prompt = (0..job.prompt_len).map(|p| token(id, p)).collect();
+            let need = (job.prompt_len + job.max_tokens - 1).div_ceil(w.config.block_size);
             let fits = job.prompt_len + job.max_tokens <= w.config.max_model_len
-                && (job.prompt_len + job.max_tokens - 1).div_ceil(w.config.block_size)
-                    <= w.config.num_gpu_blocks as usize;
+                && need <= w.config.num_gpu_blocks as usize
+                && (w.config.offload == OffloadMode::GpuOnly || need <= w.config.num_cpu_blocks as usize);
             prop_assert_eq!(s.add_request(RequestId(id), prompt, job.max_tokens).is_ok(), fits);
             if fits {
                 accepted.push(i);
@@ -176,6 +204,7 @@ fn config(gpu: u32, cpu: u32, budget: usize) -> SchedulerConfig {
         block_size: 4,
         num_gpu_blocks: gpu,
         num_cpu_blocks: cpu,
+        offload: OffloadMode::GpuOnly,
     }
 }
 
@@ -254,4 +283,19 @@ fn bad_requests_are_refused_and_abort_frees_everything() {
     assert_eq!(s.kv(Device::Gpu).num_free_blocks(), 4);
     s.check_invariants().unwrap();
     assert!(Scheduler::new(config(0, 4, 64)).is_err());
+}
+
+#[test]
+fn all_mode_moves_finished_prefills_to_the_host_and_decodes_there() {
+    let mut s = Scheduler::new(SchedulerConfig { offload: OffloadMode::AllCpu, ..config(4, 12, 6) }).unwrap();
+    s.add_request(RequestId(0), vec![1; 9], 3).unwrap();
+    s.add_request(RequestId(1), vec![2; 2], 3).unwrap();
+    let plans = drain(&mut s);
+    // Request 0's prompt is chunked (6 + 3); its last chunk stages 3 device blocks to the host.
+    assert_eq!(plans[0].prefill_to_host.pairs.len(), 0);
+    assert_eq!(plans[1].prefill_to_host.pairs.len(), 3 + 1);
+    // Then both decode on the CPU, never on the device.
+    assert!(plans[2..].iter().all(|p| p.num_cpu_decodes == p.scheduled.len() && p.num_decodes == p.scheduled.len()));
+    assert!(plans[2..].iter().all(|p| p.inputs.slot_mapping.iter().all(|&x| x == -1)));
+    assert_eq!(s.stats().num_prefills_to_host, 2);
 }

@@ -75,6 +75,8 @@ class SchedulerOutput:
     num_computed_tokens: npt.NDArray[np.int64]
     num_new_tokens: npt.NDArray[np.int64]
     num_decodes: int
+    num_cpu_decodes: int
+    """The last ``num_cpu_decodes`` decode rows attend over the host pool (slot_mapping -1)."""
     input_ids: npt.NDArray[np.int64]
     positions: npt.NDArray[np.int64]
     slot_mapping: npt.NDArray[np.int64]
@@ -87,6 +89,8 @@ class SchedulerOutput:
     """``[n, 2]`` (device block, host block) pairs; apply before ``swap_in`` and the forward."""
     swap_in: npt.NDArray[np.int64]
     """``[n, 2]`` (host block, device block) pairs."""
+    prefill_to_host: npt.NDArray[np.int64]
+    """``[n, 2]`` (device, host) block pairs of finishing prefills; copy each layer once written."""
     recomputed: list[int]
 
 class Scheduler:
@@ -101,7 +105,9 @@ class Scheduler:
         block_size: int,
         num_gpu_blocks: int,
         num_cpu_blocks: int,
-    ) -> None: ...
+        offload: str = "none",
+    ) -> None:
+        """``offload``: ``none`` (GPU-only, overflow swapped) or ``all`` (every decode on the CPU)."""
     def add_request(self, request_id: int, prompt_token_ids: list[int], max_tokens: int) -> None:
         """Queue a request; ``InvalidArgumentError`` if it can never run (empty, too long, duplicate)."""
     def abort(self, request_id: int) -> bool:
@@ -119,4 +125,5 @@ class Scheduler:
     def num_free_blocks(self, device_name: str) -> int: ...
     def num_total_blocks(self, device_name: str) -> int: ...
     def stats(self) -> dict[str, int]: ...
-    def check_invariants(self) -> None: ...
+    def check_invariants(self) -> None:
+        """Raise ``BackendError`` if the KV accounting is inconsistent (call between iterations)."""

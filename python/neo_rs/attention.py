@@ -1,6 +1,7 @@
-"""Attention over the paged KV pool for one iteration: prefill chunks with torch SDPA (causal,
-per sequence), one-token decodes with the Rust CPU kernel when the pool is in CPU memory, else a
-torch gather fallback (CUDA until a CUDA kernel lands)."""
+"""Attention over the paged KV pools for one iteration: prefill chunks with torch SDPA (causal,
+per sequence); device decodes with the Rust CPU kernel when the device pool is in CPU memory, else
+a torch gather fallback (CUDA until a CUDA kernel lands); CPU decodes (NEO's offloaded requests)
+with the Rust kernel over the host pool, appending their new K/V there."""
 
 from __future__ import annotations
 
@@ -25,20 +26,35 @@ class Prefill:
 
 
 @dataclass
-class AttentionBatch:
-    """The per-iteration metadata every layer's attention shares."""
+class DecodeRows:
+    """Rows ``start:end`` of the batch: one-token decodes over one pool."""
 
-    slot_mapping: torch.Tensor  # [tokens] int64, device
-    num_decodes: int
-    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
-    decode_seq_lens: torch.Tensor  # [num_decodes] int32
+    start: int
+    end: int
+    block_tables: torch.Tensor  # [rows, max_blocks] int32
+    seq_lens: torch.Tensor  # [rows] int32
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class AttentionBatch:
+    """The per-iteration metadata every layer's attention shares. Rows: GPU decodes, CPU
+    decodes, prefill chunks."""
+
+    slot_mapping: torch.Tensor  # [tokens] int64, device; -1 for CPU decodes
+    gpu_decodes: DecodeRows  # tables on the device
+    cpu_decodes: DecodeRows  # tables in CPU memory (the host pool's)
     prefills: list[Prefill]
 
     @staticmethod
     def from_plan(plan: SchedulerOutput, device: torch.device, block_size: int) -> AttentionBatch:
-        nd = plan.num_decodes
+        nd, ncd = plan.num_decodes, plan.num_cpu_decodes
+        ngd = nd - ncd
         qsl, lens = plan.query_start_loc, plan.seq_lens
         tables = torch.from_numpy(plan.block_tables)
+        seq_lens = torch.from_numpy(lens)
         prefills = []
         for i in range(nd, len(lens)):
             nblocks = -(-int(lens[i]) // block_size)
@@ -49,11 +65,16 @@ class AttentionBatch:
             )
         return AttentionBatch(
             slot_mapping=torch.from_numpy(plan.slot_mapping).to(device),
-            num_decodes=nd,
-            decode_block_tables=tables[:nd].to(device),
-            decode_seq_lens=torch.from_numpy(plan.seq_lens[:nd]).to(device),
+            gpu_decodes=DecodeRows(0, ngd, tables[:ngd].to(device), seq_lens[:ngd].to(device)),
+            cpu_decodes=DecodeRows(ngd, nd, tables[ngd:nd], seq_lens[ngd:nd]),
             prefills=prefills,
         )
+
+    def device_rows(self, num_tokens: int) -> list[slice]:
+        """Row ranges whose K/V go to the device pool (all but the CPU decodes)."""
+        if not len(self.cpu_decodes):
+            return [slice(0, num_tokens)]
+        return [slice(0, self.cpu_decodes.start), slice(self.cpu_decodes.end, num_tokens)]
 
 
 def paged_decode_torch(
@@ -79,32 +100,34 @@ def paged_decode_torch(
 
 
 class Attention:
-    """Runs one layer's attention for a whole batch; decodes go to ``cpu_attention`` when set."""
+    """Runs one layer's attention for a whole batch. ``cpu_attention`` serves CPU decodes, and
+    device decodes too when the device pool lives in CPU memory."""
 
-    def __init__(self, scale: float, cpu_attention: CpuAttention | None) -> None:
+    def __init__(self, scale: float, cpu_attention: CpuAttention) -> None:
         self.scale = scale
         self.cpu_attention = cpu_attention
 
-    def decode(
-        self, q: torch.Tensor, pool: KvPool, layer: int, batch: AttentionBatch, out: torch.Tensor
-    ) -> None:
-        if self.cpu_attention is not None and pool.device.type == "cpu":
+    def decode(self, q: torch.Tensor, pool: KvPool, layer: int, rows: DecodeRows, out: torch.Tensor) -> None:
+        """Device-pool decodes (their K/V already written), into ``out``."""
+        if pool.device.type == "cpu":
             self.cpu_attention.forward(
-                q.contiguous(),
-                pool.k,
-                pool.v,
-                layer,
-                batch.decode_block_tables,
-                batch.decode_seq_lens,
-                self.scale,
-                out,
+                q.contiguous(), pool.k, pool.v, layer, rows.block_tables, rows.seq_lens, self.scale, out
             )
         else:
-            out.copy_(
-                paged_decode_torch(
-                    q, pool, layer, batch.decode_block_tables, batch.decode_seq_lens, self.scale
-                )
-            )
+            out.copy_(paged_decode_torch(q, pool, layer, rows.block_tables, rows.seq_lens, self.scale))
+
+    def cpu_decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, host: KvPool, layer: int, rows: DecodeRows
+    ) -> torch.Tensor:
+        """Host-pool decodes: q/k/v go to the CPU in the model dtype, the kernel appends k/v at
+        ``seq_len - 1`` and attends; the output comes back to q's device."""
+        cpu = torch.device("cpu")
+        qc, kc, vc = (t.to(cpu).contiguous() for t in (q, k, v))
+        out = torch.empty_like(qc)
+        self.cpu_attention.forward(
+            qc, host.k, host.v, layer, rows.block_tables, rows.seq_lens, self.scale, out, new_k=kc, new_v=vc
+        )
+        return out.to(q.device)
 
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KvPool, layer: int, p: Prefill
@@ -141,17 +164,22 @@ class Attention:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        pool: KvPool,
+        device_pool: KvPool,
+        host_pool: KvPool,
         layer: int,
         batch: AttentionBatch,
     ) -> torch.Tensor:
-        """q ``[T, heads, d]``, k/v ``[T, kv_heads, d]`` (already in the pool) -> ``[T, heads, d]``."""
+        """q ``[T, heads, d]``, k/v ``[T, kv_heads, d]`` (device rows written) -> ``[T, heads, d]``."""
         out = torch.empty_like(q)
-        nd = batch.num_decodes
-        if nd:
-            self.decode(q[:nd], pool, layer, batch, out[:nd])
+        g, c = batch.gpu_decodes, batch.cpu_decodes
+        if len(g):
+            self.decode(q[g.start : g.end], device_pool, layer, g, out[g.start : g.end])
+        if len(c):
+            out[c.start : c.end] = self.cpu_decode(
+                q[c.start : c.end], k[c.start : c.end], v[c.start : c.end], host_pool, layer, c
+            )
         for p in batch.prefills:
             out[p.start : p.end] = self.prefill(
-                q[p.start : p.end], k[p.start : p.end], v[p.start : p.end], pool, layer, p
+                q[p.start : p.end], k[p.start : p.end], v[p.start : p.end], device_pool, layer, p
             )
         return out

@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 # Architecture name (config.json "architectures") -> whether q/k/v projections carry a bias.
 ARCHITECTURES = {"LlamaForCausalLM": False, "MistralForCausalLM": False, "Qwen2ForCausalLM": True}
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+OFFLOAD_MODES = ("none", "all")
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -178,6 +179,7 @@ class EngineArgs:
     num_cpu_blocks: int | None = None
     cpu_kv_gib: float = 4.0
     cpu_threads: int | None = None
+    offload: str = "none"  # none: GPU-only (overflow swapped); all: every decode on the CPU
     seed: int = 0
     skip_tokenizer_init: bool = False
 
@@ -196,5 +198,9 @@ class EngineArgs:
             raise InvalidArgumentError(f"num_cpu_blocks must be non-negative, got {self.num_cpu_blocks}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise InvalidArgumentError("max_num_batched_tokens must be at least 1")
+        if self.offload not in OFFLOAD_MODES:
+            raise InvalidArgumentError(
+                f"offload must be one of {', '.join(OFFLOAD_MODES)}, got {self.offload!r}"
+            )
         if self.cpu_kv_gib < 0:
             raise InvalidArgumentError(f"cpu_kv_gib must be non-negative, got {self.cpu_kv_gib}")

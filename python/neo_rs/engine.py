@@ -78,6 +78,7 @@ class LLMEngine:
             block_size=args.block_size,
             num_gpu_blocks=self.runner.num_gpu_blocks,
             num_cpu_blocks=self.runner.num_cpu_blocks,
+            offload=args.offload,
         )
         self.generator = torch.Generator(self.device).manual_seed(args.seed)
         self._requests: dict[str, _Request] = {}

@@ -42,11 +42,20 @@ class KvPool:
         self.v[layer][block, :, offset] = v
 
 
-def copy_blocks(src: KvPool, dst: KvPool, pairs: np.ndarray) -> None:
-    """Copy whole blocks (every layer of K and V) for each ``(src_block, dst_block)`` row of ``pairs``."""
-    if len(pairs) == 0:
+def block_pairs(pairs: np.ndarray, src: KvPool, dst: KvPool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Source and destination block indices of ``[n, 2]`` pairs, each on its pool's device."""
+    idx = torch.from_numpy(np.ascontiguousarray(pairs))
+    return idx[:, 0].to(src.device), idx[:, 1].to(dst.device)
+
+
+def copy_blocks(
+    src: KvPool, dst: KvPool, src_idx: torch.Tensor, dst_idx: torch.Tensor, layer: int | None = None
+) -> None:
+    """Copy K and V of blocks ``src_idx`` into ``dst_idx``: one layer, or every layer when None."""
+    if len(src_idx) == 0:
         return
-    idx = torch.from_numpy(pairs)
-    src_idx, dst_idx = idx[:, 0].to(src.device), idx[:, 1].to(dst.device)
     for s, d in ((src.k, dst.k), (src.v, dst.v)):
-        d[:, dst_idx] = s[:, src_idx].to(dst.device, non_blocking=True)
+        if layer is None:
+            d[:, dst_idx] = s[:, src_idx].to(dst.device, non_blocking=True)
+        else:
+            d[layer][dst_idx] = s[layer][src_idx].to(dst.device, non_blocking=True)

@@ -1,6 +1,7 @@
 """The model runner: owns the weights, both KV pools and the attention backends, applies a
-plan's swaps and runs its forward pass (GPU-only mode: one batch, every layer's three stages in
-order) up to the logits of the sampled rows."""
+plan's swaps and runs its forward pass (one batch, every layer's three stages in order; CPU
+decodes attend over the host pool, finishing host-bound prefills are copied there layer by layer)
+up to the logits of the sampled rows."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from neo_rs._core import CpuAttention, SchedulerOutput
 from neo_rs.attention import Attention, AttentionBatch
 from neo_rs.config import EngineArgs, ModelConfig
 from neo_rs.errors import InvalidArgumentError
-from neo_rs.kv_cache import KvLayout, KvPool, copy_blocks
+from neo_rs.kv_cache import KvLayout, KvPool, block_pairs, copy_blocks
 from neo_rs.model import load_model
 
 log = logging.getLogger(__name__)
@@ -64,8 +65,7 @@ class ModelRunner:
             num_cpu * per_block / (1 << 30),
             args.block_size,
         )
-        cpu_attention = CpuAttention(num_threads=args.cpu_threads) if device.type == "cpu" else None
-        self.attention = Attention(cfg.head_dim**-0.5, cpu_attention)
+        self.attention = Attention(cfg.head_dim**-0.5, CpuAttention(num_threads=args.cpu_threads))
 
     def _device_blocks(self, args: EngineArgs, max_model_len: int) -> int:
         per_block = self.layout.bytes_per_block()
@@ -94,8 +94,9 @@ class ModelRunner:
 
     def apply_swaps(self, plan: SchedulerOutput) -> None:
         """Whole-request moves between the pools, swap-outs first (their blocks may be reused)."""
-        copy_blocks(self.device_pool, self.host_pool, plan.swap_out)
-        copy_blocks(self.host_pool, self.device_pool, plan.swap_in)
+        dev, host = self.device_pool, self.host_pool
+        copy_blocks(dev, host, *block_pairs(plan.swap_out, dev, host))
+        copy_blocks(host, dev, *block_pairs(plan.swap_in, host, dev))
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> torch.Tensor:
@@ -105,12 +106,17 @@ class ModelRunner:
         ids = torch.from_numpy(plan.input_ids).to(dev)
         positions = torch.from_numpy(plan.positions).to(dev)
         batch = AttentionBatch.from_plan(plan, dev, self.layout.block_size)
-        pool = self.device_pool
+        pool, host = self.device_pool, self.host_pool
+        rows = batch.device_rows(len(ids))
+        to_host = block_pairs(plan.prefill_to_host, pool, host)
         x = model.embed_tokens(ids)
         for i, layer in enumerate(model.decoder_layers):
             q, k, v = layer.pre_attention(x, positions, model.rotary)
-            pool.write(i, batch.slot_mapping, k, v)
-            attn = self.attention.forward(q, k, v, pool, i, batch)
+            for r in rows:
+                pool.write(i, batch.slot_mapping[r], k[r], v[r])
+            # Finishing prefills bound for the host pool leave this layer's blocks right away.
+            copy_blocks(pool, host, *to_host, layer=i)
+            attn = self.attention.forward(q, k, v, pool, host, i, batch)
             x = layer.post_attention(attn, x)
-        rows = torch.from_numpy(np.ascontiguousarray(plan.sample_rows)).to(dev)
-        return model.compute_logits(x[rows])
+        sample_rows = torch.from_numpy(np.ascontiguousarray(plan.sample_rows)).to(dev)
+        return model.compute_logits(x[sample_rows])

@@ -6,21 +6,22 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::kv::{Device, SwapPlan};
-use crate::sched::{self, RequestId, SchedulerConfig};
+use crate::sched::{self, OffloadMode, RequestId, SchedulerConfig};
 
 #[pyclass(module = "neo_rs._core")]
 pub struct Scheduler {
     inner: sched::Scheduler,
 }
 
-/// One iteration's plan. Rows are in batch order: `num_decodes` one-token decodes, then prefill
-/// chunks.
+/// One iteration's plan. Rows are in batch order: `num_decodes` one-token decodes (the last
+/// `num_cpu_decodes` of them over the host pool), then prefill chunks.
 #[pyclass(module = "neo_rs._core", get_all, frozen)]
 pub struct SchedulerOutput {
     req_ids: Py<PyArray1<i64>>,
     num_computed_tokens: Py<PyArray1<i64>>,
     num_new_tokens: Py<PyArray1<i64>>,
     num_decodes: usize,
+    num_cpu_decodes: usize,
     input_ids: Py<PyArray1<i64>>,
     positions: Py<PyArray1<i64>>,
     slot_mapping: Py<PyArray1<i64>>,
@@ -31,6 +32,7 @@ pub struct SchedulerOutput {
     sample_ids: Py<PyArray1<i64>>,
     swap_out: Py<PyArray2<i64>>,
     swap_in: Py<PyArray2<i64>>,
+    prefill_to_host: Py<PyArray2<i64>>,
     recomputed: Vec<u64>,
 }
 
@@ -54,7 +56,8 @@ fn column(v: impl Iterator<Item = usize>) -> Vec<i64> {
 #[pymethods]
 impl Scheduler {
     #[new]
-    #[pyo3(signature = (*, max_num_seqs, max_num_batched_tokens, max_model_len, block_size, num_gpu_blocks, num_cpu_blocks))]
+    #[pyo3(signature = (*, max_num_seqs, max_num_batched_tokens, max_model_len, block_size, num_gpu_blocks, num_cpu_blocks, offload = "none"))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         max_num_seqs: usize,
         max_num_batched_tokens: usize,
@@ -62,6 +65,7 @@ impl Scheduler {
         block_size: usize,
         num_gpu_blocks: u32,
         num_cpu_blocks: u32,
+        offload: &str,
     ) -> PyResult<Self> {
         let config = SchedulerConfig {
             max_num_seqs,
@@ -70,6 +74,7 @@ impl Scheduler {
             block_size,
             num_gpu_blocks,
             num_cpu_blocks,
+            offload: OffloadMode::parse(offload)?,
         };
         Ok(Scheduler { inner: sched::Scheduler::new(config)? })
     }
@@ -92,6 +97,7 @@ impl Scheduler {
             num_computed_tokens: column(s.iter().map(|r| r.num_computed_tokens)).into_pyarray(py).unbind(),
             num_new_tokens: column(s.iter().map(|r| r.num_new_tokens)).into_pyarray(py).unbind(),
             num_decodes: out.num_decodes,
+            num_cpu_decodes: out.num_cpu_decodes,
             input_ids: m.input_ids.into_pyarray(py).unbind(),
             positions: m.positions.into_pyarray(py).unbind(),
             slot_mapping: m.slot_mapping.into_pyarray(py).unbind(),
@@ -102,6 +108,7 @@ impl Scheduler {
             sample_ids: m.sample_ids.iter().map(|&i| i as i64).collect::<Vec<_>>().into_pyarray(py).unbind(),
             swap_out: pairs(py, &out.swap_out)?.unbind(),
             swap_in: pairs(py, &out.swap_in)?.unbind(),
+            prefill_to_host: pairs(py, &out.prefill_to_host)?.unbind(),
             recomputed: out.recomputed.iter().map(|r| r.0).collect(),
         })
     }
@@ -148,6 +155,7 @@ impl Scheduler {
         d.set_item("num_recomputed", s.num_recomputed)?;
         d.set_item("num_swapped_out_blocks", s.num_swapped_out_blocks)?;
         d.set_item("num_swapped_in_blocks", s.num_swapped_in_blocks)?;
+        d.set_item("num_prefills_to_host", s.num_prefills_to_host)?;
         Ok(d)
     }
 

@@ -1,6 +1,6 @@
 //! Requests, queues and the per-iteration scheduler (vLLM v1's vocabulary: `schedule()` then
-//! `update()`), with the KV of both pools accounted in `crate::kv`. This is the GPU-only policy
-//! (NEO's `none` baseline); offloading policies build on the same queues and managers.
+//! `update()`), with the KV of both pools accounted in `crate::kv`: the GPU-only policy (NEO's
+//! `none` baseline) and the all-CPU-decode policy (`all`) share the queues and managers.
 
 mod output;
 mod request;
@@ -8,4 +8,4 @@ mod scheduler;
 
 pub use output::{ModelInputs, ScheduledRequest, SchedulerOutput};
 pub use request::{FinishReason, Request, RequestId, RequestStatus};
-pub use scheduler::{Scheduler, SchedulerConfig, SchedulerStats};
+pub use scheduler::{OffloadMode, Scheduler, SchedulerConfig, SchedulerStats};

@@ -2,7 +2,7 @@
 //! swaps to apply first, and the flat model inputs, built here so Python never loops per token.
 
 use super::request::{Request, RequestId};
-use crate::kv::{KvManager, SwapPlan};
+use crate::kv::{Device, KvManager, SwapPlan};
 
 /// One request's share of an iteration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -14,21 +14,24 @@ pub struct ScheduledRequest {
     pub num_new_tokens: usize,
     /// Whether the last row is sampled (the request is caught up after this iteration).
     pub sample: bool,
+    /// The pool its attention reads this iteration (`Cpu`: a CPU decode).
+    pub device: Device,
 }
 
-/// Flat inputs of one forward pass, rows in batch order (decodes first, then prefills).
+/// Flat inputs of one forward pass, rows in batch order (GPU decodes, CPU decodes, prefills).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ModelInputs {
     /// `[num_tokens]` token ids and their positions.
     pub input_ids: Vec<i64>,
     pub positions: Vec<i64>,
-    /// `[num_tokens]` flat cache slot `block * block_size + offset` each token's K/V goes to.
+    /// `[num_tokens]` flat device-pool slot `block * block_size + offset` each token's K/V goes
+    /// to; -1 for CPU decodes (the CPU kernel appends their K/V to the host pool).
     pub slot_mapping: Vec<i64>,
     /// `[num_reqs + 1]` start row of each request (cumulative `num_new_tokens`).
     pub query_start_loc: Vec<i32>,
     /// `[num_reqs]` context length after this iteration (`num_computed + num_new`).
     pub seq_lens: Vec<i32>,
-    /// `[num_reqs, max_blocks]` block tables, row-major, padded with block 0.
+    /// `[num_reqs, max_blocks]` block tables (of the row's pool), row-major, padded with block 0.
     pub block_tables: Vec<i32>,
     pub max_blocks: usize,
     /// Rows whose logits are sampled, and their requests, in batch order.
@@ -38,12 +41,17 @@ pub struct ModelInputs {
 
 #[derive(Debug, Clone)]
 pub struct SchedulerOutput {
-    /// Batch order: the first `num_decodes` run one token each, the rest are prefill chunks.
+    /// Batch order: the first `num_decodes` run one token each (the last `num_cpu_decodes` of
+    /// them on the CPU, over the host pool), the rest are prefill chunks.
     pub scheduled: Vec<ScheduledRequest>,
     pub num_decodes: usize,
+    pub num_cpu_decodes: usize,
     /// Apply before the forward pass, swap-outs first. One iteration never has both.
     pub swap_out: SwapPlan,
     pub swap_in: SwapPlan,
+    /// Prefills finishing this iteration whose KV moves to the host pool: copy each layer's
+    /// blocks right after that layer writes them. The device blocks are freed by `update()`.
+    pub prefill_to_host: SwapPlan,
     /// Preempted this iteration; their KV was dropped and will be recomputed.
     pub recomputed: Vec<RequestId>,
     pub inputs: ModelInputs,
@@ -57,15 +65,17 @@ impl SchedulerOutput {
 
 impl ModelInputs {
     /// Build the rows of `scheduled` (already in batch order) from the requests' tokens and
-    /// their block tables in `kv`.
+    /// their block tables in `gpu` or `cpu`.
     pub fn build<'a>(
         scheduled: &[ScheduledRequest],
         mut request: impl FnMut(RequestId) -> &'a Request,
-        kv: &KvManager,
+        gpu: &KvManager,
+        cpu: &KvManager,
     ) -> ModelInputs {
-        let bs = kv.block_size();
+        let kv_of = |s: &ScheduledRequest| if s.device == Device::Gpu { gpu } else { cpu };
+        let bs = gpu.block_size();
         let num_tokens: usize = scheduled.iter().map(|s| s.num_new_tokens).sum();
-        let max_blocks = scheduled.iter().map(|s| kv.table(s.id).len()).max().unwrap_or(0);
+        let max_blocks = scheduled.iter().map(|s| kv_of(s).table(s.id).len()).max().unwrap_or(0);
         let mut m = ModelInputs {
             input_ids: Vec::with_capacity(num_tokens),
             positions: Vec::with_capacity(num_tokens),
@@ -79,13 +89,15 @@ impl ModelInputs {
         m.query_start_loc.push(0);
         for (i, s) in scheduled.iter().enumerate() {
             let req = request(s.id);
-            let table = kv.table(s.id);
+            let table = kv_of(s).table(s.id);
             let range = s.num_computed_tokens..s.num_computed_tokens + s.num_new_tokens;
             debug_assert!(table.len() * bs >= range.end, "request {} has too few blocks", s.id);
             m.input_ids.extend(req.token_ids[range.clone()].iter().map(|&t| i64::from(t)));
             for pos in range.clone() {
                 m.positions.push(pos as i64);
-                m.slot_mapping.push((table[pos / bs].0 as usize * bs + pos % bs) as i64);
+                let slot =
+                    if s.device == Device::Gpu { (table[pos / bs].0 as usize * bs + pos % bs) as i64 } else { -1 };
+                m.slot_mapping.push(slot);
             }
             let row = &mut m.block_tables[i * max_blocks..i * max_blocks + table.len()];
             for (dst, b) in row.iter_mut().zip(table) {

@@ -3,6 +3,8 @@
 
 use std::fmt;
 
+use crate::kv::Device;
+
 /// Caller-chosen request id (Python numbers its requests).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct RequestId(pub u64);
@@ -18,7 +20,7 @@ impl fmt::Display for RequestId {
 pub enum RequestStatus {
     /// FCFS queue; holds no KV blocks (new, or preempted for recomputation).
     Waiting,
-    /// Scheduled each iteration; KV in the device pool.
+    /// Scheduled each iteration; KV in the pool named by `Request::device`.
     Running,
     /// Preempted by swapping; KV wholly in the host pool.
     Swapped,
@@ -54,6 +56,8 @@ pub struct Request {
     /// Tokens whose KV is in the cache (vLLM's `num_computed_tokens`).
     pub num_computed_tokens: usize,
     pub status: RequestStatus,
+    /// The pool holding its KV while running or swapped (a running `Cpu` request decodes on the CPU).
+    pub device: Device,
     /// Order of arrival; FCFS ties and preemption victims follow it.
     pub arrival: u64,
     pub num_preemptions: u32,

@@ -7,8 +7,36 @@ use std::collections::{HashMap, HashSet, VecDeque};
 
 use super::output::{ModelInputs, ScheduledRequest, SchedulerOutput};
 use super::request::{FinishReason, Request, RequestId, RequestStatus};
-use crate::error::{ensure, Result};
+use crate::error::{ensure, NeoError, Result};
 use crate::kv::{Device, KvManager, SwapPlan};
+
+/// Where decode attention runs (`--offload`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OffloadMode {
+    /// `none`: the GPU-only baseline; overflow is swapped to the host and waits.
+    #[default]
+    GpuOnly,
+    /// `all`: every request's KV moves to the host pool once its prefill is done, and every
+    /// decode attention runs on the CPU (the FastDecode+ baseline).
+    AllCpu,
+}
+
+impl OffloadMode {
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "none" => Ok(OffloadMode::GpuOnly),
+            "all" => Ok(OffloadMode::AllCpu),
+            _ => Err(NeoError::Value(format!("offload mode must be 'none' or 'all', got {name:?}"))),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            OffloadMode::GpuOnly => "none",
+            OffloadMode::AllCpu => "all",
+        }
+    }
+}
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SchedulerConfig {
@@ -18,8 +46,9 @@ pub struct SchedulerConfig {
     pub max_model_len: usize,
     pub block_size: usize,
     pub num_gpu_blocks: u32,
-    /// Host pool blocks (swap space; CPU decodes once offloading exists).
+    /// Host pool blocks (swap space, and the KV of CPU decodes).
     pub num_cpu_blocks: u32,
+    pub offload: OffloadMode,
 }
 
 impl SchedulerConfig {
@@ -33,6 +62,23 @@ impl SchedulerConfig {
     }
 }
 
+/// One `schedule()` call's growing plan.
+struct Step {
+    budget: usize,
+    scheduled: Vec<ScheduledRequest>,
+    swap_out: SwapPlan,
+    swap_in: SwapPlan,
+    to_host: SwapPlan,
+    recomputed: Vec<RequestId>,
+}
+
+impl Step {
+    fn push(&mut self, s: ScheduledRequest) {
+        self.budget -= s.num_new_tokens;
+        self.scheduled.push(s);
+    }
+}
+
 /// Counters since start (for metrics).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SchedulerStats {
@@ -41,6 +87,7 @@ pub struct SchedulerStats {
     pub num_recomputed: u64,
     pub num_swapped_out_blocks: u64,
     pub num_swapped_in_blocks: u64,
+    pub num_prefills_to_host: u64,
 }
 
 #[derive(Debug)]
@@ -56,6 +103,8 @@ pub struct Scheduler {
     swapped: VecDeque<RequestId>,
     /// The last `schedule()`'s requests, consumed by `update()`.
     in_flight: Vec<ScheduledRequest>,
+    /// Requests whose prefill KV is being copied to the host pool this iteration.
+    moving_to_host: Vec<RequestId>,
     next_arrival: u64,
     stats: SchedulerStats,
 }
@@ -72,6 +121,7 @@ impl Scheduler {
             running: Vec::new(),
             swapped: VecDeque::new(),
             in_flight: Vec::new(),
+            moving_to_host: Vec::new(),
             next_arrival: 0,
             stats: SchedulerStats::default(),
         })
@@ -134,6 +184,12 @@ impl Scheduler {
             "request {id}: {total} tokens need {need} KV blocks, but the device pool has {}",
             self.gpu.num_total_blocks()
         );
+        ensure!(
+            self.config.offload != OffloadMode::AllCpu || need <= self.cpu.num_total_blocks(),
+            Value,
+            "request {id}: {total} tokens need {need} KV blocks, but the host pool has {}",
+            self.cpu.num_total_blocks()
+        );
         let request = Request {
             id,
             num_prompt_tokens: prompt.len(),
@@ -141,6 +197,7 @@ impl Scheduler {
             max_tokens,
             num_computed_tokens: 0,
             status: RequestStatus::Waiting,
+            device: Device::Gpu,
             arrival: self.next_arrival,
             num_preemptions: 0,
         };
@@ -171,77 +228,154 @@ impl Scheduler {
     /// Plan one iteration. Call `update()` with its sampled tokens before the next `schedule()`.
     pub fn schedule(&mut self) -> SchedulerOutput {
         debug_assert!(self.in_flight.is_empty(), "schedule() called twice without update()");
-        let mut budget = self.config.max_num_batched_tokens;
-        let mut scheduled: Vec<ScheduledRequest> = Vec::with_capacity(self.running.len() + 1);
-        let mut swap_out = SwapPlan::new(Device::Gpu, Device::Cpu);
-        let mut swap_in = SwapPlan::new(Device::Cpu, Device::Gpu);
-        let mut recomputed = Vec::new();
+        let mut step = Step {
+            budget: self.config.max_num_batched_tokens,
+            scheduled: Vec::with_capacity(self.running.len() + 1),
+            swap_out: SwapPlan::new(Device::Gpu, Device::Cpu),
+            swap_in: SwapPlan::new(Device::Cpu, Device::Gpu),
+            to_host: SwapPlan::new(Device::Gpu, Device::Cpu),
+            recomputed: Vec::new(),
+        };
+        self.schedule_running(&mut step);
+        if self.config.offload == OffloadMode::GpuOnly {
+            self.schedule_swapped(&mut step);
+        }
+        self.schedule_waiting(&mut step);
 
-        // 1. Running requests, oldest first; make room by preempting the newest.
+        // Batch order: GPU decodes, CPU decodes, prefill chunks (stable: FCFS within each).
+        let mut scheduled = step.scheduled;
+        scheduled.sort_by_key(|s| match (s.num_new_tokens, s.device) {
+            (1, Device::Gpu) => 0,
+            (1, Device::Cpu) => 1,
+            _ => 2,
+        });
+        let num_decodes = scheduled.iter().take_while(|s| s.num_new_tokens == 1).count();
+        let num_cpu_decodes = scheduled.iter().filter(|s| s.device == Device::Cpu).count();
+        let requests = &self.requests;
+        let inputs = ModelInputs::build(&scheduled, |id| &requests[&id], &self.gpu, &self.cpu);
+        self.in_flight.clone_from(&scheduled);
+        SchedulerOutput {
+            scheduled,
+            num_decodes,
+            num_cpu_decodes,
+            swap_out: step.swap_out,
+            swap_in: step.swap_in,
+            prefill_to_host: step.to_host,
+            recomputed: step.recomputed,
+            inputs,
+        }
+    }
+
+    /// Running requests, oldest first, each in its own pool; room is made by preempting the
+    /// newest running request of the same pool.
+    fn schedule_running(&mut self, step: &mut Step) {
         let mut i = 0;
-        while i < self.running.len() && budget > 0 {
+        while i < self.running.len() && step.budget > 0 {
             let id = self.running[i];
             let req = &self.requests[&id];
-            let n = req.num_pending_tokens().min(budget);
+            let n = req.num_pending_tokens().min(step.budget);
             let target = req.num_computed_tokens + n;
-            let mut fits = self.gpu.allocate_slots(id, target);
-            while !fits && i + 1 < self.running.len() {
-                let victim = self.running.pop().expect("running has a request after i");
-                self.preempt(victim, &mut swap_out, &mut recomputed);
-                fits = self.gpu.allocate_slots(id, target);
+            let to_host = self.prefill_goes_to_host(req, n);
+            if to_host && !self.host_has_room(target) {
+                i += 1; // its last chunk waits for host room
+                continue;
             }
-            if !fits {
-                let me = self.running.pop().expect("i is the last running request");
-                self.preempt(me, &mut swap_out, &mut recomputed);
-                break;
+            if !self.make_room(i, target, step) {
+                continue; // preempted itself; running[i] is now the next request
             }
-            scheduled.push(self.scheduled(id, n));
-            budget -= n;
+            if to_host {
+                self.stage_to_host(id, target, step);
+            }
+            step.push(self.scheduled(id, n));
             i += 1;
         }
+    }
 
-        // 2. Swapped requests back in, oldest first — not in an iteration that preempted, so
-        //    host blocks are never freed and reused within one iteration's copies.
-        let preempted = !swap_out.pairs.is_empty() || !recomputed.is_empty();
-        while !preempted && budget > 0 && self.running.len() < self.config.max_num_seqs {
+    /// Grow `running[i]`'s table to `target` tokens, preempting newer requests of its pool as
+    /// needed. `false` if it had to preempt itself (it is then out of `running`).
+    fn make_room(&mut self, i: usize, target: usize, step: &mut Step) -> bool {
+        let id = self.running[i];
+        let device = self.requests[&id].device;
+        loop {
+            let kv = match device {
+                Device::Gpu => &mut self.gpu,
+                Device::Cpu => &mut self.cpu,
+            };
+            if kv.allocate_slots(id, target) {
+                return true;
+            }
+            let victim = (i + 1..self.running.len()).rev().find(|&j| self.requests[&self.running[j]].device == device);
+            let j = victim.unwrap_or(i);
+            let v = self.running.remove(j);
+            self.preempt(v, step);
+            if j == i {
+                return false;
+            }
+        }
+    }
+
+    /// Swapped requests back in, oldest first (GPU-only mode) — not in an iteration that
+    /// preempted, so host blocks are never freed and reused within one iteration's copies.
+    fn schedule_swapped(&mut self, step: &mut Step) {
+        let preempted = !step.swap_out.pairs.is_empty() || !step.recomputed.is_empty();
+        while !preempted && step.budget > 0 && self.running.len() < self.config.max_num_seqs {
             let Some(&id) = self.swapped.front() else { break };
             let req = &self.requests[&id];
-            let n = req.num_pending_tokens().min(budget);
+            let n = req.num_pending_tokens().min(step.budget);
             if self.gpu.blocks_for(req.num_computed_tokens + n) > self.gpu.num_free_blocks() {
                 break;
             }
-            let moved = self.cpu.swap_to(&mut self.gpu, id, &mut swap_in);
+            let moved = self.cpu.swap_to(&mut self.gpu, id, &mut step.swap_in);
             let grown = self.gpu.allocate_slots(id, req.num_computed_tokens + n);
             debug_assert!(moved && grown);
             self.swapped.pop_front();
             self.stats.num_swapped_in += 1;
             self.admit(id);
-            scheduled.push(self.scheduled(id, n));
-            budget -= n;
+            step.push(self.scheduled(id, n));
         }
-        self.stats.num_swapped_in_blocks += swap_in.pairs.len() as u64;
+        self.stats.num_swapped_in_blocks += step.swap_in.pairs.len() as u64;
+    }
 
-        // 3. New prefills (FCFS, no skipping), only once every swapped request is back.
-        while self.swapped.is_empty() && budget > 0 && self.running.len() < self.config.max_num_seqs {
+    /// New prefills (FCFS, no skipping) into the device pool, only once every swapped request
+    /// is back.
+    fn schedule_waiting(&mut self, step: &mut Step) {
+        while self.swapped.is_empty() && step.budget > 0 && self.running.len() < self.config.max_num_seqs {
             let Some(&id) = self.waiting.front() else { break };
             let req = &self.requests[&id];
-            let n = req.num_pending_tokens().min(budget);
-            if !self.gpu.allocate_slots(id, req.num_computed_tokens + n) {
+            let n = req.num_pending_tokens().min(step.budget);
+            let target = req.num_computed_tokens + n;
+            let to_host = self.prefill_goes_to_host(req, n);
+            if (to_host && !self.host_has_room(target)) || !self.gpu.allocate_slots(id, target) {
                 break;
             }
             self.waiting.pop_front();
             self.admit(id);
-            scheduled.push(self.scheduled(id, n));
-            budget -= n;
+            if to_host {
+                self.stage_to_host(id, target, step);
+            }
+            step.push(self.scheduled(id, n));
         }
+    }
 
-        // Decodes first, prefill chunks after (stable: FCFS within each).
-        scheduled.sort_by_key(|s| s.num_new_tokens != 1);
-        let num_decodes = scheduled.iter().take_while(|s| s.num_new_tokens == 1).count();
-        let requests = &self.requests;
-        let inputs = ModelInputs::build(&scheduled, |id| &requests[&id], &self.gpu);
-        self.in_flight.clone_from(&scheduled);
-        SchedulerOutput { scheduled, num_decodes, swap_out, swap_in, recomputed, inputs }
+    /// Whether running `n` tokens of this device-resident request finishes its prefill and its KV
+    /// must then live in the host pool (every decode on the CPU).
+    fn prefill_goes_to_host(&self, req: &Request, n: usize) -> bool {
+        self.config.offload == OffloadMode::AllCpu && req.device == Device::Gpu && n == req.num_pending_tokens()
+    }
+
+    fn host_has_room(&self, num_tokens: usize) -> bool {
+        self.cpu.blocks_for(num_tokens) <= self.cpu.num_free_blocks()
+    }
+
+    /// Give the request host blocks for `num_tokens` tokens and plan the layer-wise copy of its
+    /// device blocks (which stay allocated as staging until `update()`).
+    fn stage_to_host(&mut self, id: RequestId, num_tokens: usize, step: &mut Step) {
+        let grown = self.cpu.allocate_slots(id, num_tokens);
+        debug_assert!(grown, "host room was checked");
+        let pairs = self.gpu.table(id).iter().copied().zip(self.cpu.table(id).iter().copied());
+        step.to_host.pairs.extend(pairs);
+        self.moving_to_host.push(id);
+        self.stats.num_prefills_to_host += 1;
     }
 
     fn scheduled(&self, id: RequestId, n: usize) -> ScheduledRequest {
@@ -251,33 +385,40 @@ impl Scheduler {
             num_computed_tokens: req.num_computed_tokens,
             num_new_tokens: n,
             sample: n == req.num_pending_tokens(),
+            device: req.device,
         }
     }
 
     fn admit(&mut self, id: RequestId) {
-        self.requests.get_mut(&id).expect("admitted request exists").status = RequestStatus::Running;
+        let req = self.requests.get_mut(&id).expect("admitted request exists");
+        req.status = RequestStatus::Running;
+        req.device = Device::Gpu;
         self.running.push(id);
     }
 
-    /// Take `id` (already removed from `running`) off the device: to the host pool if it has
-    /// room, else drop its KV so it is recomputed from the front of the waiting queue.
-    fn preempt(&mut self, id: RequestId, swap_out: &mut SwapPlan, recomputed: &mut Vec<RequestId>) {
-        let before = swap_out.pairs.len();
+    /// Take `id` (already removed from `running`) off its pool. In GPU-only mode a device request
+    /// moves to the host pool if it has room; otherwise its KV is dropped and it is recomputed
+    /// from the front of the waiting queue.
+    fn preempt(&mut self, id: RequestId, step: &mut Step) {
+        let before = step.swap_out.pairs.len();
         let req = self.requests.get_mut(&id).expect("preempted request exists");
         req.num_preemptions += 1;
-        if self.gpu.swap_to(&mut self.cpu, id, swap_out) {
+        let may_swap = self.config.offload == OffloadMode::GpuOnly && req.device == Device::Gpu;
+        if may_swap && self.gpu.swap_to(&mut self.cpu, id, &mut step.swap_out) {
             req.status = RequestStatus::Swapped;
+            req.device = Device::Cpu;
             let arrival = req.arrival;
             let at = self.swapped.partition_point(|r| self.requests[r].arrival < arrival);
             self.swapped.insert(at, id);
             self.stats.num_swapped_out += 1;
-            self.stats.num_swapped_out_blocks += (swap_out.pairs.len() - before) as u64;
+            self.stats.num_swapped_out_blocks += (step.swap_out.pairs.len() - before) as u64;
         } else {
             self.gpu.free(id);
+            self.cpu.free(id);
             req.num_computed_tokens = 0;
             req.status = RequestStatus::Waiting;
             self.waiting.push_front(id);
-            recomputed.push(id);
+            step.recomputed.push(id);
             self.stats.num_recomputed += 1;
         }
     }
@@ -293,6 +434,12 @@ impl Scheduler {
             "update() got {} sampled tokens, but the plan samples {num_sampled} rows",
             sampled.len()
         );
+        for id in std::mem::take(&mut self.moving_to_host) {
+            if let Some(req) = self.requests.get_mut(&id) {
+                self.gpu.free(id); // the staging blocks; the KV is in the host pool now
+                req.device = Device::Cpu;
+            }
+        }
         // A stop on the last allowed token is a stop, not a length finish.
         let stopped: HashSet<RequestId> = stopped.iter().copied().filter(|id| self.requests.contains_key(id)).collect();
         let mut finished: Vec<_> = stopped.iter().map(|&id| (id, FinishReason::Stop)).collect();
@@ -320,8 +467,8 @@ impl Scheduler {
         Ok(finished)
     }
 
-    /// Check the accounting: pools agree with their tables, no block owned twice, every request
-    /// in exactly one queue holding blocks only where its status says.
+    /// Check the accounting between iterations: pools agree with their tables, no block owned
+    /// twice, every request in exactly one queue holding blocks only where its status says.
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         for kv in [&self.gpu, &self.cpu] {
             kv.pool().check()?;
@@ -370,8 +517,9 @@ impl Scheduler {
                 let cached = self.gpu.blocks_for(req.num_computed_tokens);
                 let ok = match status {
                     RequestStatus::Waiting => gpu == 0 && cpu == 0 && req.num_computed_tokens == 0,
-                    RequestStatus::Running => cpu == 0 && gpu >= cached,
-                    RequestStatus::Swapped => gpu == 0 && cpu == cached,
+                    RequestStatus::Running if req.device == Device::Gpu => cpu == 0 && gpu >= cached,
+                    RequestStatus::Running => gpu == 0 && cpu >= cached,
+                    RequestStatus::Swapped => req.device == Device::Cpu && gpu == 0 && cpu == cached,
                 };
                 if !ok {
                     return Err(format!(

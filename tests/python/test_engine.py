@@ -90,9 +90,10 @@ def test_torch_decode_fallback_matches_the_rust_kernel(checkpoints) -> None:
     layout = runner.layout
     q = torch.randn(3, 4, layout.head_dim)
     want = torch.empty_like(q)
-    runner.attention.decode(q, runner.device_pool, 1, batch, want)
+    rows = batch.gpu_decodes
+    runner.attention.decode(q, runner.device_pool, 1, rows, want)
     got = paged_decode_torch(
-        q, runner.device_pool, 1, batch.decode_block_tables, batch.decode_seq_lens, layout.head_dim**-0.5
+        q, runner.device_pool, 1, rows.block_tables, rows.seq_lens, layout.head_dim**-0.5
     )
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     engine.scheduler.update([0, 0, 0], [])

@@ -92,6 +92,32 @@ def test_preemption_keeps_outputs_identical(checkpoints, num_cpu_blocks: int, st
     assert_all_blocks_free(engine)
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_all_decodes_on_the_cpu_keep_outputs_identical(checkpoints, kind: str) -> None:
+    # offload="all": every finished prefill moves to the host pool layer by layer, every decode
+    # runs the Rust kernel over the host pool with the fused append. Chunked prefill too.
+    tokens, engine = run(
+        checkpoints[kind],
+        offload="all",
+        num_gpu_blocks=16,
+        num_cpu_blocks=64,
+        block_size=8,
+        max_num_batched_tokens=24,
+    )
+    assert tokens == [hf_greedy(checkpoints[kind], kind, p) for p in PROMPTS]
+    assert engine.scheduler.stats()["num_prefills_to_host"] == len(PROMPTS)
+    assert_all_blocks_free(engine)
+
+
+def test_all_mode_with_a_full_host_pool_recomputes(checkpoints) -> None:
+    tokens, engine = run(
+        checkpoints["llama3"], offload="all", num_gpu_blocks=16, num_cpu_blocks=8, block_size=8
+    )
+    assert tokens == [hf_greedy(checkpoints["llama3"], "llama3", p) for p in PROMPTS]
+    assert engine.scheduler.stats()["num_recomputed"] > 0
+    assert_all_blocks_free(engine)
+
+
 def test_chunked_prefill_keeps_outputs_identical(checkpoints) -> None:
     tokens, engine = run(checkpoints["qwen2"], num_gpu_blocks=64, max_num_batched_tokens=5)
     assert tokens == [hf_greedy(checkpoints["qwen2"], "qwen2", p) for p in PROMPTS]
