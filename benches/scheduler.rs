@@ -20,6 +20,7 @@ impl Load {
             num_gpu_blocks: (num_running * 1400 / block_size) as u32,
             num_cpu_blocks: 0,
             offload: OffloadMode::GpuOnly,
+            transfer_bytes_per_decode: 0,
         })
         .expect("valid config");
         let mut load = Load { s, next_id: 0 };

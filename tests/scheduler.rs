@@ -30,7 +30,7 @@ struct Workload {
 }
 
 fn workload() -> impl Strategy<Value = Workload> {
-    let mode = prop_oneof![Just(OffloadMode::GpuOnly), Just(OffloadMode::AllCpu)];
+    let mode = prop_oneof![Just(OffloadMode::GpuOnly), Just(OffloadMode::AllCpu), Just(OffloadMode::Neo)];
     let config =
         (1usize..=6, 1usize..=48, prop_oneof![Just(1usize), Just(2), Just(4), Just(16)], 1u32..=24, 0u32..=24, mode)
             .prop_map(|(max_num_seqs, budget, block_size, gpu, cpu, offload)| SchedulerConfig {
@@ -41,6 +41,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                 num_gpu_blocks: gpu,
                 num_cpu_blocks: cpu,
                 offload,
+                transfer_bytes_per_decode: 4096,
             });
     let job = (
         0usize..40,
@@ -65,10 +66,13 @@ fn check_plan(s: &Scheduler, out: &SchedulerOutput) -> Result<(), TestCaseError>
     prop_assert!(out.num_batched_tokens() <= c.max_num_batched_tokens);
     prop_assert!(out.scheduled.len() <= c.max_num_seqs);
     prop_assert!(out.swap_out.pairs.is_empty() || out.swap_in.pairs.is_empty());
-    if c.offload == OffloadMode::AllCpu {
-        prop_assert!(out.swap_out.pairs.is_empty() && out.swap_in.pairs.is_empty());
-    } else {
-        prop_assert!(out.num_cpu_decodes == 0 && out.prefill_to_host.pairs.is_empty());
+    match c.offload {
+        OffloadMode::AllCpu => prop_assert!(out.swap_out.pairs.is_empty() && out.swap_in.pairs.is_empty()),
+        OffloadMode::GpuOnly => prop_assert!(out.num_cpu_decodes == 0 && out.prefill_to_host.pairs.is_empty()),
+        OffloadMode::Neo => {}
+    }
+    if c.offload != OffloadMode::Neo {
+        prop_assert_eq!(out.sub_batch1_start, out.scheduled.len());
     }
     let m = &out.inputs;
     prop_assert_eq!(m.input_ids.len(), out.num_batched_tokens());
@@ -79,8 +83,14 @@ fn check_plan(s: &Scheduler, out: &SchedulerOutput) -> Result<(), TestCaseError>
     for (i, sr) in out.scheduled.iter().enumerate() {
         let req = s.request(sr.id).expect("scheduled request exists");
         prop_assert_eq!(req.status, RequestStatus::Running);
-        prop_assert_eq!(i < out.num_decodes, sr.num_new_tokens == 1);
-        prop_assert_eq!(i >= num_gpu_decodes && i < out.num_decodes, sr.device == Device::Cpu);
+        prop_assert_eq!(sr.sub_batch == 1, i >= out.sub_batch1_start);
+        if i < out.sub_batch1_start {
+            prop_assert_eq!(i < out.num_decodes, sr.num_new_tokens == 1);
+            prop_assert_eq!(i >= num_gpu_decodes && i < out.num_decodes, sr.device == Device::Cpu);
+        } else {
+            // Sub-batch 1 holds CPU decodes only.
+            prop_assert!(sr.num_new_tokens == 1 && sr.device == Device::Cpu);
+        }
         prop_assert!(sr.num_new_tokens >= 1);
         prop_assert_eq!(sr.sample, sr.num_computed_tokens + sr.num_new_tokens == req.num_tokens());
         let table = s.kv(sr.device).table(sr.id);
@@ -101,10 +111,10 @@ fn check_plan(s: &Scheduler, out: &SchedulerOutput) -> Result<(), TestCaseError>
             prop_assert_eq!(slot / c.block_size, table[pos / c.block_size].0 as usize);
             prop_assert!(slots.insert(slot), "slot {} written twice", slot);
         }
-        // A prefill finishing in `all` mode stages every device block to its host twin.
+        // A prefill finishing into the host pool stages every device block to its host twin.
         let host = s.kv(Device::Cpu).table(sr.id);
         if sr.device == Device::Gpu && !host.is_empty() {
-            prop_assert!(sr.sample && c.offload == OffloadMode::AllCpu);
+            prop_assert!(sr.sample && c.offload != OffloadMode::GpuOnly);
             prop_assert_eq!(host.len(), table.len());
             staged.extend(table.iter().copied().zip(host.iter().copied()));
         }
@@ -205,6 +215,7 @@ fn config(gpu: u32, cpu: u32, budget: usize) -> SchedulerConfig {
         num_gpu_blocks: gpu,
         num_cpu_blocks: cpu,
         offload: OffloadMode::GpuOnly,
+        transfer_bytes_per_decode: 0,
     }
 }
 
@@ -298,4 +309,29 @@ fn all_mode_moves_finished_prefills_to_the_host_and_decodes_there() {
     assert!(plans[2..].iter().all(|p| p.num_cpu_decodes == p.scheduled.len() && p.num_decodes == p.scheduled.len()));
     assert!(plans[2..].iter().all(|p| p.inputs.slot_mapping.iter().all(|&x| x == -1)));
     assert_eq!(s.stats().num_prefills_to_host, 2);
+}
+
+#[test]
+fn neo_mode_offloads_pipelines_and_swaps_both_ways() {
+    let cfg = SchedulerConfig {
+        offload: OffloadMode::Neo,
+        max_num_seqs: 16,
+        max_num_batched_tokens: 256,
+        block_size: 4,
+        num_gpu_blocks: 24,
+        num_cpu_blocks: 128,
+        transfer_bytes_per_decode: 4096,
+        max_model_len: 128,
+    };
+    let mut s = Scheduler::new(cfg).unwrap();
+    for id in 0..12 {
+        s.add_request(RequestId(id), vec![1; 20 + id as usize], 40).unwrap();
+    }
+    let plans = drain(&mut s);
+    let st = s.stats();
+    assert!(st.num_pipelined_steps > 0, "{st:?}");
+    assert!(st.num_prefills_to_host > 0 && st.num_swapped_in > 0, "{st:?}");
+    let pipelined = plans.iter().find(|p| p.sub_batch1_start < p.scheduled.len()).unwrap();
+    assert!(pipelined.scheduled[pipelined.sub_batch1_start..].iter().all(|r| r.device == Device::Cpu));
+    assert!(plans.iter().any(|p| p.num_cpu_decodes > 0 && p.num_decodes > p.num_cpu_decodes));
 }

@@ -76,7 +76,9 @@ class SchedulerOutput:
     num_new_tokens: npt.NDArray[np.int64]
     num_decodes: int
     num_cpu_decodes: int
-    """The last ``num_cpu_decodes`` decode rows attend over the host pool (slot_mapping -1)."""
+    """The last ``num_cpu_decodes`` decode rows of sub-batch 0 attend over the host pool (slot -1)."""
+    sub_batch1_start: int
+    """Requests from here on are sub-batch 1 (CPU decodes); ``len(req_ids)`` when not pipelined."""
     input_ids: npt.NDArray[np.int64]
     positions: npt.NDArray[np.int64]
     slot_mapping: npt.NDArray[np.int64]
@@ -106,8 +108,10 @@ class Scheduler:
         num_gpu_blocks: int,
         num_cpu_blocks: int,
         offload: str = "none",
+        transfer_bytes_per_decode: int = 0,
     ) -> None:
-        """``offload``: ``none`` (GPU-only, overflow swapped) or ``all`` (every decode on the CPU)."""
+        """``offload``: ``neo`` (partial offload, pipelined when it pays), ``none`` (GPU-only,
+        overflow swapped) or ``all`` (every decode on the CPU)."""
     def add_request(self, request_id: int, prompt_token_ids: list[int], max_tokens: int) -> None:
         """Queue a request; ``InvalidArgumentError`` if it can never run (empty, too long, duplicate)."""
     def abort(self, request_id: int) -> bool:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from neo_rs._core import CpuAttention, SchedulerOutput
+from neo_rs._core import AttentionHandle, CpuAttention, SchedulerOutput
 from neo_rs.kv_cache import KvPool
 
 
@@ -40,31 +40,48 @@ class DecodeRows:
 
 @dataclass
 class AttentionBatch:
-    """The per-iteration metadata every layer's attention shares. Rows: GPU decodes, CPU
-    decodes, prefill chunks."""
+    """The per-iteration metadata every layer's attention shares, for one sub-batch. Rows: GPU
+    decodes, CPU decodes, prefill chunks."""
 
+    tokens: slice  # this sub-batch's rows of the whole batch
     slot_mapping: torch.Tensor  # [tokens] int64, device; -1 for CPU decodes
     gpu_decodes: DecodeRows  # tables on the device
     cpu_decodes: DecodeRows  # tables in CPU memory (the host pool's)
     prefills: list[Prefill]
 
     @staticmethod
-    def from_plan(plan: SchedulerOutput, device: torch.device, block_size: int) -> AttentionBatch:
-        nd, ncd = plan.num_decodes, plan.num_cpu_decodes
+    def from_plan(plan: SchedulerOutput, device: torch.device, block_size: int) -> list[AttentionBatch]:
+        """One batch per sub-batch of the plan (two when it is pipelined); each batch's rows
+        count from its own first token."""
+        n, s1 = len(plan.req_ids), plan.sub_batch1_start
+        batches = [
+            AttentionBatch._rows(plan, 0, s1, plan.num_decodes, plan.num_cpu_decodes, device, block_size)
+        ]
+        if s1 < n:
+            batches.append(AttentionBatch._rows(plan, s1, n, n - s1, n - s1, device, block_size))
+        return batches
+
+    @staticmethod
+    def _rows(
+        plan: SchedulerOutput, lo: int, hi: int, nd: int, ncd: int, device: torch.device, block_size: int
+    ) -> AttentionBatch:
         ngd = nd - ncd
-        qsl, lens = plan.query_start_loc, plan.seq_lens
-        tables = torch.from_numpy(plan.block_tables)
+        qsl = plan.query_start_loc[lo : hi + 1] - plan.query_start_loc[lo]
+        lens = plan.seq_lens[lo:hi]
+        tables = torch.from_numpy(plan.block_tables[lo:hi])
         seq_lens = torch.from_numpy(lens)
         prefills = []
-        for i in range(nd, len(lens)):
+        for i in range(nd, hi - lo):
             nblocks = -(-int(lens[i]) // block_size)
             start, end = int(qsl[i]), int(qsl[i + 1])
             seq_len = int(lens[i])
             prefills.append(
                 Prefill(start, end, seq_len - (end - start), seq_len, tables[i, :nblocks].long().to(device))
             )
+        t0, t1 = int(plan.query_start_loc[lo]), int(plan.query_start_loc[hi])
         return AttentionBatch(
-            slot_mapping=torch.from_numpy(plan.slot_mapping).to(device),
+            tokens=slice(t0, t1),
+            slot_mapping=torch.from_numpy(plan.slot_mapping[t0:t1]).to(device),
             gpu_decodes=DecodeRows(0, ngd, tables[:ngd].to(device), seq_lens[:ngd].to(device)),
             cpu_decodes=DecodeRows(ngd, nd, tables[ngd:nd], seq_lens[ngd:nd]),
             prefills=prefills,
@@ -72,9 +89,9 @@ class AttentionBatch:
 
     def device_rows(self, num_tokens: int) -> list[slice]:
         """Row ranges whose K/V go to the device pool (all but the CPU decodes)."""
-        if not len(self.cpu_decodes):
-            return [slice(0, num_tokens)]
-        return [slice(0, self.cpu_decodes.start), slice(self.cpu_decodes.end, num_tokens)]
+        c = self.cpu_decodes
+        rows = [slice(0, c.start), slice(c.end, num_tokens)] if len(c) else [slice(0, num_tokens)]
+        return [r for r in rows if r.stop > r.start]
 
 
 def paged_decode_torch(
@@ -99,9 +116,21 @@ def paged_decode_torch(
     return out[:, :, 0, :]
 
 
+class PendingCpuAttention:
+    """CPU attention submitted to the Rust pool; ``result()`` waits (GIL released) and brings
+    the output back to the model's device."""
+
+    def __init__(self, handle: AttentionHandle, out: torch.Tensor, device: torch.device) -> None:
+        self.handle, self.out, self.device = handle, out, device
+
+    def result(self) -> torch.Tensor:
+        self.handle.wait()
+        return self.out.to(self.device)
+
+
 class Attention:
-    """Runs one layer's attention for a whole batch. ``cpu_attention`` serves CPU decodes, and
-    device decodes too when the device pool lives in CPU memory."""
+    """One layer's attention for one sub-batch. ``cpu_attention`` serves CPU decodes, and device
+    decodes too when the device pool lives in CPU memory."""
 
     def __init__(self, scale: float, cpu_attention: CpuAttention) -> None:
         self.scale = scale
@@ -116,18 +145,27 @@ class Attention:
         else:
             out.copy_(paged_decode_torch(q, pool, layer, rows.block_tables, rows.seq_lens, self.scale))
 
-    def cpu_decode(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, host: KvPool, layer: int, rows: DecodeRows
-    ) -> torch.Tensor:
-        """Host-pool decodes: q/k/v go to the CPU in the model dtype, the kernel appends k/v at
-        ``seq_len - 1`` and attends; the output comes back to q's device."""
+    def start_cpu(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        host: KvPool,
+        layer: int,
+        batch: AttentionBatch,
+    ) -> PendingCpuAttention | None:
+        """Submit the batch's CPU decodes: their q/k/v go to the CPU in the model dtype, the
+        kernel appends k/v at ``seq_len - 1`` of the host pool and attends, asynchronously."""
+        c = batch.cpu_decodes
+        if not len(c):
+            return None
         cpu = torch.device("cpu")
-        qc, kc, vc = (t.to(cpu).contiguous() for t in (q, k, v))
+        qc, kc, vc = (t[c.start : c.end].to(cpu).contiguous() for t in (q, k, v))
         out = torch.empty_like(qc)
-        self.cpu_attention.forward(
-            qc, host.k, host.v, layer, rows.block_tables, rows.seq_lens, self.scale, out, new_k=kc, new_v=vc
+        handle = self.cpu_attention.submit(
+            qc, host.k, host.v, layer, c.block_tables, c.seq_lens, self.scale, out, new_k=kc, new_v=vc
         )
-        return out.to(q.device)
+        return PendingCpuAttention(handle, out, q.device)
 
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KvPool, layer: int, p: Prefill
@@ -159,6 +197,24 @@ class Attention:
             )
         return out[0].transpose(0, 1)
 
+    def device_part(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        pool: KvPool,
+        layer: int,
+        batch: AttentionBatch,
+        out: torch.Tensor,
+    ) -> None:
+        """GPU decodes and prefill chunks of the batch, into their rows of ``out``."""
+        g = batch.gpu_decodes
+        if len(g):
+            self.decode(q[g.start : g.end], pool, layer, g, out[g.start : g.end])
+        for p in batch.prefills:
+            rows = slice(p.start, p.end)
+            out[rows] = self.prefill(q[rows], k[rows], v[rows], pool, layer, p)
+
     def forward(
         self,
         q: torch.Tensor,
@@ -169,17 +225,12 @@ class Attention:
         layer: int,
         batch: AttentionBatch,
     ) -> torch.Tensor:
-        """q ``[T, heads, d]``, k/v ``[T, kv_heads, d]`` (device rows written) -> ``[T, heads, d]``."""
+        """q ``[T, heads, d]``, k/v ``[T, kv_heads, d]`` (device rows written) -> ``[T, heads, d]``;
+        the CPU part runs while the device part is issued."""
         out = torch.empty_like(q)
-        g, c = batch.gpu_decodes, batch.cpu_decodes
-        if len(g):
-            self.decode(q[g.start : g.end], device_pool, layer, g, out[g.start : g.end])
-        if len(c):
-            out[c.start : c.end] = self.cpu_decode(
-                q[c.start : c.end], k[c.start : c.end], v[c.start : c.end], host_pool, layer, c
-            )
-        for p in batch.prefills:
-            out[p.start : p.end] = self.prefill(
-                q[p.start : p.end], k[p.start : p.end], v[p.start : p.end], device_pool, layer, p
-            )
+        pending = self.start_cpu(q, k, v, host_pool, layer, batch)
+        self.device_part(q, k, v, device_pool, layer, batch, out)
+        if pending is not None:
+            c = batch.cpu_decodes
+            out[c.start : c.end] = pending.result()
         return out

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 # Architecture name (config.json "architectures") -> whether q/k/v projections carry a bias.
 ARCHITECTURES = {"LlamaForCausalLM": False, "MistralForCausalLM": False, "Qwen2ForCausalLM": True}
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-OFFLOAD_MODES = ("none", "all")
+OFFLOAD_MODES = ("neo", "none", "all")
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -179,7 +179,9 @@ class EngineArgs:
     num_cpu_blocks: int | None = None
     cpu_kv_gib: float = 4.0
     cpu_threads: int | None = None
-    offload: str = "none"  # none: GPU-only (overflow swapped); all: every decode on the CPU
+    # neo: partial offload with the asymmetric pipeline; none: GPU-only (overflow swapped);
+    # all: every decode on the CPU.
+    offload: str = "none"
     seed: int = 0
     skip_tokenizer_init: bool = False
 

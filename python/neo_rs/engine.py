@@ -79,6 +79,7 @@ class LLMEngine:
             num_gpu_blocks=self.runner.num_gpu_blocks,
             num_cpu_blocks=self.runner.num_cpu_blocks,
             offload=args.offload,
+            transfer_bytes_per_decode=self.runner.transfer_bytes_per_decode(),
         )
         self.generator = torch.Generator(self.device).manual_seed(args.seed)
         self._requests: dict[str, _Request] = {}

@@ -12,13 +12,15 @@ import numpy as np
 import torch
 
 from neo_rs._core import CpuAttention, SchedulerOutput
-from neo_rs.attention import Attention, AttentionBatch
+from neo_rs.attention import Attention, AttentionBatch, PendingCpuAttention
 from neo_rs.config import EngineArgs, ModelConfig
 from neo_rs.errors import InvalidArgumentError
 from neo_rs.kv_cache import KvLayout, KvPool, block_pairs, copy_blocks
 from neo_rs.model import load_model
 
 log = logging.getLogger(__name__)
+
+Pairs = tuple[torch.Tensor, torch.Tensor]  # (source, destination) block indices
 
 # Device pool budget when the "device" is the CPU and no block count is given.
 _CPU_DEVICE_KV_BYTES = 2 << 30
@@ -84,6 +86,11 @@ class ModelRunner:
             )
         return blocks
 
+    def transfer_bytes_per_decode(self) -> int:
+        """Per layer, one CPU decode sends q, k, v to the host and its output back."""
+        cfg, elem = self.model.config, torch.empty((), dtype=self.layout.dtype).element_size()
+        return (2 * cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * elem
+
     @property
     def num_gpu_blocks(self) -> int:
         return self.device_pool.num_blocks
@@ -102,21 +109,75 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> torch.Tensor:
         """Run the plan's tokens through the model; float32 logits of its sampled rows."""
         dev = self.device
-        model = self.model
         ids = torch.from_numpy(plan.input_ids).to(dev)
         positions = torch.from_numpy(plan.positions).to(dev)
-        batch = AttentionBatch.from_plan(plan, dev, self.layout.block_size)
-        pool, host = self.device_pool, self.host_pool
-        rows = batch.device_rows(len(ids))
-        to_host = block_pairs(plan.prefill_to_host, pool, host)
-        x = model.embed_tokens(ids)
-        for i, layer in enumerate(model.decoder_layers):
-            q, k, v = layer.pre_attention(x, positions, model.rotary)
-            for r in rows:
-                pool.write(i, batch.slot_mapping[r], k[r], v[r])
-            # Finishing prefills bound for the host pool leave this layer's blocks right away.
-            copy_blocks(pool, host, *to_host, layer=i)
-            attn = self.attention.forward(q, k, v, pool, host, i, batch)
-            x = layer.post_attention(attn, x)
+        batches = AttentionBatch.from_plan(plan, dev, self.layout.block_size)
+        # Finishing prefills bound for the host pool (all in sub-batch 0) leave each layer's
+        # blocks right after that layer writes them.
+        to_host = block_pairs(plan.prefill_to_host, self.device_pool, self.host_pool)
+        x = self.model.embed_tokens(ids)
+        if len(batches) == 1:
+            x = self._sequential(x, positions, batches[0], to_host)
+        else:
+            x = self._pipelined(x, positions, batches[0], batches[1], to_host)
         sample_rows = torch.from_numpy(np.ascontiguousarray(plan.sample_rows)).to(dev)
-        return model.compute_logits(x[sample_rows])
+        return self.model.compute_logits(x[sample_rows])
+
+    def _pre(
+        self, i: int, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, to_host: Pairs | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Stage 1 of layer ``i`` and the KV writes: device rows to the device pool, finishing
+        host-bound prefills on to the host pool."""
+        model, pool = self.model, self.device_pool
+        q, k, v = model.decoder_layers[i].pre_attention(x, positions, model.rotary)
+        for r in batch.device_rows(len(x)):
+            pool.write(i, batch.slot_mapping[r], k[r], v[r])
+        if to_host is not None:
+            copy_blocks(pool, self.host_pool, *to_host, layer=i)
+        return q, k, v
+
+    def _sequential(
+        self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, to_host: Pairs
+    ) -> torch.Tensor:
+        for i, layer in enumerate(self.model.decoder_layers):
+            q, k, v = self._pre(i, x, positions, batch, to_host)
+            x = layer.post_attention(
+                self.attention.forward(q, k, v, self.device_pool, self.host_pool, i, batch), x
+            )
+        return x
+
+    def _pipelined(
+        self, x: torch.Tensor, positions: torch.Tensor, b0: AttentionBatch, b1: AttentionBatch, to_host: Pairs
+    ) -> torch.Tensor:
+        """NEO's asymmetric pipeline: sub-batch 0 runs half a layer ahead of sub-batch 1 (CPU
+        decodes only). B1's CPU attention of layer i runs while the device does B0's post-
+        projection i and pre-projection i+1; B0's CPU decodes of layer i+1 run while the device
+        does B0's attention i+1 and B1's projections. CPU work is submitted asynchronously and
+        awaited only when its output is needed."""
+        layers, attn = self.model.decoder_layers, self.attention
+        pool, host = self.device_pool, self.host_pool
+        x0, x1 = x[b0.tokens], x[b1.tokens]
+        p0, p1 = positions[b0.tokens], positions[b1.tokens]
+
+        def start0(i: int, x0: torch.Tensor) -> tuple[torch.Tensor, PendingCpuAttention | None]:
+            q, k, v = self._pre(i, x0, p0, b0, to_host)
+            pending = attn.start_cpu(q, k, v, host, i, b0)
+            out = torch.empty_like(q)
+            attn.device_part(q, k, v, pool, i, b0, out)
+            return out, pending
+
+        o0, h0 = start0(0, x0)
+        q1, k1, v1 = self._pre(0, x1, p1, b1, None)
+        for i, layer in enumerate(layers):
+            if h0 is not None:
+                c = b0.cpu_decodes
+                o0[c.start : c.end] = h0.result()
+            h1 = attn.start_cpu(q1, k1, v1, host, i, b1)
+            assert h1 is not None, "sub-batch 1 holds CPU decodes"
+            x0 = layer.post_attention(o0, x0)
+            if i + 1 < len(layers):
+                o0, h0 = start0(i + 1, x0)
+            x1 = layer.post_attention(h1.result(), x1)
+            if i + 1 < len(layers):
+                q1, k1, v1 = self._pre(i + 1, x1, p1, b1, None)
+        return torch.cat([x0, x1])

@@ -13,8 +13,9 @@ pub struct Scheduler {
     inner: sched::Scheduler,
 }
 
-/// One iteration's plan. Rows are in batch order: `num_decodes` one-token decodes (the last
-/// `num_cpu_decodes` of them over the host pool), then prefill chunks.
+/// One iteration's plan. Rows are in batch order: sub-batch 0 (`num_decodes` one-token decodes,
+/// the last `num_cpu_decodes` of them over the host pool, then prefill chunks), then from request
+/// `sub_batch1_start` on, sub-batch 1 (CPU decodes, pipelined half a layer behind).
 #[pyclass(module = "neo_rs._core", get_all, frozen)]
 pub struct SchedulerOutput {
     req_ids: Py<PyArray1<i64>>,
@@ -22,6 +23,7 @@ pub struct SchedulerOutput {
     num_new_tokens: Py<PyArray1<i64>>,
     num_decodes: usize,
     num_cpu_decodes: usize,
+    sub_batch1_start: usize,
     input_ids: Py<PyArray1<i64>>,
     positions: Py<PyArray1<i64>>,
     slot_mapping: Py<PyArray1<i64>>,
@@ -56,7 +58,7 @@ fn column(v: impl Iterator<Item = usize>) -> Vec<i64> {
 #[pymethods]
 impl Scheduler {
     #[new]
-    #[pyo3(signature = (*, max_num_seqs, max_num_batched_tokens, max_model_len, block_size, num_gpu_blocks, num_cpu_blocks, offload = "none"))]
+    #[pyo3(signature = (*, max_num_seqs, max_num_batched_tokens, max_model_len, block_size, num_gpu_blocks, num_cpu_blocks, offload = "none", transfer_bytes_per_decode = 0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         max_num_seqs: usize,
@@ -66,6 +68,7 @@ impl Scheduler {
         num_gpu_blocks: u32,
         num_cpu_blocks: u32,
         offload: &str,
+        transfer_bytes_per_decode: usize,
     ) -> PyResult<Self> {
         let config = SchedulerConfig {
             max_num_seqs,
@@ -75,6 +78,7 @@ impl Scheduler {
             num_gpu_blocks,
             num_cpu_blocks,
             offload: OffloadMode::parse(offload)?,
+            transfer_bytes_per_decode,
         };
         Ok(Scheduler { inner: sched::Scheduler::new(config)? })
     }
@@ -98,6 +102,7 @@ impl Scheduler {
             num_new_tokens: column(s.iter().map(|r| r.num_new_tokens)).into_pyarray(py).unbind(),
             num_decodes: out.num_decodes,
             num_cpu_decodes: out.num_cpu_decodes,
+            sub_batch1_start: out.sub_batch1_start,
             input_ids: m.input_ids.into_pyarray(py).unbind(),
             positions: m.positions.into_pyarray(py).unbind(),
             slot_mapping: m.slot_mapping.into_pyarray(py).unbind(),
@@ -156,6 +161,7 @@ impl Scheduler {
         d.set_item("num_swapped_out_blocks", s.num_swapped_out_blocks)?;
         d.set_item("num_swapped_in_blocks", s.num_swapped_in_blocks)?;
         d.set_item("num_prefills_to_host", s.num_prefills_to_host)?;
+        d.set_item("num_pipelined_steps", s.num_pipelined_steps)?;
         Ok(d)
     }
 

@@ -2,10 +2,14 @@
 //! `update()`), with the KV of both pools accounted in `crate::kv`: the GPU-only policy (NEO's
 //! `none` baseline) and the all-CPU-decode policy (`all`) share the queues and managers.
 
+mod config;
 mod output;
+mod perf;
 mod request;
 mod scheduler;
 
+pub use config::{OffloadMode, SchedulerConfig};
 pub use output::{ModelInputs, ScheduledRequest, SchedulerOutput};
+pub use perf::{PerfPredictor, Table1, Table2, Term};
 pub use request::{FinishReason, Request, RequestId, RequestStatus};
-pub use scheduler::{OffloadMode, Scheduler, SchedulerConfig, SchedulerStats};
+pub use scheduler::{Scheduler, SchedulerStats};

@@ -16,6 +16,8 @@ pub struct ScheduledRequest {
     pub sample: bool,
     /// The pool its attention reads this iteration (`Cpu`: a CPU decode).
     pub device: Device,
+    /// NEO sub-batch: 0 (prefills, GPU decodes, some CPU decodes) or 1 (CPU decodes only).
+    pub sub_batch: u8,
 }
 
 /// Flat inputs of one forward pass, rows in batch order (GPU decodes, CPU decodes, prefills).
@@ -46,6 +48,10 @@ pub struct SchedulerOutput {
     pub scheduled: Vec<ScheduledRequest>,
     pub num_decodes: usize,
     pub num_cpu_decodes: usize,
+    /// Requests from this index on form sub-batch 1 (CPU decodes, pipelined half a layer behind
+    /// sub-batch 0); `scheduled.len()` when the iteration is not pipelined. `num_decodes` and
+    /// `num_cpu_decodes` describe sub-batch 0.
+    pub sub_batch1_start: usize,
     /// Apply before the forward pass, swap-outs first. One iteration never has both.
     pub swap_out: SwapPlan,
     pub swap_in: SwapPlan,

@@ -5,62 +5,14 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
+mod neo;
+
+use super::config::{OffloadMode, SchedulerConfig};
 use super::output::{ModelInputs, ScheduledRequest, SchedulerOutput};
+use super::perf::PerfPredictor;
 use super::request::{FinishReason, Request, RequestId, RequestStatus};
-use crate::error::{ensure, NeoError, Result};
+use crate::error::{ensure, Result};
 use crate::kv::{Device, KvManager, SwapPlan};
-
-/// Where decode attention runs (`--offload`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum OffloadMode {
-    /// `none`: the GPU-only baseline; overflow is swapped to the host and waits.
-    #[default]
-    GpuOnly,
-    /// `all`: every request's KV moves to the host pool once its prefill is done, and every
-    /// decode attention runs on the CPU (the FastDecode+ baseline).
-    AllCpu,
-}
-
-impl OffloadMode {
-    pub fn parse(name: &str) -> Result<Self> {
-        match name {
-            "none" => Ok(OffloadMode::GpuOnly),
-            "all" => Ok(OffloadMode::AllCpu),
-            _ => Err(NeoError::Value(format!("offload mode must be 'none' or 'all', got {name:?}"))),
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            OffloadMode::GpuOnly => "none",
-            OffloadMode::AllCpu => "all",
-        }
-    }
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SchedulerConfig {
-    pub max_num_seqs: usize,
-    pub max_num_batched_tokens: usize,
-    /// Longest prompt + output a request may reach.
-    pub max_model_len: usize,
-    pub block_size: usize,
-    pub num_gpu_blocks: u32,
-    /// Host pool blocks (swap space, and the KV of CPU decodes).
-    pub num_cpu_blocks: u32,
-    pub offload: OffloadMode,
-}
-
-impl SchedulerConfig {
-    pub fn validate(&self) -> Result<()> {
-        ensure!(self.max_num_seqs >= 1, Value, "max_num_seqs must be at least 1");
-        ensure!(self.max_num_batched_tokens >= 1, Value, "max_num_batched_tokens must be at least 1");
-        ensure!(self.max_model_len >= 1, Value, "max_model_len must be at least 1");
-        ensure!(self.block_size >= 1, Value, "block_size must be at least 1");
-        ensure!(self.num_gpu_blocks >= 1, Value, "num_gpu_blocks must be at least 1");
-        Ok(())
-    }
-}
 
 /// One `schedule()` call's growing plan.
 struct Step {
@@ -70,12 +22,17 @@ struct Step {
     swap_in: SwapPlan,
     to_host: SwapPlan,
     recomputed: Vec<RequestId>,
+    pipelined: bool,
 }
 
 impl Step {
     fn push(&mut self, s: ScheduledRequest) {
         self.budget -= s.num_new_tokens;
         self.scheduled.push(s);
+    }
+
+    fn preempted(&self) -> bool {
+        !self.swap_out.pairs.is_empty() || !self.recomputed.is_empty()
     }
 }
 
@@ -88,6 +45,8 @@ pub struct SchedulerStats {
     pub num_swapped_out_blocks: u64,
     pub num_swapped_in_blocks: u64,
     pub num_prefills_to_host: u64,
+    /// Iterations run as NEO's two-sub-batch pipeline.
+    pub num_pipelined_steps: u64,
 }
 
 #[derive(Debug)]
@@ -107,6 +66,10 @@ pub struct Scheduler {
     moving_to_host: Vec<RequestId>,
     next_arrival: u64,
     stats: SchedulerStats,
+    /// Prices sub-batches for the `neo` policy.
+    predictor: PerfPredictor,
+    /// `neo`: consecutive iterations that left CPU requests waiting.
+    cpu_idle_steps: u32,
 }
 
 impl Scheduler {
@@ -124,6 +87,8 @@ impl Scheduler {
             moving_to_host: Vec::new(),
             next_arrival: 0,
             stats: SchedulerStats::default(),
+            predictor: PerfPredictor::synthetic(),
+            cpu_idle_steps: 0,
         })
     }
 
@@ -133,6 +98,15 @@ impl Scheduler {
 
     pub fn stats(&self) -> SchedulerStats {
         self.stats
+    }
+
+    pub fn predictor(&self) -> &PerfPredictor {
+        &self.predictor
+    }
+
+    /// Profiled tables replace the synthetic ones; measured stage times go to `observe`.
+    pub fn predictor_mut(&mut self) -> &mut PerfPredictor {
+        &mut self.predictor
     }
 
     pub fn kv(&self, device: Device) -> &KvManager {
@@ -185,7 +159,7 @@ impl Scheduler {
             self.gpu.num_total_blocks()
         );
         ensure!(
-            self.config.offload != OffloadMode::AllCpu || need <= self.cpu.num_total_blocks(),
+            self.config.offload == OffloadMode::GpuOnly || need <= self.cpu.num_total_blocks(),
             Value,
             "request {id}: {total} tokens need {need} KV blocks, but the host pool has {}",
             self.cpu.num_total_blocks()
@@ -235,22 +209,34 @@ impl Scheduler {
             swap_in: SwapPlan::new(Device::Cpu, Device::Gpu),
             to_host: SwapPlan::new(Device::Gpu, Device::Cpu),
             recomputed: Vec::new(),
+            pipelined: false,
         };
-        self.schedule_running(&mut step);
-        if self.config.offload == OffloadMode::GpuOnly {
-            self.schedule_swapped(&mut step);
+        match self.config.offload {
+            OffloadMode::GpuOnly => {
+                self.schedule_running(&mut step, None);
+                self.schedule_swapped(&mut step);
+                self.schedule_waiting(&mut step);
+            }
+            OffloadMode::AllCpu => {
+                self.schedule_running(&mut step, None);
+                self.schedule_waiting(&mut step);
+            }
+            OffloadMode::Neo => self.schedule_neo(&mut step),
         }
-        self.schedule_waiting(&mut step);
+        self.stats.num_pipelined_steps += u64::from(step.pipelined);
 
-        // Batch order: GPU decodes, CPU decodes, prefill chunks (stable: FCFS within each).
+        // Batch order: sub-batch 0's GPU decodes, CPU decodes and prefill chunks, then sub-batch
+        // 1 (CPU decodes only); stable, so FCFS within each group.
         let mut scheduled = step.scheduled;
-        scheduled.sort_by_key(|s| match (s.num_new_tokens, s.device) {
-            (1, Device::Gpu) => 0,
-            (1, Device::Cpu) => 1,
+        scheduled.sort_by_key(|s| match (s.sub_batch, s.num_new_tokens, s.device) {
+            (1, ..) => 3,
+            (_, 1, Device::Gpu) => 0,
+            (_, 1, Device::Cpu) => 1,
             _ => 2,
         });
-        let num_decodes = scheduled.iter().take_while(|s| s.num_new_tokens == 1).count();
-        let num_cpu_decodes = scheduled.iter().filter(|s| s.device == Device::Cpu).count();
+        let sub_batch1_start = scheduled.iter().take_while(|s| s.sub_batch == 0).count();
+        let num_decodes = scheduled[..sub_batch1_start].iter().take_while(|s| s.num_new_tokens == 1).count();
+        let num_cpu_decodes = scheduled[..num_decodes].iter().filter(|s| s.device == Device::Cpu).count();
         let requests = &self.requests;
         let inputs = ModelInputs::build(&scheduled, |id| &requests[&id], &self.gpu, &self.cpu);
         self.in_flight.clone_from(&scheduled);
@@ -258,6 +244,7 @@ impl Scheduler {
             scheduled,
             num_decodes,
             num_cpu_decodes,
+            sub_batch1_start,
             swap_out: step.swap_out,
             swap_in: step.swap_in,
             prefill_to_host: step.to_host,
@@ -266,13 +253,17 @@ impl Scheduler {
         }
     }
 
-    /// Running requests, oldest first, each in its own pool; room is made by preempting the
-    /// newest running request of the same pool.
-    fn schedule_running(&mut self, step: &mut Step) {
+    /// Running requests (those in pool `only`, or all), oldest first, each in its own pool;
+    /// room is made by preempting the newest running request of the same pool.
+    fn schedule_running(&mut self, step: &mut Step, only: Option<Device>) {
         let mut i = 0;
         while i < self.running.len() && step.budget > 0 {
             let id = self.running[i];
             let req = &self.requests[&id];
+            if only.is_some_and(|d| d != req.device) {
+                i += 1;
+                continue;
+            }
             let n = req.num_pending_tokens().min(step.budget);
             let target = req.num_computed_tokens + n;
             let to_host = self.prefill_goes_to_host(req, n);
@@ -292,7 +283,7 @@ impl Scheduler {
     }
 
     /// Grow `running[i]`'s table to `target` tokens, preempting newer requests of its pool as
-    /// needed. `false` if it had to preempt itself (it is then out of `running`).
+    /// needed. `false` if it had to preempt itself (it then left `running`, or moved to the host).
     fn make_room(&mut self, i: usize, target: usize, step: &mut Step) -> bool {
         let id = self.running[i];
         let device = self.requests[&id].device;
@@ -306,8 +297,9 @@ impl Scheduler {
             }
             let victim = (i + 1..self.running.len()).rev().find(|&j| self.requests[&self.running[j]].device == device);
             let j = victim.unwrap_or(i);
-            let v = self.running.remove(j);
-            self.preempt(v, step);
+            if !self.preempt(self.running[j], step) {
+                self.running.remove(j);
+            }
             if j == i {
                 return false;
             }
@@ -317,7 +309,7 @@ impl Scheduler {
     /// Swapped requests back in, oldest first (GPU-only mode) — not in an iteration that
     /// preempted, so host blocks are never freed and reused within one iteration's copies.
     fn schedule_swapped(&mut self, step: &mut Step) {
-        let preempted = !step.swap_out.pairs.is_empty() || !step.recomputed.is_empty();
+        let preempted = step.preempted();
         while !preempted && step.budget > 0 && self.running.len() < self.config.max_num_seqs {
             let Some(&id) = self.swapped.front() else { break };
             let req = &self.requests[&id];
@@ -386,6 +378,7 @@ impl Scheduler {
             num_new_tokens: n,
             sample: n == req.num_pending_tokens(),
             device: req.device,
+            sub_batch: 0,
         }
     }
 
@@ -396,22 +389,27 @@ impl Scheduler {
         self.running.push(id);
     }
 
-    /// Take `id` (already removed from `running`) off its pool. In GPU-only mode a device request
-    /// moves to the host pool if it has room; otherwise its KV is dropped and it is recomputed
-    /// from the front of the waiting queue.
-    fn preempt(&mut self, id: RequestId, step: &mut Step) {
+    /// Take running request `id` off its pool. A device request moves to the host pool if it
+    /// has room: in GPU-only mode it waits there (`true` is never returned), under `neo` it stays
+    /// running as a CPU request (returns `true`, the caller keeps it in `running`). Otherwise its
+    /// KV is dropped and it is recomputed from the front of the waiting queue. The caller takes
+    /// it out of `running` unless this returns `true`.
+    fn preempt(&mut self, id: RequestId, step: &mut Step) -> bool {
         let before = step.swap_out.pairs.len();
         let req = self.requests.get_mut(&id).expect("preempted request exists");
         req.num_preemptions += 1;
-        let may_swap = self.config.offload == OffloadMode::GpuOnly && req.device == Device::Gpu;
+        let may_swap = self.config.offload != OffloadMode::AllCpu && req.device == Device::Gpu;
         if may_swap && self.gpu.swap_to(&mut self.cpu, id, &mut step.swap_out) {
-            req.status = RequestStatus::Swapped;
             req.device = Device::Cpu;
+            self.stats.num_swapped_out += 1;
+            self.stats.num_swapped_out_blocks += (step.swap_out.pairs.len() - before) as u64;
+            if self.config.offload == OffloadMode::Neo {
+                return true;
+            }
+            req.status = RequestStatus::Swapped;
             let arrival = req.arrival;
             let at = self.swapped.partition_point(|r| self.requests[r].arrival < arrival);
             self.swapped.insert(at, id);
-            self.stats.num_swapped_out += 1;
-            self.stats.num_swapped_out_blocks += (step.swap_out.pairs.len() - before) as u64;
         } else {
             self.gpu.free(id);
             self.cpu.free(id);
@@ -421,6 +419,7 @@ impl Scheduler {
             step.recomputed.push(id);
             self.stats.num_recomputed += 1;
         }
+        false
     }
 
     /// Apply the last iteration's results: `sampled` holds one token per sampled row (in the

@@ -1,0 +1,62 @@
+//! Scheduler settings: budgets, pool sizes and the offload mode (`--offload neo|none|all`).
+
+use crate::error::{ensure, NeoError, Result};
+
+/// Where decode attention runs (`--offload`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OffloadMode {
+    /// `none`: the GPU-only baseline; overflow is swapped to the host and waits.
+    #[default]
+    GpuOnly,
+    /// `all`: every request's KV moves to the host pool once its prefill is done, and every
+    /// decode attention runs on the CPU (the FastDecode+ baseline).
+    AllCpu,
+    /// `neo`: partial offload; each iteration picks GPU-only or the two-sub-batch pipeline.
+    Neo,
+}
+
+impl OffloadMode {
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "none" => Ok(OffloadMode::GpuOnly),
+            "all" => Ok(OffloadMode::AllCpu),
+            "neo" => Ok(OffloadMode::Neo),
+            _ => Err(NeoError::Value(format!("offload mode must be 'neo', 'none' or 'all', got {name:?}"))),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            OffloadMode::GpuOnly => "none",
+            OffloadMode::AllCpu => "all",
+            OffloadMode::Neo => "neo",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    /// Longest prompt + output a request may reach.
+    pub max_model_len: usize,
+    pub block_size: usize,
+    pub num_gpu_blocks: u32,
+    /// Host pool blocks (swap space, and the KV of CPU decodes).
+    pub num_cpu_blocks: u32,
+    pub offload: OffloadMode,
+    /// Bytes one CPU decode moves between device and host per layer (Q, K, V out; output back),
+    /// for the predictor's transfer term.
+    pub transfer_bytes_per_decode: usize,
+}
+
+impl SchedulerConfig {
+    pub fn validate(&self) -> Result<()> {
+        ensure!(self.max_num_seqs >= 1, Value, "max_num_seqs must be at least 1");
+        ensure!(self.max_num_batched_tokens >= 1, Value, "max_num_batched_tokens must be at least 1");
+        ensure!(self.max_model_len >= 1, Value, "max_model_len must be at least 1");
+        ensure!(self.block_size >= 1, Value, "block_size must be at least 1");
+        ensure!(self.num_gpu_blocks >= 1, Value, "num_gpu_blocks must be at least 1");
+        Ok(())
+    }
+}

@@ -1,0 +1,320 @@
+//! NEO's load-aware policy (`--offload neo`), the paper's six steps per iteration: GPU work
+//! first (swapping the newest GPU request out when the device is full, back in under a
+//! watermark), prefills to the device or (layer-wise) to the host, CPU decodes placed into
+//! sub-batch 0 or 1 while `T_ca1 <= T_l0` and `T_ca0 <= T_l1 + T_ga0` hold, trailing host-bound
+//! prefills trimmed, then the pipelined plan against the GPU-only one by estimated throughput.
+//! Unlike the authors' code, dropped prefills refund their budget and CPU decodes run alone when
+//! there is no device work to hide behind (they never starve).
+
+use super::*;
+
+/// Swap CPU requests in only while the device pool stays below this share of its blocks.
+const SWAP_IN_WATERMARK: f64 = 0.95;
+/// Host-bound prefills are trimmed only while a sub-batch keeps this many tokens of linear
+/// work (below it GEMMs run at a poor rate anyway).
+const MIN_LINEAR_TOKENS: usize = 128;
+/// GPU-only iterations in a row after which waiting CPU decodes run regardless of the estimate.
+const MAX_CPU_IDLE_STEPS: u32 = 8;
+
+/// What the predictor prices of one sub-batch, per layer.
+#[derive(Debug, Clone, Copy, Default)]
+struct Load {
+    /// Requests (each emits at most one token).
+    reqs: usize,
+    /// Tokens through the linear layers.
+    tokens: usize,
+    /// Device attention: prefill chunks and GPU decodes.
+    gpu_attn_ms: f64,
+    cpu_seqs: usize,
+    cpu_ctx: usize,
+}
+
+/// CPU decodes placed so far, the budget left for them, and the shortest context that failed.
+struct Placement {
+    placed: Vec<(RequestId, u8)>,
+    budget: usize,
+    fail_ctx: usize,
+}
+
+/// A prefill the policy may still drop.
+#[derive(Debug, Clone, Copy)]
+struct Tentative {
+    id: RequestId,
+    n: usize,
+    target: usize,
+    to_host: bool,
+    attn_ms: f64,
+}
+
+impl Scheduler {
+    pub(super) fn schedule_neo(&mut self, step: &mut Step) {
+        // Steps 1-2: GPU requests, with swap-out on a full device; swap-in below the watermark.
+        self.schedule_running(step, Some(Device::Gpu));
+        self.swap_in_cpu_requests(step);
+        self.grow_cpu_requests(step);
+        let mut gpu = Load::default();
+        for s in &step.scheduled {
+            self.add_gpu_work(&mut gpu, s.num_computed_tokens, s.num_new_tokens);
+        }
+        // Step 3: tentative prefills, FCFS.
+        let mut prefills = self.tentative_prefills(step.budget, self.config.max_num_seqs - self.running.len());
+        let prefill_tokens: usize = prefills.iter().map(|p| p.n).sum();
+        let cpu_reqs: Vec<RequestId> =
+            self.running.iter().copied().filter(|id| self.requests[id].device == Device::Cpu).collect();
+
+        if gpu.reqs == 0 && prefills.is_empty() {
+            // No device work to hide behind: CPU decodes run alone rather than wait.
+            self.commit_cpu_decodes(step, &cpu_reqs, &vec![0; cpu_reqs.len()]);
+            return;
+        }
+        let mut b0 = gpu;
+        for p in &prefills {
+            b0.reqs += 1;
+            b0.tokens += p.n;
+            b0.gpu_attn_ms += p.attn_ms;
+        }
+        // Step 4: CPU decodes into sub-batch 1 or 0 while both invariants hold.
+        let mut b1 = Load::default();
+        let mut place = Placement { placed: Vec::new(), budget: step.budget - prefill_tokens, fail_ctx: usize::MAX };
+        self.place_cpu_decodes(&cpu_reqs, &mut place, &mut b0, &mut b1);
+        // Step 5: trim trailing host-bound prefills while sub-batch 0 keeps enough linear work;
+        // their budget goes back to the CPU decodes.
+        let mut trimmed_any = false;
+        while let Some(p) = prefills.last().copied() {
+            let mut trimmed = b0;
+            trimmed.reqs -= 1;
+            trimmed.tokens -= p.n;
+            trimmed.gpu_attn_ms -= p.attn_ms;
+            if !p.to_host || trimmed.tokens < MIN_LINEAR_TOKENS || b1.reqs == 0 || self.min_remains(&trimmed, &b1) < 0.0
+            {
+                break;
+            }
+            prefills.pop();
+            b0 = trimmed;
+            place.budget += p.n;
+            trimmed_any = true;
+        }
+        if trimmed_any {
+            place.fail_ctx = usize::MAX;
+            self.place_cpu_decodes(&cpu_reqs, &mut place, &mut b0, &mut b1);
+        }
+        // Step 6: the GPU-only alternative keeps every device prefill and host-bound ones only to
+        // reach the linear-work threshold; pick the plan with the higher estimated throughput.
+        let mut g_prefills = prefills.clone();
+        let mut g = gpu;
+        for p in &g_prefills {
+            self.add_gpu_work(&mut g, self.requests[&p.id].num_computed_tokens, p.n);
+        }
+        while let Some(p) = g_prefills.last().copied() {
+            if !p.to_host || g.tokens - p.n < MIN_LINEAR_TOKENS {
+                break;
+            }
+            g_prefills.pop();
+            g.reqs -= 1;
+            g.tokens -= p.n;
+            g.gpu_attn_ms -= p.attn_ms;
+        }
+        let g_rate = g.reqs as f64 / (self.predictor.linear_ms(g.tokens) + g.gpu_attn_ms).max(1e-9);
+        let p_rate = (b0.reqs + b1.reqs) as f64 / self.pipelined_ms(&b0, &b1).max(1e-9);
+        let starving = !cpu_reqs.is_empty() && self.cpu_idle_steps >= MAX_CPU_IDLE_STEPS;
+        if !starving && (place.placed.is_empty() || p_rate <= g_rate) {
+            self.commit_prefills(step, &g_prefills);
+            self.cpu_idle_steps += u32::from(!cpu_reqs.is_empty());
+            return;
+        }
+        self.commit_prefills(step, &prefills);
+        let (ids, subs): (Vec<RequestId>, Vec<u8>) = if place.placed.is_empty() {
+            // Starving and nothing fits the invariants: run them in sub-batch 0 anyway.
+            (cpu_reqs.clone(), vec![0; cpu_reqs.len()])
+        } else {
+            place.placed.into_iter().unzip()
+        };
+        step.pipelined = subs.contains(&1);
+        self.commit_cpu_decodes(step, &ids, &subs);
+    }
+
+    /// Greedy placement of step 4: each CPU decode (in queue order) goes to the sub-batch with
+    /// more slack (sub-batch 1 first) unless that breaks an invariant; then every longer one is
+    /// skipped too, as it would break it as well.
+    fn place_cpu_decodes(&self, cands: &[RequestId], place: &mut Placement, b0: &mut Load, b1: &mut Load) {
+        for &id in cands {
+            if place.budget == 0 {
+                break;
+            }
+            let ctx = self.requests[&id].num_computed_tokens + 1;
+            if ctx >= place.fail_ctx || place.placed.iter().any(|&(p, _)| p == id) {
+                continue;
+            }
+            let r = self.remains(b0, b1);
+            let sub = if place.placed.is_empty() || r[1] > r[0] { 1 } else { 0 };
+            let target = if sub == 1 { &mut *b1 } else { &mut *b0 };
+            add_cpu_decode(target, ctx, 1);
+            if self.min_remains(b0, b1) < 0.0 {
+                let target = if sub == 1 { &mut *b1 } else { &mut *b0 };
+                add_cpu_decode(target, ctx, -1);
+                place.fail_ctx = ctx;
+                continue;
+            }
+            place.placed.push((id, sub));
+            place.budget -= 1;
+        }
+    }
+
+    fn add_gpu_work(&self, load: &mut Load, computed: usize, n: usize) {
+        load.reqs += 1;
+        load.tokens += n;
+        load.gpu_attn_ms += if n == 1 {
+            self.predictor.gpu_decode_ms(computed + 1)
+        } else {
+            self.predictor.prefill_attn_ms(computed, n)
+        };
+    }
+
+    /// CPU attention of one sub-batch with its transfers and hand-off.
+    fn cpu_ms(&self, b: &Load) -> f64 {
+        if b.cpu_seqs == 0 {
+            return 0.0;
+        }
+        self.predictor.cpu_decode_ms(b.cpu_seqs, b.cpu_ctx)
+            + self.predictor.transfer_ms(b.cpu_seqs * self.config.transfer_bytes_per_decode)
+            + self.predictor.launch_ms
+    }
+
+    /// Slack of each sub-batch's CPU attention under the device work it overlaps with:
+    /// `remains[j] = T_l(B_{1-j}) + T_ga(B_j) - T_ca(B_j)`.
+    fn remains(&self, b0: &Load, b1: &Load) -> [f64; 2] {
+        let l = |b: &Load| self.predictor.linear_ms(b.tokens);
+        [l(b1) + b0.gpu_attn_ms - self.cpu_ms(b0), l(b0) + b1.gpu_attn_ms - self.cpu_ms(b1)]
+    }
+
+    fn min_remains(&self, b0: &Load, b1: &Load) -> f64 {
+        let r = self.remains(b0, b1);
+        r[0].min(r[1])
+    }
+
+    /// Per-layer time of the pipeline: `max(T_l0, T_ca1) + max(T_l1 + T_ga0, T_ca0)`.
+    fn pipelined_ms(&self, b0: &Load, b1: &Load) -> f64 {
+        let l = |b: &Load| self.predictor.linear_ms(b.tokens);
+        l(b0).max(self.cpu_ms(b1)) + (l(b1) + b0.gpu_attn_ms).max(self.cpu_ms(b0))
+    }
+
+    /// Move the oldest CPU requests to the device while it stays under the watermark (never in
+    /// an iteration that preempted).
+    fn swap_in_cpu_requests(&mut self, step: &mut Step) {
+        if step.preempted() {
+            return;
+        }
+        let limit = (SWAP_IN_WATERMARK * self.gpu.num_total_blocks() as f64) as usize;
+        let mut i = 0;
+        while i < self.running.len() && step.budget > 0 {
+            let id = self.running[i];
+            i += 1;
+            let req = &self.requests[&id];
+            if req.device != Device::Cpu {
+                continue;
+            }
+            let need = self.gpu.blocks_for(req.num_computed_tokens + 1);
+            if self.gpu.pool().num_used() + need > limit {
+                break;
+            }
+            let moved = self.cpu.swap_to(&mut self.gpu, id, &mut step.swap_in);
+            let grown = self.gpu.allocate_slots(id, req.num_computed_tokens + 1);
+            debug_assert!(moved && grown);
+            self.requests.get_mut(&id).expect("running request exists").device = Device::Gpu;
+            self.stats.num_swapped_in += 1;
+            step.push(self.scheduled(id, 1));
+        }
+        self.stats.num_swapped_in_blocks += step.swap_in.pairs.len() as u64;
+    }
+
+    /// Give every CPU request the host slot of its next token now, recomputing the newest CPU
+    /// requests when the host pool is full.
+    fn grow_cpu_requests(&mut self, step: &mut Step) {
+        let mut i = 0;
+        while i < self.running.len() {
+            let id = self.running[i];
+            let req = &self.requests[&id];
+            if req.device == Device::Cpu && !self.make_room(i, req.num_computed_tokens + 1, step) {
+                continue;
+            }
+            i += 1;
+        }
+    }
+
+    /// Prefill chunks from the head of the waiting queue: on the device while it keeps headroom
+    /// for the running requests' growth, else (a prompt's last chunk only) through device
+    /// staging blocks to the host. Stops at the first that fits nowhere.
+    fn tentative_prefills(&self, mut budget: usize, mut seats: usize) -> Vec<Tentative> {
+        let mut free_gpu = self.gpu.num_free_blocks();
+        let mut free_cpu = self.cpu.num_free_blocks();
+        // Keep a block of growth per device request, up to the share above the watermark.
+        let max_headroom = ((1.0 - SWAP_IN_WATERMARK) * self.gpu.num_total_blocks() as f64).ceil() as usize;
+        let mut on_device = self.running.iter().filter(|id| self.requests[*id].device == Device::Gpu).count();
+        let mut host_bound = false;
+        let mut out = Vec::new();
+        for &id in &self.waiting {
+            if budget == 0 || seats == 0 {
+                break;
+            }
+            let req = &self.requests[&id];
+            let n = req.num_pending_tokens().min(budget);
+            let target = req.num_computed_tokens + n;
+            let blocks = self.gpu.blocks_for(target);
+            let to_host = if !host_bound && blocks + max_headroom.min(on_device) <= free_gpu {
+                false
+            } else if n == req.num_pending_tokens() && blocks <= free_gpu && self.cpu.blocks_for(target) <= free_cpu {
+                true
+            } else {
+                break;
+            };
+            // Once one prefill goes to the host, later ones follow (FCFS fairness).
+            host_bound |= to_host;
+            free_gpu -= blocks;
+            if to_host {
+                free_cpu -= self.cpu.blocks_for(target);
+            } else {
+                on_device += 1;
+            }
+            let attn_ms = self.predictor.prefill_attn_ms(req.num_computed_tokens, n);
+            out.push(Tentative { id, n, target, to_host, attn_ms });
+            budget -= n;
+            seats -= 1;
+        }
+        out
+    }
+
+    fn commit_prefills(&mut self, step: &mut Step, prefills: &[Tentative]) {
+        for p in prefills {
+            debug_assert_eq!(self.waiting.front(), Some(&p.id));
+            let grown = self.gpu.allocate_slots(p.id, p.target);
+            debug_assert!(grown, "tentative prefills were counted against the free blocks");
+            self.waiting.pop_front();
+            self.admit(p.id);
+            if p.to_host {
+                self.stage_to_host(p.id, p.target, step);
+            }
+            step.push(self.scheduled(p.id, p.n));
+        }
+    }
+
+    fn commit_cpu_decodes(&mut self, step: &mut Step, ids: &[RequestId], subs: &[u8]) {
+        self.cpu_idle_steps = 0;
+        for (&id, &sub) in ids.iter().zip(subs) {
+            if step.budget == 0 || step.scheduled.len() >= self.config.max_num_seqs {
+                break;
+            }
+            let mut s = self.scheduled(id, 1);
+            s.sub_batch = sub;
+            step.push(s);
+        }
+    }
+}
+
+/// Add (`sign` 1) or take back (-1) one CPU decode of context `ctx`.
+fn add_cpu_decode(b: &mut Load, ctx: usize, sign: isize) {
+    let step = |x: &mut usize, by: usize| *x = x.wrapping_add_signed(sign * by as isize);
+    step(&mut b.reqs, 1);
+    step(&mut b.tokens, 1);
+    step(&mut b.cpu_seqs, 1);
+    step(&mut b.cpu_ctx, ctx);
+}
