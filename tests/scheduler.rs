@@ -29,20 +29,22 @@ struct Workload {
     jobs: Vec<Job>,
 }
 
-fn workload() -> impl Strategy<Value = Workload> {
-    let mode = prop_oneof![Just(OffloadMode::GpuOnly), Just(OffloadMode::AllCpu), Just(OffloadMode::Neo)];
-    let config =
-        (1usize..=6, 1usize..=48, prop_oneof![Just(1usize), Just(2), Just(4), Just(16)], 1u32..=24, 0u32..=24, mode)
-            .prop_map(|(max_num_seqs, budget, block_size, gpu, cpu, offload)| SchedulerConfig {
-                max_num_seqs,
-                max_num_batched_tokens: budget,
-                max_model_len: 64,
-                block_size,
-                num_gpu_blocks: gpu,
-                num_cpu_blocks: cpu,
-                offload,
-                transfer_bytes_per_decode: 4096,
-            });
+fn workload(mode: impl Strategy<Value = OffloadMode>) -> impl Strategy<Value = Workload> {
+    let config = (
+        (1usize..=6, 1usize..=48, prop_oneof![Just(1usize), Just(2), Just(4), Just(16)]),
+        (1u32..=24, 0u32..=24, mode, any::<bool>()),
+    )
+        .prop_map(|((max_num_seqs, budget, block_size), (gpu, cpu, offload, force_pipeline))| SchedulerConfig {
+            max_num_seqs,
+            max_num_batched_tokens: budget,
+            max_model_len: 64,
+            block_size,
+            num_gpu_blocks: gpu,
+            num_cpu_blocks: cpu,
+            offload,
+            transfer_bytes_per_decode: 4096,
+            force_pipeline,
+        });
     let job = (
         0usize..40,
         1usize..40,
@@ -201,7 +203,15 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 10_000, ..ProptestConfig::default() })]
     #[test]
-    fn random_workloads_keep_every_invariant(w in workload()) {
+    fn random_workloads_keep_every_invariant(
+        w in workload(prop_oneof![Just(OffloadMode::GpuOnly), Just(OffloadMode::AllCpu)])
+    ) {
+        run(&w)?;
+    }
+
+    /// The NEO policy priced by the synthetic perf model.
+    #[test]
+    fn random_workloads_under_neo_keep_every_invariant(w in workload(Just(OffloadMode::Neo))) {
         run(&w)?;
     }
 }
@@ -216,6 +226,7 @@ fn config(gpu: u32, cpu: u32, budget: usize) -> SchedulerConfig {
         num_cpu_blocks: cpu,
         offload: OffloadMode::GpuOnly,
         transfer_bytes_per_decode: 0,
+        force_pipeline: false,
     }
 }
 
@@ -321,6 +332,7 @@ fn neo_mode_offloads_pipelines_and_swaps_both_ways() {
         num_gpu_blocks: 24,
         num_cpu_blocks: 128,
         transfer_bytes_per_decode: 4096,
+        force_pipeline: false,
         max_model_len: 128,
     };
     let mut s = Scheduler::new(cfg).unwrap();

@@ -17,6 +17,9 @@ class AttentionHandle:
     def wait(self) -> None:
         """Block (GIL released) until the submitted call is done; raise its error, if any."""
     def done(self) -> bool: ...
+    @property
+    def run_ms(self) -> float | None:
+        """Milliseconds the call ran on the pool (from its start); None until done."""
 
 class CpuAttention:
     """CPU paged decode attention with a persistent thread pool.
@@ -94,6 +97,8 @@ class SchedulerOutput:
     prefill_to_host: npt.NDArray[np.int64]
     """``[n, 2]`` (device, host) block pairs of finishing prefills; copy each layer once written."""
     recomputed: list[int]
+    predicted: dict[str, float]
+    """Predicted per-layer ms: linear0/1, prefill_attn, gpu_decode, cpu_attn0/1, transfer0/1, layer."""
 
 class Scheduler:
     """Continuous-batching scheduler with chunked prefill and the KV accounting of both pools."""
@@ -109,6 +114,7 @@ class Scheduler:
         num_cpu_blocks: int,
         offload: str = "none",
         transfer_bytes_per_decode: int = 0,
+        force_pipeline: bool = False,
     ) -> None:
         """``offload``: ``neo`` (partial offload, pipelined when it pays), ``none`` (GPU-only,
         overflow swapped) or ``all`` (every decode on the CPU)."""
@@ -129,5 +135,18 @@ class Scheduler:
     def num_free_blocks(self, device_name: str) -> int: ...
     def num_total_blocks(self, device_name: str) -> int: ...
     def stats(self) -> dict[str, int]: ...
+    def set_perf_tables(
+        self,
+        linear: tuple[list[float], list[float]],
+        prefill_attn: tuple[list[float], list[float]],
+        gpu_decode: tuple[list[float], list[float]],
+        cpu_decode: tuple[list[float], list[float], list[float]],
+        transfer: tuple[list[float], list[float]],
+        launch_ms: float,
+    ) -> None:
+        """Profiled per-layer tables (ms) for the ``neo`` policy; corrections restart at 1."""
+    def observe(self, term_name: str, predicted_ms: float, measured_ms: float) -> None:
+        """Fold a measured per-layer stage time into the correction of ``term_name``."""
+    def perf_corrections(self) -> list[tuple[str, float]]: ...
     def check_invariants(self) -> None:
         """Raise ``BackendError`` if the KV accounting is inconsistent (call between iterations)."""

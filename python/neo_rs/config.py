@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -153,6 +154,12 @@ class ModelConfig:
         return self.max_position_embeddings
 
 
+def cache_dir() -> Path:
+    """``NEO_RS_CACHE_DIR``, else ``~/.cache/neo_rs``: the demo model and perf profiles."""
+    root = os.environ.get("NEO_RS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "neo_rs")
+    return Path(root)
+
+
 def resolve_dtype(name: str | torch.dtype, model: ModelConfig) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
@@ -182,6 +189,7 @@ class EngineArgs:
     # neo: partial offload with the asymmetric pipeline; none: GPU-only (overflow swapped);
     # all: every decode on the CPU.
     offload: str = "none"
+    neo_force_pipeline: bool = False  # tests: pipeline every CPU decode whatever the estimates
     seed: int = 0
     skip_tokenizer_init: bool = False
 

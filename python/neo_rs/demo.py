@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from neo_rs.config import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +40,6 @@ CONFIG = {
     "eos_token_id": 257,
     "torch_dtype": "float32",
 }
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("NEO_RS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "neo_rs")
-    return Path(root)
 
 
 def save_tokenizer(model_dir: Path) -> None:

@@ -13,12 +13,14 @@ from pathlib import Path
 
 import torch
 
-from neo_rs._core import Scheduler
-from neo_rs.config import EngineArgs, ModelConfig, resolve_dtype
+from neo_rs._core import Scheduler, SchedulerOutput
+from neo_rs.config import EngineArgs, ModelConfig, cache_dir, resolve_dtype
 from neo_rs.errors import InvalidArgumentError
+from neo_rs.profiler import load_or_profile
 from neo_rs.runner import ModelRunner, resolve_device
 from neo_rs.sampling import SamplingParams, sample
 from neo_rs.sequence import RequestMetrics, RequestOutput, Sequence
+from neo_rs.stats import IterationStats, calibrate
 from neo_rs.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -80,7 +82,12 @@ class LLMEngine:
             num_cpu_blocks=self.runner.num_cpu_blocks,
             offload=args.offload,
             transfer_bytes_per_decode=self.runner.transfer_bytes_per_decode(),
+            force_pipeline=args.neo_force_pipeline,
         )
+        if args.offload == "neo":
+            budget = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+            load_or_profile(self.runner, budget, self.max_model_len, cache_dir()).apply(self.scheduler)
+        self.last_stats: IterationStats | None = None
         self.generator = torch.Generator(self.device).manual_seed(args.seed)
         self._requests: dict[str, _Request] = {}
         self._seqs: dict[int, tuple[Sequence, _Request]] = {}
@@ -174,6 +181,7 @@ class LLMEngine:
         if len(plan.req_ids) == 0:
             self.scheduler.update([], [])
             return []
+        start = time.perf_counter()
         self.runner.apply_swaps(plan)
         logits = self.runner.execute(plan)
         seqs = [self._seqs[i][0] for i in plan.sample_ids.tolist()]
@@ -184,6 +192,7 @@ class LLMEngine:
             if s.append(tok, lp)
         ]
         finished = self.scheduler.update(result.token_ids, stopped)
+        self._account(plan, (time.perf_counter() - start) * 1e3)
         now = time.monotonic()
         touched: dict[str, _Request] = {}
         for s in seqs:
@@ -203,6 +212,11 @@ class LLMEngine:
                 del self._requests[req.request_id]
             outputs.append(out)
         return outputs
+
+    def _account(self, plan: SchedulerOutput, iteration_ms: float) -> None:
+        times, num_layers = self.runner.last_times, self.model_config.num_layers
+        calibrate(self.scheduler, plan, times, num_layers)
+        self.last_stats = IterationStats.build(plan, times, self.scheduler, num_layers, iteration_ms)
 
     def kv_usage(self) -> dict[str, int]:
         s = self.scheduler

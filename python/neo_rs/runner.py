@@ -17,6 +17,7 @@ from neo_rs.config import EngineArgs, ModelConfig
 from neo_rs.errors import InvalidArgumentError
 from neo_rs.kv_cache import KvLayout, KvPool, block_pairs, copy_blocks
 from neo_rs.model import load_model
+from neo_rs.timing import StageClock, StageTimes
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class ModelRunner:
             args.block_size,
         )
         self.attention = Attention(cfg.head_dim**-0.5, CpuAttention(num_threads=args.cpu_threads))
+        self.last_times = StageTimes()
 
     def _device_blocks(self, args: EngineArgs, max_model_len: int) -> int:
         per_block = self.layout.bytes_per_block()
@@ -107,7 +109,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> torch.Tensor:
-        """Run the plan's tokens through the model; float32 logits of its sampled rows."""
+        """Run the plan's tokens through the model; float32 logits of its sampled rows. Stage
+        times are left in ``last_times``."""
         dev = self.device
         ids = torch.from_numpy(plan.input_ids).to(dev)
         positions = torch.from_numpy(plan.positions).to(dev)
@@ -115,11 +118,16 @@ class ModelRunner:
         # Finishing prefills bound for the host pool (all in sub-batch 0) leave each layer's
         # blocks right after that layer writes them.
         to_host = block_pairs(plan.prefill_to_host, self.device_pool, self.host_pool)
+        self.last_times = StageTimes()
         x = self.model.embed_tokens(ids)
         if len(batches) == 1:
             x = self._sequential(x, positions, batches[0], to_host)
         else:
             x = self._pipelined(x, positions, batches[0], batches[1], to_host)
+        num_cpu = sum(len(b.cpu_decodes) for b in batches)
+        self.last_times.transfer_bytes = (
+            num_cpu * self.transfer_bytes_per_decode() * len(self.model.decoder_layers)
+        )
         sample_rows = torch.from_numpy(np.ascontiguousarray(plan.sample_rows)).to(dev)
         return self.model.compute_logits(x[sample_rows])
 
@@ -136,14 +144,36 @@ class ModelRunner:
             copy_blocks(pool, self.host_pool, *to_host, layer=i)
         return q, k, v
 
+    def _cpu_result(self, pending: PendingCpuAttention) -> torch.Tensor:
+        out = pending.result()
+        self.last_times.cpu_attn_ms.append(pending.handle.run_ms or 0.0)
+        return out
+
     def _sequential(
         self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, to_host: Pairs
     ) -> torch.Tensor:
+        """Layer by layer; CPU decodes (if any) run while the device attention is issued."""
+        attn, clock = self.attention, StageClock(self.device)
+        spans = []
         for i, layer in enumerate(self.model.decoder_layers):
+            t0 = clock.mark()
             q, k, v = self._pre(i, x, positions, batch, to_host)
-            x = layer.post_attention(
-                self.attention.forward(q, k, v, self.device_pool, self.host_pool, i, batch), x
-            )
+            t1 = clock.mark()
+            pending = attn.start_cpu(q, k, v, self.host_pool, i, batch)
+            out = torch.empty_like(q)
+            attn.device_part(q, k, v, self.device_pool, i, batch, out)
+            t2 = clock.mark()
+            if pending is not None:
+                c = batch.cpu_decodes
+                out[c.start : c.end] = self._cpu_result(pending)
+            t3 = clock.mark()
+            x = layer.post_attention(out, x)
+            spans.append((t0, t1, t2, t3, clock.mark()))
+        n = len(spans)
+        self.last_times.linear_ms = (
+            sum(clock.span_ms(a, b) + clock.span_ms(d, e) for a, b, _, d, e in spans) / n
+        )
+        self.last_times.device_attn_ms = sum(clock.span_ms(b, c) for _, b, c, _, _ in spans) / n
         return x
 
     def _pipelined(
@@ -171,13 +201,13 @@ class ModelRunner:
         for i, layer in enumerate(layers):
             if h0 is not None:
                 c = b0.cpu_decodes
-                o0[c.start : c.end] = h0.result()
+                o0[c.start : c.end] = self._cpu_result(h0)
             h1 = attn.start_cpu(q1, k1, v1, host, i, b1)
             assert h1 is not None, "sub-batch 1 holds CPU decodes"
             x0 = layer.post_attention(o0, x0)
             if i + 1 < len(layers):
                 o0, h0 = start0(i + 1, x0)
-            x1 = layer.post_attention(h1.result(), x1)
+            x1 = layer.post_attention(self._cpu_result(h1), x1)
             if i + 1 < len(layers):
                 q1, k1, v1 = self._pre(i + 1, x1, p1, b1, None)
         return torch.cat([x0, x1])

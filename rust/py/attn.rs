@@ -3,7 +3,9 @@
 //! runs CPU attention.
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
 use pyo3::prelude::*;
@@ -184,15 +186,17 @@ fn prepare(args: &Args<'_>, layer: usize, scale: f32) -> PyResult<Call> {
     )?)
 }
 
-/// Completion slot shared by a submitted job and its handle.
+/// Completion slot shared by a submitted job and its handle, with how long the job ran.
 #[derive(Default)]
 struct Completion {
     result: Mutex<Option<Result<()>>>,
     done: Condvar,
+    run_ns: AtomicU64,
 }
 
 impl Completion {
-    fn finish(&self, r: Result<()>) {
+    fn finish(&self, r: Result<()>, ran: Duration) {
+        self.run_ns.store(u64::try_from(ran.as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
         *self.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
         self.done.notify_all();
     }
@@ -278,10 +282,11 @@ impl CpuAttention {
         let (job_done, engine) = (Arc::clone(&completion), Arc::clone(&self.engine));
         let pool = self.engine.pool()?;
         pool.spawn(move || {
+            let start = Instant::now();
             // SAFETY: the handle keeps every tensor alive until this job finishes (its drop
             // waits for completion); callers must not touch them before `wait()`.
             let r = unsafe { call.execute(&engine) };
-            job_done.finish(r);
+            job_done.finish(r, start.elapsed());
         });
         Ok(AttentionHandle { completion, _keep: keep })
     }
@@ -321,6 +326,13 @@ impl AttentionHandle {
 
     fn done(&self) -> bool {
         self.completion.is_done()
+    }
+
+    /// Milliseconds the call ran on the pool (from its start, not its submission); None until done.
+    #[getter]
+    fn run_ms(&self) -> Option<f64> {
+        let c = &self.completion;
+        c.is_done().then(|| c.run_ns.load(Ordering::Relaxed) as f64 / 1e6)
     }
 }
 

@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::kv::{Device, SwapPlan};
-use crate::sched::{self, OffloadMode, RequestId, SchedulerConfig};
+use crate::sched::{self, OffloadMode, PerfPredictor, RequestId, SchedulerConfig, StageTimes, Table1, Table2, Term};
 
 #[pyclass(module = "neo_rs._core")]
 pub struct Scheduler {
@@ -36,6 +36,9 @@ pub struct SchedulerOutput {
     swap_in: Py<PyArray2<i64>>,
     prefill_to_host: Py<PyArray2<i64>>,
     recomputed: Vec<u64>,
+    /// Predicted per-layer stage times (ms): linear0/1, prefill_attn, gpu_decode, cpu_attn0/1,
+    /// transfer0/1, layer.
+    predicted: Py<PyDict>,
 }
 
 fn device(name: &str) -> PyResult<Device> {
@@ -51,6 +54,35 @@ fn pairs<'py>(py: Python<'py>, plan: &SwapPlan) -> PyResult<Bound<'py, PyArray2<
     flat.into_pyarray(py).reshape([plan.pairs.len(), 2])
 }
 
+fn stage_times<'py>(py: Python<'py>, t: &StageTimes) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    for (k, v) in [
+        ("linear0", t.linear_ms[0]),
+        ("linear1", t.linear_ms[1]),
+        ("prefill_attn", t.prefill_attn_ms),
+        ("gpu_decode", t.gpu_decode_ms),
+        ("cpu_attn0", t.cpu_attn_ms[0]),
+        ("cpu_attn1", t.cpu_attn_ms[1]),
+        ("transfer0", t.transfer_ms[0]),
+        ("transfer1", t.transfer_ms[1]),
+        ("layer", t.layer_ms),
+    ] {
+        d.set_item(k, v)?;
+    }
+    Ok(d)
+}
+
+fn term(name: &str) -> PyResult<Term> {
+    Ok(match name {
+        "linear" => Term::Linear,
+        "prefill_attn" => Term::PrefillAttn,
+        "gpu_decode" => Term::GpuDecode,
+        "cpu_decode" => Term::CpuDecode,
+        "transfer" => Term::Transfer,
+        _ => return Err(super::InvalidArgumentError::new_err(format!("unknown perf term {name:?}"))),
+    })
+}
+
 fn column(v: impl Iterator<Item = usize>) -> Vec<i64> {
     v.map(|x| x as i64).collect()
 }
@@ -58,7 +90,7 @@ fn column(v: impl Iterator<Item = usize>) -> Vec<i64> {
 #[pymethods]
 impl Scheduler {
     #[new]
-    #[pyo3(signature = (*, max_num_seqs, max_num_batched_tokens, max_model_len, block_size, num_gpu_blocks, num_cpu_blocks, offload = "none", transfer_bytes_per_decode = 0))]
+    #[pyo3(signature = (*, max_num_seqs, max_num_batched_tokens, max_model_len, block_size, num_gpu_blocks, num_cpu_blocks, offload = "none", transfer_bytes_per_decode = 0, force_pipeline = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         max_num_seqs: usize,
@@ -69,6 +101,7 @@ impl Scheduler {
         num_cpu_blocks: u32,
         offload: &str,
         transfer_bytes_per_decode: usize,
+        force_pipeline: bool,
     ) -> PyResult<Self> {
         let config = SchedulerConfig {
             max_num_seqs,
@@ -79,6 +112,7 @@ impl Scheduler {
             num_cpu_blocks,
             offload: OffloadMode::parse(offload)?,
             transfer_bytes_per_decode,
+            force_pipeline,
         };
         Ok(Scheduler { inner: sched::Scheduler::new(config)? })
     }
@@ -115,6 +149,7 @@ impl Scheduler {
             swap_in: pairs(py, &out.swap_in)?.unbind(),
             prefill_to_host: pairs(py, &out.prefill_to_host)?.unbind(),
             recomputed: out.recomputed.iter().map(|r| r.0).collect(),
+            predicted: stage_times(py, &out.predicted)?.unbind(),
         })
     }
 
@@ -163,6 +198,53 @@ impl Scheduler {
         d.set_item("num_prefills_to_host", s.num_prefills_to_host)?;
         d.set_item("num_pipelined_steps", s.num_pipelined_steps)?;
         Ok(d)
+    }
+
+    /// Replace the predictor's tables (per-layer ms): `(xs, ys)` pairs for linear (by tokens),
+    /// prefill attention (by prompt length), GPU decode (by context tokens) and transfer (by
+    /// bytes); CPU decode as `(seqs, tokens, values row-major)`. Corrections restart at 1.
+    #[allow(clippy::too_many_arguments)]
+    fn set_perf_tables(
+        &mut self,
+        linear: (Vec<f64>, Vec<f64>),
+        prefill_attn: (Vec<f64>, Vec<f64>),
+        gpu_decode: (Vec<f64>, Vec<f64>),
+        cpu_decode: (Vec<f64>, Vec<f64>, Vec<f64>),
+        transfer: (Vec<f64>, Vec<f64>),
+        launch_ms: f64,
+    ) -> PyResult<()> {
+        let t = |(x, y): (Vec<f64>, Vec<f64>)| Table1::new(x, y);
+        *self.inner.predictor_mut() = PerfPredictor::new(
+            t(linear)?,
+            t(prefill_attn)?,
+            t(gpu_decode)?,
+            Table2::new(cpu_decode.0, cpu_decode.1, cpu_decode.2)?,
+            t(transfer)?,
+            launch_ms,
+        );
+        Ok(())
+    }
+
+    /// Fold a measured per-layer stage time into the predictor's correction of `term`
+    /// (`linear`, `prefill_attn`, `gpu_decode`, `cpu_decode`, `transfer`).
+    fn observe(&mut self, term_name: &str, predicted_ms: f64, measured_ms: f64) -> PyResult<()> {
+        self.inner.predictor_mut().observe(term(term_name)?, predicted_ms, measured_ms);
+        Ok(())
+    }
+
+    /// Measured / predicted ratio the predictor applies, per term.
+    fn perf_corrections(&self) -> Vec<(&'static str, f64)> {
+        let p = self.inner.predictor();
+        [
+            ("linear", Term::Linear),
+            ("prefill_attn", Term::PrefillAttn),
+            ("gpu_decode", Term::GpuDecode),
+            ("cpu_decode", Term::CpuDecode),
+            ("transfer", Term::Transfer),
+        ]
+        .into_iter()
+        .map(|(n, t)| (n, p.correction(t)))
+        .collect()
     }
 
     /// Raise `BackendError` if the KV accounting is inconsistent (tests, debugging).

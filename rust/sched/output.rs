@@ -61,6 +61,22 @@ pub struct SchedulerOutput {
     /// Preempted this iteration; their KV was dropped and will be recomputed.
     pub recomputed: Vec<RequestId>,
     pub inputs: ModelInputs,
+    /// The predictor's per-layer stage times of this plan, to compare with measured ones.
+    pub predicted: StageTimes,
+}
+
+/// Per-layer stage times (ms) of one iteration; index 0/1 = sub-batch.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StageTimes {
+    pub linear_ms: [f64; 2],
+    pub prefill_attn_ms: f64,
+    pub gpu_decode_ms: f64,
+    /// CPU attention kernels alone (what the kernel's own timer measures).
+    pub cpu_attn_ms: [f64; 2],
+    /// Q/K/V out and outputs back, with the hand-off cost.
+    pub transfer_ms: [f64; 2],
+    /// The iteration per layer: the pipeline formula when pipelined, else the plain sum.
+    pub layer_ms: f64,
 }
 
 impl SchedulerOutput {

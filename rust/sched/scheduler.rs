@@ -8,7 +8,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 mod neo;
 
 use super::config::{OffloadMode, SchedulerConfig};
-use super::output::{ModelInputs, ScheduledRequest, SchedulerOutput};
+use super::output::{ModelInputs, ScheduledRequest, SchedulerOutput, StageTimes};
 use super::perf::PerfPredictor;
 use super::request::{FinishReason, Request, RequestId, RequestStatus};
 use crate::error::{ensure, Result};
@@ -239,6 +239,7 @@ impl Scheduler {
         let num_cpu_decodes = scheduled[..num_decodes].iter().filter(|s| s.device == Device::Cpu).count();
         let requests = &self.requests;
         let inputs = ModelInputs::build(&scheduled, |id| &requests[&id], &self.gpu, &self.cpu);
+        let predicted = self.price(&scheduled);
         self.in_flight.clone_from(&scheduled);
         SchedulerOutput {
             scheduled,
@@ -250,6 +251,7 @@ impl Scheduler {
             prefill_to_host: step.to_host,
             recomputed: step.recomputed,
             inputs,
+            predicted,
         }
     }
 

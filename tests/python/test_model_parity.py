@@ -112,12 +112,28 @@ def test_all_decodes_on_the_cpu_keep_outputs_identical(checkpoints, kind: str) -
 @pytest.mark.parametrize("kind", ["llama3", "mistral"])
 def test_neo_pipeline_keeps_outputs_identical(checkpoints, kind: str) -> None:
     # A device pool too small for the batch: prefills land in the host pool, requests swap out
-    # and back in mid-generation, and iterations run as the two-sub-batch pipeline.
-    tokens, engine = run(checkpoints[kind], offload="neo", num_gpu_blocks=10, num_cpu_blocks=64, block_size=8)
+    # and back in mid-generation, and (forced here) iterations run as the two-sub-batch pipeline.
+    tokens, engine = run(
+        checkpoints[kind],
+        offload="neo",
+        num_gpu_blocks=10,
+        num_cpu_blocks=64,
+        block_size=8,
+        neo_force_pipeline=True,
+    )
     assert tokens == [hf_greedy(checkpoints[kind], kind, p) for p in PROMPTS]
     st = engine.scheduler.stats()
     assert st["num_pipelined_steps"] > 0 and st["num_prefills_to_host"] > 0, st
     assert st["num_swapped_out"] > 0 and st["num_swapped_in"] > 0, st
+    assert_all_blocks_free(engine)
+
+
+def test_neo_with_profiled_estimates_keeps_outputs_identical(checkpoints) -> None:
+    # Whatever mix the profiled predictor picks on this machine, the tokens do not change.
+    tokens, engine = run(
+        checkpoints["qwen2"], offload="neo", num_gpu_blocks=10, num_cpu_blocks=64, block_size=8
+    )
+    assert tokens == [hf_greedy(checkpoints["qwen2"], "qwen2", p) for p in PROMPTS]
     assert_all_blocks_free(engine)
 
 

@@ -116,7 +116,8 @@ impl Scheduler {
         }
         let g_rate = g.reqs as f64 / (self.predictor.linear_ms(g.tokens) + g.gpu_attn_ms).max(1e-9);
         let p_rate = (b0.reqs + b1.reqs) as f64 / self.pipelined_ms(&b0, &b1).max(1e-9);
-        let starving = !cpu_reqs.is_empty() && self.cpu_idle_steps >= MAX_CPU_IDLE_STEPS;
+        let starving =
+            !cpu_reqs.is_empty() && (self.cpu_idle_steps >= MAX_CPU_IDLE_STEPS || self.config.force_pipeline);
         if !starving && (place.placed.is_empty() || p_rate <= g_rate) {
             self.commit_prefills(step, &g_prefills);
             self.cpu_idle_steps += u32::from(!cpu_reqs.is_empty());
@@ -146,10 +147,14 @@ impl Scheduler {
                 continue;
             }
             let r = self.remains(b0, b1);
-            let sub = if place.placed.is_empty() || r[1] > r[0] { 1 } else { 0 };
+            let sub = if self.config.force_pipeline {
+                u8::from(b1.cpu_seqs <= b0.cpu_seqs)
+            } else {
+                u8::from(place.placed.is_empty() || r[1] > r[0])
+            };
             let target = if sub == 1 { &mut *b1 } else { &mut *b0 };
             add_cpu_decode(target, ctx, 1);
-            if self.min_remains(b0, b1) < 0.0 {
+            if !self.config.force_pipeline && self.min_remains(b0, b1) < 0.0 {
                 let target = if sub == 1 { &mut *b1 } else { &mut *b0 };
                 add_cpu_decode(target, ctx, -1);
                 place.fail_ctx = ctx;
@@ -157,6 +162,44 @@ impl Scheduler {
             }
             place.placed.push((id, sub));
             place.budget -= 1;
+        }
+    }
+
+    /// The predictor's stage times of a final plan (any mode).
+    pub(super) fn price(&self, scheduled: &[ScheduledRequest]) -> StageTimes {
+        let p = &self.predictor;
+        let mut loads = [Load::default(); 2];
+        let (mut prefill_ms, mut decode_ctx) = (0.0, 0);
+        for s in scheduled {
+            let b = &mut loads[usize::from(s.sub_batch)];
+            if s.device == Device::Cpu {
+                add_cpu_decode(b, s.num_computed_tokens + 1, 1);
+            } else {
+                b.reqs += 1;
+                b.tokens += s.num_new_tokens;
+                if s.num_new_tokens == 1 {
+                    decode_ctx += s.num_computed_tokens + 1;
+                } else {
+                    prefill_ms += p.prefill_attn_ms(s.num_computed_tokens, s.num_new_tokens);
+                }
+            }
+        }
+        let gpu_decode_ms = p.gpu_decode_ms(decode_ctx);
+        loads[0].gpu_attn_ms = prefill_ms + gpu_decode_ms;
+        let [b0, b1] = loads;
+        let kernel = |b: &Load| p.cpu_decode_ms(b.cpu_seqs, b.cpu_ctx);
+        let layer_ms = if b1.reqs > 0 {
+            self.pipelined_ms(&b0, &b1)
+        } else {
+            p.linear_ms(b0.tokens) + b0.gpu_attn_ms.max(self.cpu_ms(&b0))
+        };
+        StageTimes {
+            linear_ms: [p.linear_ms(b0.tokens), p.linear_ms(b1.tokens)],
+            prefill_attn_ms: prefill_ms,
+            gpu_decode_ms,
+            cpu_attn_ms: [kernel(&b0), kernel(&b1)],
+            transfer_ms: [self.cpu_ms(&b0) - kernel(&b0), self.cpu_ms(&b1) - kernel(&b1)],
+            layer_ms,
         }
     }
 

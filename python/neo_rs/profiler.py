@@ -1,0 +1,269 @@
+"""Start-up profile of per-layer stage times for NEO's perf predictor (Rust): linear work by
+tokens, prefill attention by prompt length, device decode attention by context tokens, CPU
+attention by sequences x tokens, device<->host copies by bytes, and the CPU hand-off cost. A
+small grid, measured on this machine's real model and pools, cached on disk under a key of
+everything that changes the numbers (a different key never reuses a table)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tqdm import tqdm
+
+from neo_rs._core import Scheduler
+from neo_rs.attention import DecodeRows, Prefill
+from neo_rs.model.llama import DecoderLayer, Rotary
+
+if TYPE_CHECKING:
+    from neo_rs.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+VERSION = 1
+Curve = tuple[list[float], list[float]]
+
+
+@dataclass
+class PerfTables:
+    linear: Curve
+    prefill_attn: Curve
+    gpu_decode: Curve
+    cpu_decode: tuple[list[float], list[float], list[float]]
+    transfer: Curve
+    launch_ms: float
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> PerfTables:
+        def curve(v: list[list[float]]) -> Curve:
+            return [float(x) for x in v[0]], [float(y) for y in v[1]]
+
+        rows, cols, vals = d["cpu_decode"]
+        return PerfTables(
+            curve(d["linear"]),
+            curve(d["prefill_attn"]),
+            curve(d["gpu_decode"]),
+            ([float(x) for x in rows], [float(x) for x in cols], [float(x) for x in vals]),
+            curve(d["transfer"]),
+            float(d["launch_ms"]),
+        )
+
+    def apply(self, scheduler: Scheduler) -> None:
+        scheduler.set_perf_tables(
+            self.linear, self.prefill_attn, self.gpu_decode, self.cpu_decode, self.transfer, self.launch_ms
+        )
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu:{platform.machine()}:{platform.processor() or 'unknown'}"
+
+
+def profile_key(runner: ModelRunner, max_tokens: int) -> str:
+    cfg = runner.model.config
+    ident = {
+        "version": VERSION,
+        "model": [cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads],
+        "head_dim": cfg.head_dim,
+        "qkv_bias": cfg.qkv_bias,
+        "dtype": str(runner.layout.dtype),
+        "block_size": runner.layout.block_size,
+        "device": _device_name(runner.device),
+        "threads": [runner.attention.cpu_attention.num_threads, torch.get_num_threads()],
+        "max_tokens": max_tokens,
+    }
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _time_ms(device: torch.device, fn: Callable[[], object], reps: int = 3) -> float:
+    """Median wall time of ``fn`` after one warm-up, device work included."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def _pow2_grid(lo: int, hi: int) -> list[int]:
+    grid, x = [], lo
+    while x < hi:
+        grid.append(x)
+        x *= 2
+    return [*grid, hi]
+
+
+def _floats(xs: list[int]) -> list[float]:
+    return [float(x) for x in xs]
+
+
+def _decode_rows(total: int, seqs: int, block_size: int, device: torch.device) -> DecodeRows:
+    """``seqs`` sequences sharing ``total`` tokens, over blocks ``0 .. total / block_size``."""
+    per = max(total // seqs, 1)
+    nb = -(-per // block_size)
+    tables = (torch.arange(seqs * nb, dtype=torch.int32) % max(1, total // block_size)).reshape(seqs, nb)
+    lens = torch.full((seqs,), per, dtype=torch.int32)
+    return DecodeRows(0, seqs, tables.to(device), lens.to(device))
+
+
+def _linear_step(
+    layer: DecoderLayer, rotary: Rotary, x: torch.Tensor, pos: torch.Tensor, o: torch.Tensor
+) -> None:
+    layer.pre_attention(x, pos, rotary)
+    layer.post_attention(o, x)
+
+
+class _Profiler:
+    def __init__(self, runner: ModelRunner, bar: tqdm) -> None:
+        self.r, self.bar = runner, bar
+        cfg = runner.model.config
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.dev, self.dtype = runner.device, runner.layout.dtype
+
+    def rand(self, *shape: int, device: torch.device | None = None) -> torch.Tensor:
+        return torch.randn(*shape, dtype=self.dtype, device=device or self.dev)
+
+    def time(self, fn: Callable[[], object], device: torch.device | None = None) -> float:
+        self.bar.update()
+        return _time_ms(device or self.dev, fn)
+
+    def linear(self, grid: list[int], max_model_len: int) -> Curve:
+        model = self.r.model
+        layer, hidden = model.decoder_layers[0], model.config.hidden_size
+        ys = []
+        for t in grid:
+            x, o = self.rand(t, hidden), self.rand(t, self.heads, self.head_dim)
+            pos = torch.arange(t, device=self.dev) % max_model_len
+            ys.append(self.time(partial(_linear_step, layer, model.rotary, x, pos, o)))
+        return _floats(grid), ys
+
+    def prefill(self, grid: list[int]) -> Curve:
+        ys = []
+        for s in grid:
+            q, k, v = (self.rand(s, h, self.head_dim) for h in (self.heads, self.kv_heads, self.kv_heads))
+            p = Prefill(0, s, 0, s, torch.zeros(1, dtype=torch.long, device=self.dev))
+            ys.append(self.time(partial(self.r.attention.prefill, q, k, v, self.r.device_pool, 0, p)))
+        return _floats(grid), ys
+
+    def gpu_decode(self, grid: list[int]) -> Curve:
+        bs, ys = self.r.layout.block_size, []
+        for n in grid:
+            seqs = max(1, min(8, n // bs))
+            rows = _decode_rows(n, seqs, bs, self.dev)
+            q, out = self.rand(seqs, self.heads, self.head_dim), self.rand(seqs, self.heads, self.head_dim)
+            ys.append(self.time(partial(self.r.attention.decode, q, self.r.device_pool, 0, rows, out)))
+        return _floats(grid), ys
+
+    def cpu_decode(
+        self, rows_grid: list[int], cols_grid: list[int]
+    ) -> tuple[list[float], list[float], list[float]]:
+        cpu, host, attn = torch.device("cpu"), self.r.host_pool, self.r.attention
+        vals = []
+        for s in rows_grid:
+            for n in cols_grid:
+                rows = _decode_rows(max(n, s), s, self.r.layout.block_size, cpu)
+                q = self.rand(s, self.heads, self.head_dim, device=cpu)
+                call = partial(
+                    attn.cpu_attention.forward,
+                    q,
+                    host.k,
+                    host.v,
+                    0,
+                    rows.block_tables,
+                    rows.seq_lens,
+                    attn.scale,
+                )
+                vals.append(self.time(partial(call, torch.empty_like(q)), cpu))
+        return _floats(rows_grid), _floats(cols_grid), vals
+
+    def transfer(self, grid: list[int]) -> Curve:
+        ys = []
+        for nbytes in grid:
+            x = torch.empty(nbytes // 2, dtype=torch.float16, device=self.dev)
+            ys.append(self.time(partial(_round_trip, x)))
+        return _floats(grid), ys
+
+    def launch(self) -> float:
+        """Submit + wait of a one-token CPU call, less what the kernel itself ran."""
+        cpu, host, attn = torch.device("cpu"), self.r.host_pool, self.r.attention
+        rows = _decode_rows(1, 1, self.r.layout.block_size, cpu)
+        q = self.rand(1, self.heads, self.head_dim, device=cpu)
+        out = torch.empty_like(q)
+        costs = []
+        for _ in range(20):
+            t = time.perf_counter()
+            h = attn.cpu_attention.submit(
+                q, host.k, host.v, 0, rows.block_tables, rows.seq_lens, attn.scale, out
+            )
+            h.wait()
+            costs.append((time.perf_counter() - t) * 1e3 - (h.run_ms or 0.0))
+        self.bar.update()
+        return max(0.0, statistics.median(costs))
+
+
+def _round_trip(x: torch.Tensor) -> None:
+    x.to("cpu", copy=True).to(x.device, copy=True)
+
+
+@torch.inference_mode()
+def profile(runner: ModelRunner, max_tokens: int, max_model_len: int) -> PerfTables:
+    bs = runner.layout.block_size
+    linear_grid = _pow2_grid(1, max_tokens)
+    prefill_grid = _pow2_grid(16, max(16, min(max_model_len, max_tokens)))
+    gpu_grid = _pow2_grid(bs, max(bs, min(runner.device_pool.num_blocks * bs, 1 << 15)))
+    host_tokens = max(bs, min(runner.host_pool.num_blocks * bs, 1 << 16))
+    cpu_rows = [s for s in (1, 4, 16, 64) if s * bs <= host_tokens] or [1]
+    cpu_cols = sorted({*_pow2_grid(bs, host_tokens)[::2], host_tokens})
+    transfer_grid = [1 << 12, 1 << 16, 1 << 20, 1 << 24]
+    total = (
+        len(linear_grid)
+        + len(prefill_grid)
+        + len(gpu_grid)
+        + len(cpu_rows) * len(cpu_cols)
+        + len(transfer_grid)
+        + 1
+    )
+    with tqdm(total=total, desc="Profiling stage times", unit="pt") as bar:
+        p = _Profiler(runner, bar)
+        return PerfTables(
+            linear=p.linear(linear_grid, max_model_len),
+            prefill_attn=p.prefill(prefill_grid),
+            gpu_decode=p.gpu_decode(gpu_grid),
+            cpu_decode=p.cpu_decode(cpu_rows, cpu_cols),
+            transfer=p.transfer(transfer_grid),
+            launch_ms=p.launch(),
+        )
+
+
+def load_or_profile(runner: ModelRunner, max_tokens: int, max_model_len: int, cache: Path) -> PerfTables:
+    path = cache / "profiles" / f"{profile_key(runner, max_tokens)}.json"
+    if path.is_file():
+        try:
+            tables = PerfTables.from_json(json.loads(path.read_text()))
+            log.info("perf profile from %s", path)
+            return tables
+        except (ValueError, TypeError, KeyError, IndexError) as e:
+            log.warning("ignoring the unreadable perf profile %s (%s)", path, e)
+    t = time.perf_counter()
+    tables = profile(runner, max_tokens, max_model_len)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(tables)))
+    tmp.replace(path)
+    log.info("profiled stage times in %.1f s, cached in %s", time.perf_counter() - t, path)
+    return tables

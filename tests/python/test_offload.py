@@ -1,0 +1,83 @@
+"""The offload tier around the model: iteration stats, the perf profile cache and the
+predictor's online correction, and the CPU-attention timer."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from conftest import assert_all_blocks_free
+
+from neo_rs import LLM, CpuAttention, SamplingParams
+from neo_rs.config import cache_dir
+from neo_rs.profiler import PerfTables, load_or_profile, profile_key
+
+
+def test_pipelined_iterations_report_what_ran_where(checkpoints) -> None:
+    llm = LLM(
+        str(checkpoints["llama3"]),
+        dtype="float32",
+        offload="neo",
+        num_gpu_blocks=10,
+        num_cpu_blocks=64,
+        block_size=8,
+        neo_force_pipeline=True,
+    )
+    engine = llm.engine
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for i in range(6):
+        engine.add_request(list(range(3, 30 + i)), p)
+    seen = []
+    while engine.has_unfinished():
+        engine.step()
+        assert engine.last_stats is not None
+        seen.append(engine.last_stats)
+    piped = [s for s in seen if s.mode == "pipelined"]
+    assert piped, [s.mode for s in seen]
+    s = piped[0]
+    assert s.num_cpu_decodes > 0 and s.cpu_attn_ms > 0 and s.transfer_bytes > 0
+    assert s.predicted_layer_ms["layer"] > 0 and s.predicted_layer_ms["cpu_attn1"] > 0
+    assert "cpu_attn" in s.measured_layer_ms and "linear" not in s.measured_layer_ms
+    seq = [s for s in seen if s.mode != "pipelined"]
+    assert all("linear" in s.measured_layer_ms for s in seq)
+    assert all(s.cpu_blocks_total == 64 and s.gpu_blocks_total == 10 for s in seen)
+    assert_all_blocks_free(engine)
+
+
+def test_profile_is_cached_per_key_and_corrections_move(checkpoints) -> None:
+    llm = LLM(
+        str(checkpoints["llama"]),
+        dtype="float32",
+        offload="neo",
+        num_gpu_blocks=32,
+        max_num_batched_tokens=64,
+    )
+    runner = llm.engine.runner
+    key = profile_key(runner, 64)
+    path = cache_dir() / "profiles" / f"{key}.json"
+    assert path.is_file()
+    tables = PerfTables.from_json(json.loads(path.read_text()))
+    assert tables.linear[0][-1] == 64 and all(y >= 0 for y in tables.linear[1])
+    assert len(tables.cpu_decode[2]) == len(tables.cpu_decode[0]) * len(tables.cpu_decode[1])
+    # A different budget is a different key; the same key reads the file back.
+    assert profile_key(runner, 128) != key
+    assert load_or_profile(runner, 64, 512, cache_dir()) == tables
+    s = llm.engine.scheduler
+    before = dict(s.perf_corrections())
+    # A stage whose raw estimate is 1 ms keeps measuring 2 ms: the correction heads for 2.
+    for _ in range(200):
+        s.observe("linear", dict(s.perf_corrections())["linear"], 2.0)
+    after = dict(s.perf_corrections())
+    assert 1.9 < after["linear"] <= 2.0 and after["cpu_decode"] == before["cpu_decode"]
+
+
+def test_attention_handle_reports_kernel_time() -> None:
+    attn = CpuAttention(num_threads=1)
+    k = torch.randn(1, 8, 2, 16, 64)
+    v = torch.randn_like(k)
+    q, out = torch.randn(4, 4, 64), torch.empty(4, 4, 64)
+    tables = torch.arange(8, dtype=torch.int32).reshape(4, 2)
+    lens = torch.full((4,), 30, dtype=torch.int32)
+    h = attn.submit(q, k, v, 0, tables, lens, 0.125, out)
+    h.wait()
+    assert h.done() and h.run_ms is not None and h.run_ms > 0
