@@ -7,7 +7,6 @@ import json
 
 import torch
 from conftest import assert_all_blocks_free
-
 from neo_rs import LLM, CpuAttention, SamplingParams
 from neo_rs.config import cache_dir
 from neo_rs.profiler import PerfTables, load_or_profile, profile_key
