@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from neo_rs._core import AttentionHandle, CpuAttention, SchedulerOutput
 from neo_rs.kv_cache import KvPool
+from neo_rs.transfer import HostTransfer, Staged
 
 
 @dataclass
@@ -117,24 +118,25 @@ def paged_decode_torch(
 
 
 class PendingCpuAttention:
-    """CPU attention submitted to the Rust pool; ``result()`` waits (GIL released) and brings
+    """CPU attention submitted to the Rust pool; ``result()`` waits (GIL released) and sends
     the output back to the model's device."""
 
-    def __init__(self, handle: AttentionHandle, out: torch.Tensor, device: torch.device) -> None:
-        self.handle, self.out, self.device = handle, out, device
+    def __init__(self, handle: AttentionHandle, out: torch.Tensor, transfer: HostTransfer) -> None:
+        self.handle, self.out, self.transfer = handle, out, transfer
 
     def result(self) -> torch.Tensor:
         self.handle.wait()
-        return self.out.to(self.device)
+        return self.transfer.to_device(self.out)
 
 
 class Attention:
     """One layer's attention for one sub-batch. ``cpu_attention`` serves CPU decodes, and device
     decodes too when the device pool lives in CPU memory."""
 
-    def __init__(self, scale: float, cpu_attention: CpuAttention) -> None:
+    def __init__(self, scale: float, cpu_attention: CpuAttention, transfer: HostTransfer) -> None:
         self.scale = scale
         self.cpu_attention = cpu_attention
+        self.transfer = transfer
 
     def decode(self, q: torch.Tensor, pool: KvPool, layer: int, rows: DecodeRows, out: torch.Tensor) -> None:
         """Device-pool decodes (their K/V already written), into ``out``."""
@@ -145,27 +147,50 @@ class Attention:
         else:
             out.copy_(paged_decode_torch(q, pool, layer, rows.block_tables, rows.seq_lens, self.scale))
 
-    def start_cpu(
+    def stage_cpu(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch
+    ) -> Staged | None:
+        """Start moving the batch's CPU-decode rows of q/k/v to the host (model dtype)."""
+        c = batch.cpu_decodes
+        if not len(c):
+            return None
+        return self.transfer.to_host(q[c.start : c.end], k[c.start : c.end], v[c.start : c.end])
+
+    def submit_cpu(
+        self, staged: Staged, host: KvPool, layer: int, batch: AttentionBatch
+    ) -> PendingCpuAttention:
+        """Once the rows are on the host, the kernel appends k/v at ``seq_len - 1`` of the host
+        pool and attends, on the Rust pool, while this thread goes on."""
+        q, k, v = staged.ready()
+        c = batch.cpu_decodes
+        out = self.transfer.host_buffer(q)
+        handle = self.cpu_attention.submit(
+            q, host.k, host.v, layer, c.block_tables, c.seq_lens, self.scale, out, new_k=k, new_v=v
+        )
+        return PendingCpuAttention(handle, out, self.transfer)
+
+    def run_layer(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        host: KvPool,
+        device_pool: KvPool,
+        host_pool: KvPool,
         layer: int,
         batch: AttentionBatch,
+        out: torch.Tensor,
     ) -> PendingCpuAttention | None:
-        """Submit the batch's CPU decodes: their q/k/v go to the CPU in the model dtype, the
-        kernel appends k/v at ``seq_len - 1`` of the host pool and attends, asynchronously."""
-        c = batch.cpu_decodes
-        if not len(c):
-            return None
-        cpu = torch.device("cpu")
-        qc, kc, vc = (t[c.start : c.end].to(cpu).contiguous() for t in (q, k, v))
-        out = torch.empty_like(qc)
-        handle = self.cpu_attention.submit(
-            qc, host.k, host.v, layer, c.block_tables, c.seq_lens, self.scale, out, new_k=kc, new_v=vc
-        )
-        return PendingCpuAttention(handle, out, q.device)
+        """Issue the batch's whole attention: device rows into ``out`` now, CPU decodes
+        submitted (the caller waits on the result when it needs it). The CPU part starts first
+        when its inputs are already on the host, else after the device part is queued."""
+        staged = self.stage_cpu(q, k, v, batch)
+        pending = None
+        if staged is not None and staged.immediate:
+            pending = self.submit_cpu(staged, host_pool, layer, batch)
+        self.device_part(q, k, v, device_pool, layer, batch, out)
+        if staged is not None and pending is None:
+            pending = self.submit_cpu(staged, host_pool, layer, batch)
+        return pending
 
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KvPool, layer: int, p: Prefill
@@ -214,23 +239,3 @@ class Attention:
         for p in batch.prefills:
             rows = slice(p.start, p.end)
             out[rows] = self.prefill(q[rows], k[rows], v[rows], pool, layer, p)
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        device_pool: KvPool,
-        host_pool: KvPool,
-        layer: int,
-        batch: AttentionBatch,
-    ) -> torch.Tensor:
-        """q ``[T, heads, d]``, k/v ``[T, kv_heads, d]`` (device rows written) -> ``[T, heads, d]``;
-        the CPU part runs while the device part is issued."""
-        out = torch.empty_like(q)
-        pending = self.start_cpu(q, k, v, host_pool, layer, batch)
-        self.device_part(q, k, v, device_pool, layer, batch, out)
-        if pending is not None:
-            c = batch.cpu_decodes
-            out[c.start : c.end] = pending.result()
-        return out

@@ -25,14 +25,15 @@ class KvLayout:
 
 
 class KvPool:
-    def __init__(self, layout: KvLayout, num_blocks: int, device: torch.device) -> None:
+    def __init__(self, layout: KvLayout, num_blocks: int, device: torch.device, pin: bool = False) -> None:
         self.layout = layout
         self.num_blocks = num_blocks
         self.device = device
         shape = (layout.num_layers, num_blocks, layout.num_kv_heads, layout.block_size, layout.head_dim)
-        # torch.empty leaves pages untouched, so a large host pool costs nothing until used.
-        self.k = torch.empty(shape, dtype=layout.dtype, device=device)
-        self.v = torch.empty(shape, dtype=layout.dtype, device=device)
+        # torch.empty never zero-fills: an unpinned host pool costs nothing until pages are used.
+        # Pinned (when CUDA copies it), it is locked but still not filled.
+        self.k = torch.empty(shape, dtype=layout.dtype, device=device, pin_memory=pin)
+        self.v = torch.empty(shape, dtype=layout.dtype, device=device, pin_memory=pin)
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store each token's ``[kv_heads, head_dim]`` K/V at its slot ``block * block_size + offset``."""

@@ -18,6 +18,7 @@ from neo_rs.errors import InvalidArgumentError
 from neo_rs.kv_cache import KvLayout, KvPool, block_pairs, copy_blocks
 from neo_rs.model import load_model
 from neo_rs.timing import StageClock, StageTimes
+from neo_rs.transfer import HostTransfer
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class ModelRunner:
             else int(args.cpu_kv_gib * (1 << 30)) // per_block
         )
         self.device_pool = KvPool(self.layout, num_gpu, device)
-        self.host_pool = KvPool(self.layout, num_cpu, torch.device("cpu"))
+        self.host_pool = KvPool(self.layout, num_cpu, torch.device("cpu"), pin=device.type == "cuda")
         log.info(
             "KV pools: %d device blocks (%.2f GiB), %d host blocks (%.2f GiB), %d tokens per block",
             num_gpu,
@@ -68,7 +69,9 @@ class ModelRunner:
             num_cpu * per_block / (1 << 30),
             args.block_size,
         )
-        self.attention = Attention(cfg.head_dim**-0.5, CpuAttention(num_threads=args.cpu_threads))
+        self.attention = Attention(
+            cfg.head_dim**-0.5, CpuAttention(num_threads=args.cpu_threads), HostTransfer(device)
+        )
         self.last_times = StageTimes()
 
     def _device_blocks(self, args: EngineArgs, max_model_len: int) -> int:
@@ -159,9 +162,8 @@ class ModelRunner:
             t0 = clock.mark()
             q, k, v = self._pre(i, x, positions, batch, to_host)
             t1 = clock.mark()
-            pending = attn.start_cpu(q, k, v, self.host_pool, i, batch)
             out = torch.empty_like(q)
-            attn.device_part(q, k, v, self.device_pool, i, batch, out)
+            pending = attn.run_layer(q, k, v, self.device_pool, self.host_pool, i, batch, out)
             t2 = clock.mark()
             if pending is not None:
                 c = batch.cpu_decodes
@@ -191,10 +193,8 @@ class ModelRunner:
 
         def start0(i: int, x0: torch.Tensor) -> tuple[torch.Tensor, PendingCpuAttention | None]:
             q, k, v = self._pre(i, x0, p0, b0, to_host)
-            pending = attn.start_cpu(q, k, v, host, i, b0)
             out = torch.empty_like(q)
-            attn.device_part(q, k, v, pool, i, b0, out)
-            return out, pending
+            return out, attn.run_layer(q, k, v, pool, host, i, b0, out)
 
         o0, h0 = start0(0, x0)
         q1, k1, v1 = self._pre(0, x1, p1, b1, None)
@@ -202,8 +202,9 @@ class ModelRunner:
             if h0 is not None:
                 c = b0.cpu_decodes
                 o0[c.start : c.end] = self._cpu_result(h0)
-            h1 = attn.start_cpu(q1, k1, v1, host, i, b1)
-            assert h1 is not None, "sub-batch 1 holds CPU decodes"
+            staged1 = attn.stage_cpu(q1, k1, v1, b1)
+            assert staged1 is not None, "sub-batch 1 holds CPU decodes"
+            h1 = attn.submit_cpu(staged1, host, i, b1)
             x0 = layer.post_attention(o0, x0)
             if i + 1 < len(layers):
                 o0, h0 = start0(i + 1, x0)
