@@ -16,32 +16,7 @@ import time
 from pathlib import Path
 
 import torch
-
-
-def make_model(root: Path) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    path = root / "llama-20m"
-    model.save_pretrained(path)
-    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
-    return path
-
-
-def prompts(n: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(1)
-    lens = torch.randint(32, 257, (n,), generator=g).tolist()
-    return [torch.randint(3, 32000, (k,), generator=g).tolist() for k in lens]
+from common import make_model, prompts
 
 
 def run_neo(path: Path, batch: list[list[int]], max_tokens: int, dtype: str) -> float:

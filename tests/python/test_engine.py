@@ -88,7 +88,7 @@ def test_torch_decode_fallback_matches_the_rust_kernel(checkpoints) -> None:
     runner = engine.runner
     (batch,) = AttentionBatch.from_plan(plan, runner.device, runner.layout.block_size)
     layout = runner.layout
-    q = torch.randn(3, 4, layout.head_dim)
+    q = torch.randn(3, 4, layout.head_dim, device=runner.device)
     want = torch.empty_like(q)
     rows = batch.gpu_decodes
     runner.attention.decode(q, runner.device_pool, 1, rows, want)
@@ -109,7 +109,7 @@ def test_reduced_dtypes_track_transformers(checkpoints, dtype: str) -> None:
     engine = LLMEngine(EngineArgs(model=str(checkpoints["qwen2"]), dtype=dtype, num_gpu_blocks=64))
     prompt = list(range(20, 60))
     rid = engine.add_request(prompt, SamplingParams(max_tokens=1))
-    ours = engine.runner.execute(engine.scheduler.schedule())[0]
+    ours = engine.runner.execute(engine.scheduler.schedule())[0].cpu()
     engine.scheduler.update([0], [])
     engine.abort(rid)
     hf = AutoModelForCausalLM.from_pretrained(checkpoints["qwen2"], dtype=getattr(torch, dtype)).eval()

@@ -72,7 +72,7 @@ def test_first_step_logits_match_transformers(checkpoints, kind: str) -> None:
     hf = AutoModelForCausalLM.from_pretrained(checkpoints[kind], dtype=torch.float32).eval()
     with torch.no_grad():
         want = torch.stack([hf(torch.tensor([PROMPTS[i]])).logits[0, -1] for i in order])
-    torch.testing.assert_close(ours, want, atol=1e-4, rtol=0)
+    torch.testing.assert_close(ours.cpu(), want, atol=1e-4, rtol=0)
 
 
 def test_sharded_checkpoint_loads_the_same_weights(checkpoints) -> None:
