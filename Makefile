@@ -18,9 +18,10 @@ $(STAMP): $(VENV)/bin/python pyproject.toml
 build: $(STAMP)
 	$(VPY) -m pip install -q --no-deps --no-build-isolation -e . 2>/dev/null || $(VPY) -m pip install -q --no-deps -e .
 
-# The main job. Until the server lands (issue "server"), it generates with the built-in demo model.
+# The main job: the OpenAI-compatible server on the built-in demo model (random weights);
+# pass flags with ARGS, e.g. make serve ARGS="--model /path/to/model --offload neo".
 serve: build
-	$(VPY) -m neo_rs.demo
+	$(VPY) -m neo_rs.serve $(ARGS)
 
 test-rust:
 	cargo test --release

@@ -24,8 +24,22 @@ def make_model(root: Path) -> Path:
     model = LlamaForCausalLM(cfg)
     path = root / "llama-20m"
     model.save_pretrained(path)
+    save_word_tokenizer(path, cfg.vocab_size)
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
     return path
+
+
+def save_word_tokenizer(path: Path, vocab_size: int) -> None:
+    """A word-level tokenizer over the words ``w0 … w{vocab_size-1}``: every token decodes to
+    visible text, so streamed chunks carry one word each."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", bos_token="w1", eos_token="w2")
+    fast.save_pretrained(str(path))
 
 
 def prompts(n: int, lo: int = 32, hi: int = 256, seed: int = 1) -> list[list[int]]:

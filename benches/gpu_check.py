@@ -89,7 +89,7 @@ def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
 
 
 def run(
-    path: Path, mode: str, reqs: list[tuple[list[int], int]], kv_gib: float, cpu_gib: float
+    path: Path, mode: str, reqs: list[tuple[list[int], int]], args: argparse.Namespace
 ) -> dict[str, float]:
     block_bytes = 2 * LLAMA3_8B["num_key_value_heads"] * 128 * 16 * 2  # per layer
     layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
@@ -99,9 +99,9 @@ def run(
             dtype="bfloat16",
             offload=mode,
             max_num_seqs=256,
-            max_num_batched_tokens=4096,
-            num_gpu_blocks=int(kv_gib * (1 << 30)) // (block_bytes * layers),
-            cpu_kv_gib=cpu_gib,
+            max_num_batched_tokens=args.budget,
+            num_gpu_blocks=int(args.kv_gib * (1 << 30)) // (block_bytes * layers),
+            cpu_kv_gib=args.cpu_gib,
             skip_tokenizer_init=True,
         )
     )
@@ -127,6 +127,7 @@ def main() -> None:
     ap.add_argument("--kv-gib", type=float, default=4.0)
     ap.add_argument("--cpu-gib", type=float, default=48.0)
     ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--budget", type=int, default=4096, help="max_num_batched_tokens")
     args = ap.parse_args()
     reqs = workload(args.requests)
     with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
@@ -136,7 +137,7 @@ def main() -> None:
             f"random Llama-3-8B-shaped checkpoint ({args.layers} layers) in {time.perf_counter() - t:.0f} s",
             flush=True,
         )
-        results = {mode: run(path, mode, reqs, args.kv_gib, args.cpu_gib) for mode in ("none", "neo")}
+        results = {mode: run(path, mode, reqs, args) for mode in ("none", "neo")}
     base = results["none"]["tok_s"]
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (smoke run)"
     print(f"{name}, {args.requests} requests, device KV {args.kv_gib} GiB")

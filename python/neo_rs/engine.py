@@ -147,8 +147,16 @@ class LLMEngine:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
             seq = Sequence(next(self._seq_ids), i, params, prompt_ids, self.eos_ids, gen, detok)
             req.seqs.append(seq)
+        added: list[int] = []
+        try:
+            for seq in req.seqs:
+                self.scheduler.add_request(seq.seq_id, prompt_ids, max_tokens)
+                added.append(seq.seq_id)
+        except Exception:
+            for seq_id in added:  # all n sequences or none
+                self.scheduler.abort(seq_id)
+            raise
         for seq in req.seqs:
-            self.scheduler.add_request(seq.seq_id, prompt_ids, max_tokens)
             self._seqs[seq.seq_id] = (seq, req)
         self._requests[request_id] = req
         return request_id
@@ -182,6 +190,11 @@ class LLMEngine:
             self.scheduler.update([], [])
             return []
         start = time.perf_counter()
+        now = time.monotonic()
+        for seq_id in plan.req_ids.tolist():
+            metrics = self._seqs[seq_id][1].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
         self.runner.apply_swaps(plan)
         logits = self.runner.execute(plan)
         seqs = [self._seqs[i][0] for i in plan.sample_ids.tolist()]

@@ -171,12 +171,23 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch
     if random_rows:
         idx = torch.tensor(random_rows, device=logits.device)
         probs = _filter(logits[idx], [rows[i].params for i in random_rows]).softmax(dim=-1)
-        # Exponential race (argmax p / E, E ~ Exp(1)) == a categorical draw; each row draws from its
-        # own generator, so its tokens do not depend on the batch.
-        noise = torch.empty_like(probs)
+        # Inverse-CDF draws (torch's multinomial is ~50x slower on CPU). A seeded row takes its
+        # uniform from its own generator, so its tokens do not depend on the batch; the others
+        # share one draw.
+        u = torch.empty(len(random_rows), 1, dtype=probs.dtype, device=logits.device)
+        shared = [j for j, i in enumerate(random_rows) if rows[i].generator is None]
+        if shared:
+            at = torch.tensor(shared, device=logits.device)
+            u[at] = torch.rand(
+                len(shared), 1, generator=default_generator, device=logits.device, dtype=u.dtype
+            )
         for j, i in enumerate(random_rows):
-            noise[j].exponential_(generator=rows[i].generator or default_generator)
-        tokens[idx] = (probs / noise).argmax(dim=-1)
+            gen = rows[i].generator
+            if gen is not None:
+                u[j] = torch.rand(1, generator=gen, device=logits.device, dtype=u.dtype)
+        cdf = probs.cumsum(dim=-1)
+        drawn = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
+        tokens[idx] = drawn
     token_list = tokens.tolist()
     logprobs: list[dict[int, float] | None] = [None] * len(rows)
     if raw_logprobs is not None:

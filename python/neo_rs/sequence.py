@@ -26,7 +26,10 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
+    """Monotonic-clock times of a request's life."""
+
     arrival_time: float
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
 

@@ -165,3 +165,13 @@ def test_bad_requests_raise_before_anything_is_scheduled(llm: LLM) -> None:
     with pytest.raises(InvalidArgumentError, match="token ids"):
         llm.generate([[1, 99_999]], use_tqdm=False)
     assert_all_blocks_free(llm.engine)
+
+
+def test_random_draws_follow_the_distribution() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, float("-inf")]])
+    counts = torch.zeros(5)
+    for _ in range(4000):
+        counts[sample(logits, [_row(temperature=1.0)], g).token_ids[0]] += 1
+    assert counts[4] == 0
+    torch.testing.assert_close(counts / 4000, logits.softmax(-1)[0], atol=0.02, rtol=0)

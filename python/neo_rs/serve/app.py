@@ -1,0 +1,379 @@
+"""The aiohttp application: OpenAI routes, health/metrics/version, and middleware for request
+ids, the access log, API keys and OpenAI-style error bodies. The server never dies on a bad
+request: every failure becomes an error body with the right status."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from neo_rs import __version__
+from neo_rs.errors import InvalidArgumentError
+from neo_rs.sampling import SamplingParams
+from neo_rs.sequence import CompletionOutput, RequestOutput
+from neo_rs.serve.async_engine import AsyncEngine, QueueFull
+from neo_rs.serve.metrics import Metrics
+from neo_rs.serve.protocol import (
+    ApiError,
+    Envelope,
+    ParsedRequest,
+    bad,
+    chat_logprobs,
+    completion_logprobs,
+    new_id,
+    num_output_tokens,
+    parse_chat,
+    parse_completion,
+    usage,
+)
+
+log = logging.getLogger(__name__)
+access_log = logging.getLogger("neo_rs.access")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+MAX_BODY_BYTES = 4 << 20
+
+
+@dataclass
+class ServerState:
+    served_model_name: str
+    api_key: str | None = None
+    draining: bool = False
+    started: float = field(default_factory=time.time)
+
+
+ENGINE = web.AppKey("engine", AsyncEngine)
+STATE = web.AppKey("state", ServerState)
+METRICS = web.AppKey("metrics", Metrics)
+
+
+def _error_response(err: ApiError, request_id: str | None = None) -> web.Response:
+    resp = web.json_response(err.body(), status=err.status)
+    if request_id:
+        resp.headers["X-Request-Id"] = request_id
+    return resp
+
+
+@web.middleware
+async def errors_and_access_log(request: web.Request, handler: Handler) -> web.StreamResponse:
+    request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    request["request_id"] = request_id
+    start = time.perf_counter()
+    status = 500
+    try:
+        resp = await handler(request)
+        status = resp.status
+        if not resp.prepared:
+            resp.headers["X-Request-Id"] = request_id
+        return resp
+    except ApiError as e:
+        status = e.status
+        return _error_response(e, request_id)
+    except web.HTTPException as e:  # unknown route, wrong method, body too large …
+        status = e.status
+        kind = "NotFoundError" if e.status == 404 else "invalid_request_error"
+        return _error_response(ApiError(e.status, e.reason or "error", kind), request_id)
+    except asyncio.CancelledError:
+        status = 499  # the client went away
+        raise
+    except Exception:
+        log.exception("request %s failed", request_id)
+        return _error_response(ApiError(500, "internal server error", "InternalServerError"), request_id)
+    finally:
+        ms = (time.perf_counter() - start) * 1e3
+        access_log.info(
+            "request_id=%s method=%s path=%s status=%d ms=%.1f",
+            request_id,
+            request.method,
+            request.path,
+            status,
+            ms,
+        )
+
+
+@web.middleware
+async def api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
+    key = request.app[STATE].api_key
+    if key and request.path.startswith("/v1/"):
+        if request.headers.get("Authorization", "") != f"Bearer {key}":
+            raise ApiError(401, "invalid or missing API key", "AuthenticationError")
+    return await handler(request)
+
+
+def _ready(request: web.Request) -> AsyncEngine:
+    engine, state = request.app[ENGINE], request.app[STATE]
+    if state.draining:
+        raise ApiError(503, "the server is shutting down", "ServiceUnavailableError")
+    if not engine.ready.is_set() or engine.engine is None:
+        raise ApiError(503, "the model is still loading", "ServiceUnavailableError")
+    return engine
+
+
+async def health(request: web.Request) -> web.Response:
+    engine, state = request.app[ENGINE], request.app[STATE]
+    ok = engine.ready.is_set() and engine.engine is not None and not state.draining
+    return web.json_response({"status": "ok" if ok else "unavailable"}, status=200 if ok else 503)
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": __version__})
+
+
+async def models(request: web.Request) -> web.Response:
+    state, engine = request.app[STATE], request.app[ENGINE]
+    card: dict[str, Any] = {
+        "id": state.served_model_name,
+        "object": "model",
+        "created": int(state.started),
+        "owned_by": "neo_rs",
+    }
+    if engine.engine is not None:
+        card["max_model_len"] = engine.engine.max_model_len
+    return web.json_response({"object": "list", "data": [card]})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[METRICS].render()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def _json_body(request: web.Request) -> Any:
+    raw = await request.read()  # raises 413 past the app's client_max_size
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(f"invalid JSON body: {e}") from e
+
+
+async def _prompt_ids(
+    engine: AsyncEngine, prompt: str | list[int], params: SamplingParams, special: bool
+) -> list[int]:
+    try:
+        ids = await engine.tokenize(prompt, add_special_tokens=special) if isinstance(prompt, str) else prompt
+        engine.check(ids, params)
+    except InvalidArgumentError as e:
+        raise bad(str(e), "prompt") from e
+    return ids
+
+
+class _Cursor:
+    """How much of one sequence's text and tokens a stream has sent. Text that could still turn
+    out to be the start of a stop string is held back until it cannot."""
+
+    def __init__(self, holdback: int) -> None:
+        self.text, self.tokens, self.holdback = 0, 0, holdback
+        self.done = False
+
+    def advance(self, out: CompletionOutput) -> tuple[str, int, int]:
+        upto = len(out.text) if out.finish_reason else max(self.text, len(out.text) - self.holdback)
+        delta, self.text = out.text[self.text : upto], upto
+        t0, self.tokens = self.tokens, len(out.token_ids)
+        return delta, t0, self.tokens
+
+
+async def _merged(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several requests as they come, tagged with the request's index."""
+    if len(gens) == 1:
+        async for out in gens[0]:
+            yield 0, out
+        return
+    q: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, g: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in g:
+                await q.put((i, out))
+        except BaseException as e:  # noqa: BLE001 (re-raised by the consumer)
+            await q.put((i, e))
+        await q.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        live = len(gens)
+        while live:
+            i, item = await q.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _Run:
+    """One OpenAI request in flight: its engine requests, envelope and stream state."""
+
+    def __init__(self, request: web.Request, parsed: ParsedRequest, chat: bool) -> None:
+        self.request, self.parsed, self.chat = request, parsed, chat
+        self.engine = request.app[ENGINE]
+        self.env = Envelope(new_id("chatcmpl" if chat else "cmpl"), parsed.model)
+        self.prompts: list[tuple[str | None, list[int]]] = []
+
+    def start(self) -> list[AsyncIterator[RequestOutput]]:
+        base = self.request["request_id"]
+        try:
+            self.engine.reserve(len(self.prompts))
+        except QueueFull as e:
+            raise ApiError(429, str(e), "RateLimitError") from e
+        return [
+            self.engine.generate(f"{base}-{i}", text if text is not None else ids, ids, self.parsed.params)
+            for i, (text, ids) in enumerate(self.prompts)
+        ]
+
+    def choice_index(self, prompt_index: int, seq_index: int) -> int:
+        return prompt_index * self.parsed.params.n + seq_index
+
+    def prompt_tokens(self) -> int:
+        return sum(len(ids) for _, ids in self.prompts)
+
+    def echo_text(self, prompt_index: int) -> str:
+        text, ids = self.prompts[prompt_index]
+        if text is not None:
+            return text
+        return "".join(self.engine.token_text(t) for t in ids)
+
+    def logprobs(self, out: CompletionOutput, t0: int, t1: int, offset: int) -> dict[str, Any] | None:
+        if self.parsed.logprobs is None:
+            return None
+        if self.chat:
+            return chat_logprobs(out, t0, t1, self.engine.token_text, self.parsed.logprobs)
+        return completion_logprobs(out, t0, t1, self.engine.token_text, offset)
+
+
+def _finish(out: CompletionOutput) -> dict[str, Any]:
+    return {"finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+
+
+async def _respond(run: _Run) -> web.StreamResponse:
+    gens = run.start()
+    if run.parsed.stream:
+        return await _stream(run, gens)
+    finals: dict[int, RequestOutput] = {}
+    async for i, out in _merged(gens):
+        if out.finished:
+            finals[i] = out
+    choices = []
+    for i in sorted(finals):
+        for o in finals[i].outputs:
+            idx = run.choice_index(i, o.index)
+            lp = run.logprobs(o, 0, len(o.token_ids), 0)
+            if run.chat:
+                msg = {"role": "assistant", "content": o.text}
+                choices.append({"index": idx, "message": msg, "logprobs": lp, **_finish(o)})
+            else:
+                text = (run.echo_text(i) + o.text) if run.parsed.echo else o.text
+                choices.append({"index": idx, "text": text, "logprobs": lp, **_finish(o)})
+    completion = sum(num_output_tokens(f) for f in finals.values())
+    obj = "chat.completion" if run.chat else "text_completion"
+    return web.json_response(run.env.wrap(obj, choices, usage=usage(run.prompt_tokens(), completion)))
+
+
+async def _stream(run: _Run, gens: list[AsyncIterator[RequestOutput]]) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    resp.headers["X-Request-Id"] = run.request["request_id"]
+    await resp.prepare(run.request)
+    obj = "chat.completion.chunk" if run.chat else "text_completion"
+    opts = run.parsed.stream_options
+    holdback = max((len(s) for s in run.parsed.params.stop), default=1) - 1
+    cursors: dict[int, _Cursor] = {}
+    produced = 0
+
+    async def send(payload: dict[str, Any]) -> None:
+        await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+    def extra() -> dict[str, Any]:
+        return {"usage": usage(run.prompt_tokens(), produced)} if opts.continuous_usage_stats else {}
+
+    if run.chat:
+        first = [
+            {
+                "index": run.choice_index(i, s),
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for i in range(len(gens))
+            for s in range(run.parsed.params.n)
+        ]
+        await send(run.env.wrap(obj, first, **extra()))
+    elif run.parsed.echo:
+        echo = [
+            {
+                "index": run.choice_index(i, s),
+                "text": run.echo_text(i),
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for i in range(len(gens))
+            for s in range(run.parsed.params.n)
+        ]
+        await send(run.env.wrap(obj, echo, **extra()))
+    async for i, out in _merged(gens):
+        for o in out.outputs:
+            idx = run.choice_index(i, o.index)
+            cur = cursors.setdefault(idx, _Cursor(holdback))
+            if cur.done or (cur.tokens == len(o.token_ids) and not o.finish_reason):
+                continue  # finished earlier, or another sequence of this request moved
+            offset = cur.text
+            delta, t0, t1 = cur.advance(o)
+            produced += t1 - t0
+            fin = _finish(o) if o.finish_reason else {"finish_reason": None}
+            lp = run.logprobs(o, t0, t1, offset)
+            if not delta and lp is None and not o.finish_reason:
+                continue  # a token that completes no character yet
+            body = {"delta": {"content": delta}} if run.chat else {"text": delta}
+            await send(run.env.wrap(obj, [{"index": idx, **body, "logprobs": lp, **fin}], **extra()))
+            cur.done = o.finish_reason is not None
+    if opts.include_usage:
+        await send(run.env.wrap(obj, [], usage=usage(run.prompt_tokens(), produced)))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    engine = _ready(request)
+    parsed = parse_completion(await _json_body(request), request.app[STATE].served_model_name)
+    run = _Run(request, parsed, chat=False)
+    for p in parsed.prompts:
+        ids = await _prompt_ids(engine, p, parsed.params, special=True)
+        run.prompts.append((p if isinstance(p, str) else None, ids))
+    return await _respond(run)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    engine = _ready(request)
+    parsed = parse_chat(await _json_body(request), request.app[STATE].served_model_name)
+    try:
+        text = await engine.apply_chat_template(parsed.messages)
+    except InvalidArgumentError as e:
+        raise bad(str(e), "messages") from e
+    except Exception as e:  # a template that rejects these messages
+        raise bad(f"the chat template failed: {e}", "messages") from e
+    run = _Run(request, parsed, chat=True)
+    run.prompts.append((text, await _prompt_ids(engine, text, parsed.params, special=False)))
+    return await _respond(run)
+
+
+def create_app(engine: AsyncEngine, state: ServerState, metrics_: Metrics) -> web.Application:
+    app = web.Application(middlewares=[errors_and_access_log, api_key], client_max_size=MAX_BODY_BYTES)
+    app[ENGINE], app[STATE], app[METRICS] = engine, state, metrics_
+    app.router.add_get("/health", health)
+    app.router.add_get("/version", version)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    return app

@@ -1,0 +1,200 @@
+"""The engine behind the server: ``LLMEngine`` steps in its own thread; the event loop submits
+requests and aborts through a queue and receives each request's outputs on an asyncio queue, so
+it never blocks on model work. Tokenization runs on a separate one-thread executor with its own
+tokenizer instance (fast tokenizers must not be shared across threads)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from neo_rs.config import EngineArgs
+from neo_rs.engine import LLMEngine
+from neo_rs.errors import InvalidArgumentError
+from neo_rs.sampling import SamplingParams
+from neo_rs.sequence import RequestOutput
+from neo_rs.stats import IterationStats
+from neo_rs.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """More requests wait than ``max_waiting`` allows."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    prompt_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue[RequestOutput | BaseException]
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    def __init__(self, args: EngineArgs, max_waiting: int | None = None) -> None:
+        self.args = args
+        self.max_waiting = max_waiting
+        self.engine: LLMEngine | None = None
+        self.ready = threading.Event()
+        self.load_error: BaseException | None = None
+        self._inbox: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
+        self._streams: dict[str, _Add] = {}
+        self._num_pending = 0  # submitted, not yet finished (read from the event loop)
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="neo-tokenize")
+        self._tokenizer: Any = None
+        self.on_step: Callable[[LLMEngine, IterationStats | None, list[RequestOutput]], None] | None = None
+        self._thread = threading.Thread(target=self._main, name="neo-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _main(self) -> None:
+        try:
+            self.engine = LLMEngine(self.args)
+            if self.engine.tokenizer is not None:
+                self._tokenizer = load_tokenizer(self.engine.model_dir)
+        except BaseException as e:  # reported by /health and the CLI
+            self.load_error = e
+            log.exception("the engine failed to load")
+            self.ready.set()
+            return
+        self.ready.set()
+        self._loop(self.engine)
+
+    def _loop(self, engine: LLMEngine) -> None:
+        while True:
+            cmds = self._take_commands(block=not engine.has_unfinished())
+            if cmds is None:
+                continue
+            outputs: list[RequestOutput] = []
+            for cmd in cmds:
+                if isinstance(cmd, _Add):
+                    self._add(engine, cmd)
+                else:
+                    out = engine.abort(cmd.request_id)
+                    outputs += [out] if out is not None else []
+            stats = None
+            if engine.has_unfinished():
+                outputs += engine.step()
+                stats = engine.last_stats
+            for out in outputs:
+                self._deliver(out)
+            if self.on_step is not None:
+                self.on_step(engine, stats, outputs)
+
+    def _take_commands(self, block: bool) -> list[_Add | _Abort] | None:
+        """Every queued command; when idle, wait for one (None after a quiet half second)."""
+        cmds: list[_Add | _Abort] = []
+        try:
+            first = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            while first is not None:
+                cmds.append(first)
+                first = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+        return cmds if cmds or not block else None
+
+    def _add(self, engine: LLMEngine, cmd: _Add) -> None:
+        try:
+            engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id, prompt_ids=cmd.prompt_ids)
+        except BaseException as e:
+            cmd.loop.call_soon_threadsafe(cmd.outputs.put_nowait, e)
+            return
+        self._streams[cmd.request_id] = cmd
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        if out.finished:
+            del self._streams[out.request_id]
+        stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, out)
+
+    # -- event-loop side -------------------------------------------------------------------
+
+    @property
+    def num_pending(self) -> int:
+        return self._num_pending
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self._tokenizer is None:
+            raise InvalidArgumentError("this model has no tokenizer; send token ids")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._tokenize_pool,
+            lambda: list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens)),
+        )
+
+    async def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        tok = self._tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise InvalidArgumentError("this model has no chat template")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._tokenize_pool,
+            lambda: tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+        )
+
+    def token_text(self, token_id: int) -> str:
+        return "" if self._tokenizer is None else str(self._tokenizer.decode([token_id]))
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Validate against the model before queuing (raises ``InvalidArgumentError``)."""
+        assert self.engine is not None
+        self.engine.check_prompt(prompt_ids, params)
+
+    def reserve(self, num_requests: int) -> None:
+        """Raise ``QueueFull`` if ``num_requests`` more would overfill the waiting queue."""
+        if self.max_waiting is None:
+            return
+        waiting = self._num_pending + num_requests - self.args.max_num_seqs
+        if waiting > self.max_waiting:
+            raise QueueFull(f"the waiting queue is full ({self.max_waiting} requests); retry later")
+
+    async def generate(
+        self, request_id: str, prompt: str | list[int], prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as they come; leaving early (a disconnect) aborts it."""
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._num_pending += 1
+        self._inbox.put(_Add(request_id, prompt, prompt_ids, params, loop, outputs))
+        finished = False
+        try:
+            while not finished:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._num_pending -= 1
+            if not finished:
+                self._inbox.put(_Abort(request_id))
+
+    def abort_all(self) -> None:
+        for request_id in list(self._streams):
+            self._inbox.put(_Abort(request_id))
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait until no request is in flight, at most ``timeout`` s; True if it got there."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._num_pending and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        return self._num_pending == 0

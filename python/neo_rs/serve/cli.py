@@ -1,0 +1,133 @@
+"""``python -m neo_rs.serve``: flags (vLLM's names), logging, and the server's life: load the
+engine in the background (``/health`` says 503 until it is ready), serve, and on SIGTERM/SIGINT
+stop accepting, let running requests finish within ``--shutdown-timeout``, abort the rest and
+exit 0."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from typing import NoReturn
+
+from aiohttp import web
+
+from neo_rs.config import OFFLOAD_MODES, EngineArgs
+from neo_rs.serve.app import ServerState, create_app
+from neo_rs.serve.async_engine import AsyncEngine
+from neo_rs.serve.metrics import Metrics
+
+log = logging.getLogger("neo_rs.serve")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = _Parser(prog="python -m neo_rs.serve", description="OpenAI-compatible server for neo_rs.")
+    p.add_argument(
+        "--model", help="Hugging Face model directory (default: the built-in demo model, random weights)"
+    )
+    p.add_argument("--served-model-name", help="model name clients use (default: the directory's name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--max-model-len", type=_positive_int)
+    p.add_argument("--max-num-seqs", type=_positive_int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=_positive_int)
+    p.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32])
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--num-gpu-blocks", type=_positive_int)
+    p.add_argument("--cpu-kv-gib", type=float, default=4.0)
+    p.add_argument("--offload", default="none", choices=list(OFFLOAD_MODES))
+    p.add_argument("--cpu-threads", type=_positive_int)
+    p.add_argument(
+        "--api-key", default=os.environ.get("NEO_RS_API_KEY"), help="required Bearer key (or NEO_RS_API_KEY)"
+    )
+    p.add_argument("--max-waiting", type=int, help="429 beyond this many waiting requests")
+    p.add_argument(
+        "--shutdown-timeout", type=float, default=30.0, help="seconds to let requests finish on SIGTERM"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    args = p.parse_args(argv)
+    if not 0 < args.gpu_memory_utilization <= 1:
+        p.error("--gpu-memory-utilization must be in (0, 1]")
+    if args.max_waiting is not None and args.max_waiting < 0:
+        p.error("--max-waiting must be non-negative")
+    if not 0 < args.port < 65536:
+        p.error("--port must be in 1..65535")
+    return args
+
+
+def engine_args(args: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        cpu_kv_gib=args.cpu_kv_gib,
+        cpu_threads=args.cpu_threads,
+        offload=args.offload,
+        seed=args.seed,
+    )
+
+
+async def serve(args: argparse.Namespace) -> int:
+    name = args.served_model_name or (
+        os.path.basename(os.path.normpath(args.model)) if args.model else "neo-rs-demo"
+    )
+    engine = AsyncEngine(engine_args(args), max_waiting=args.max_waiting)
+    metrics = Metrics(name)
+    engine.on_step = metrics.on_step
+    state = ServerState(served_model_name=name, api_key=args.api_key)
+    runner = web.AppRunner(create_app(engine, state, metrics), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    engine.start()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("listening on http://%s:%d (model %r); loading the engine", args.host, args.port, name)
+    await loop.run_in_executor(None, engine.ready.wait)
+    code = 0
+    if engine.load_error is not None:
+        log.error("cannot start: %s", engine.load_error)
+        code = 1
+    else:
+        log.info("ready: POST http://%s:%d/v1/completions", args.host, args.port)
+        await stop.wait()
+        log.info("shutting down: no new requests; %.0f s for running ones", args.shutdown_timeout)
+        state.draining = True
+        if not await engine.drain(args.shutdown_timeout):
+            log.warning("aborting the requests still running")
+            engine.abort_all()
+            await engine.drain(5.0)
+    await runner.cleanup()
+    return code
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    sys.exit(asyncio.run(serve(args)))

@@ -1,0 +1,111 @@
+"""Prometheus metrics (``neo:`` prefix, vLLM's names where they exist): request outcomes,
+token counters, latency histograms, queue and pool gauges, and the offload tier (iterations by
+mode, CPU-decode requests, CPU attention seconds, host<->device bytes, swaps)."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from neo_rs.engine import LLMEngine
+from neo_rs.sequence import RequestOutput
+from neo_rs.stats import IterationStats
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = r = CollectorRegistry()
+        label = ["model_name"]
+        self.model = model_name
+        self.requests = Counter(
+            "neo:request_success", "Finished requests.", [*label, "finished_reason"], registry=r
+        )
+        self.prompt_tokens = Counter("neo:prompt_tokens", "Prompt tokens processed.", label, registry=r)
+        self.generation_tokens = Counter("neo:generation_tokens", "Tokens generated.", label, registry=r)
+        self.ttft = Histogram(
+            "neo:time_to_first_token_seconds", "Time to first token.", label, buckets=_LATENCY, registry=r
+        )
+        self.itl = Histogram(
+            "neo:inter_token_latency_seconds", "Time between tokens.", label, buckets=_LATENCY, registry=r
+        )
+        self.e2e = Histogram(
+            "neo:e2e_request_latency_seconds", "Request latency.", label, buckets=_LATENCY, registry=r
+        )
+        self.queue = Histogram(
+            "neo:request_queue_time_seconds",
+            "Arrival to first token scheduled.",
+            label,
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.running = Gauge("neo:num_requests_running", "Requests in the running set.", label, registry=r)
+        self.waiting = Gauge("neo:num_requests_waiting", "Requests waiting.", label, registry=r)
+        self.kv_usage = Gauge(
+            "neo:kv_cache_usage_perc", "Share of KV blocks in use.", [*label, "pool"], registry=r
+        )
+        self.kv_used = Gauge("neo:kv_blocks_used", "KV blocks in use.", [*label, "pool"], registry=r)
+        self.swapped = Counter(
+            "neo:swapped_blocks", "Blocks moved between pools.", [*label, "direction"], registry=r
+        )
+        self.preemptions = Counter("neo:num_preemptions", "Recompute preemptions.", label, registry=r)
+        self.iterations = Counter(
+            "neo:iterations", "Engine iterations by mode.", [*label, "mode"], registry=r
+        )
+        self.cpu_decodes = Counter(
+            "neo:cpu_decode_requests", "Decodes whose attention ran on the CPU.", label, registry=r
+        )
+        self.cpu_attn = Counter("neo:cpu_attention_seconds", "CPU attention kernel time.", label, registry=r)
+        self.transfer = Counter(
+            "neo:host_device_bytes", "Bytes of CPU decodes between device and host.", label, registry=r
+        )
+        self._last_token: dict[str, float] = {}  # engine thread only
+
+    def on_step(self, engine: LLMEngine, stats: IterationStats | None, outputs: list[RequestOutput]) -> None:
+        """Called by the engine thread after every iteration."""
+        m = self.model
+        sched = engine.scheduler
+        self.running.labels(m).set(sched.num_running)
+        self.waiting.labels(m).set(sched.num_waiting + sched.num_swapped)
+        for pool in ("gpu", "cpu"):
+            total = sched.num_total_blocks(pool)
+            used = total - sched.num_free_blocks(pool)
+            self.kv_used.labels(m, pool).set(used)
+            self.kv_usage.labels(m, pool).set(used / total if total else 0.0)
+        if stats is not None:
+            self.iterations.labels(m, stats.mode).inc()
+            self.swapped.labels(m, "out").inc(stats.num_swapped_out_blocks + stats.num_prefill_to_host_blocks)
+            self.swapped.labels(m, "in").inc(stats.num_swapped_in_blocks)
+            self.preemptions.labels(m).inc(stats.num_recomputed)
+            self.cpu_decodes.labels(m).inc(stats.num_cpu_decodes)
+            self.cpu_attn.labels(m).inc(stats.cpu_attn_ms / 1e3)
+            self.transfer.labels(m).inc(stats.transfer_bytes)
+        now = time.monotonic()
+        for out in outputs:
+            last = self._last_token.get(out.request_id)
+            if last is not None:
+                self.itl.labels(m).observe(now - last)
+            if out.finished:
+                self._last_token.pop(out.request_id, None)
+                self.finished(out)
+            else:
+                self._last_token[out.request_id] = now
+
+    def finished(self, out: RequestOutput) -> None:
+        m, t = self.model, out.metrics
+        for o in out.outputs:
+            self.requests.labels(m, o.finish_reason or "abort").inc()
+        n = sum(len(o.token_ids) for o in out.outputs)
+        self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
+        self.generation_tokens.labels(m).inc(n)
+        if t.first_token_time is not None:
+            self.ttft.labels(m).observe(t.first_token_time - t.arrival_time)
+        if t.first_scheduled_time is not None:
+            self.queue.labels(m).observe(t.first_scheduled_time - t.arrival_time)
+        if t.finished_time is not None:
+            self.e2e.labels(m).observe(t.finished_time - t.arrival_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
