@@ -177,10 +177,6 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
-    @property
-    def num_requests(self) -> int:
-        return len(self._requests)
-
     # -- the step loop ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -230,12 +226,3 @@ class LLMEngine:
         times, num_layers = self.runner.last_times, self.model_config.num_layers
         calibrate(self.scheduler, plan, times, num_layers)
         self.last_stats = IterationStats.build(plan, times, self.scheduler, num_layers, iteration_ms)
-
-    def kv_usage(self) -> dict[str, int]:
-        s = self.scheduler
-        return {
-            "gpu_free_blocks": s.num_free_blocks("gpu"),
-            "gpu_total_blocks": s.num_total_blocks("gpu"),
-            "cpu_free_blocks": s.num_free_blocks("cpu"),
-            "cpu_total_blocks": s.num_total_blocks("cpu"),
-        }

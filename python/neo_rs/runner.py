@@ -17,7 +17,7 @@ from neo_rs.config import EngineArgs, ModelConfig
 from neo_rs.errors import InvalidArgumentError
 from neo_rs.kv_cache import KvLayout, KvPool, block_pairs, copy_blocks
 from neo_rs.model import load_model
-from neo_rs.timing import StageClock, StageTimes
+from neo_rs.timing import MeasuredTimes, StageClock
 from neo_rs.transfer import HostTransfer
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class ModelRunner:
         self.attention = Attention(
             cfg.head_dim**-0.5, CpuAttention(num_threads=args.cpu_threads), HostTransfer(device)
         )
-        self.last_times = StageTimes()
+        self.last_times = MeasuredTimes()
 
     def _device_blocks(self, args: EngineArgs, max_model_len: int) -> int:
         per_block = self.layout.bytes_per_block()
@@ -121,7 +121,7 @@ class ModelRunner:
         # Finishing prefills bound for the host pool (all in sub-batch 0) leave each layer's
         # blocks right after that layer writes them.
         to_host = block_pairs(plan.prefill_to_host, self.device_pool, self.host_pool)
-        self.last_times = StageTimes()
+        self.last_times = MeasuredTimes()
         x = self.model.embed_tokens(ids)
         if len(batches) == 1:
             x = self._sequential(x, positions, batches[0], to_host)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from neo_rs._core import Scheduler, SchedulerOutput
-from neo_rs.timing import StageTimes
+from neo_rs.timing import MeasuredTimes
 
 
 @dataclass
@@ -32,7 +32,11 @@ class IterationStats:
 
     @staticmethod
     def build(
-        plan: SchedulerOutput, times: StageTimes, scheduler: Scheduler, num_layers: int, iteration_ms: float
+        plan: SchedulerOutput,
+        times: MeasuredTimes,
+        scheduler: Scheduler,
+        num_layers: int,
+        iteration_ms: float,
     ) -> IterationStats:
         n, s1 = len(plan.req_ids), plan.sub_batch1_start
         num_cpu = plan.num_cpu_decodes + (n - s1)
@@ -65,7 +69,7 @@ class IterationStats:
         )
 
 
-def calibrate(scheduler: Scheduler, plan: SchedulerOutput, times: StageTimes, num_layers: int) -> None:
+def calibrate(scheduler: Scheduler, plan: SchedulerOutput, times: MeasuredTimes, num_layers: int) -> None:
     """Feed measured stage times back into the predictor: linear work and device attention
     from sequential iterations (where they are not overlapped), CPU kernels from any."""
     p = plan.predicted

@@ -36,7 +36,7 @@ class StageClock:
 
 
 @dataclass
-class StageTimes:
+class MeasuredTimes:
     """Measured per-layer means (ms) of one iteration; None where the stage was not isolated
     (the pipeline overlaps device stages, so only its CPU kernels are timed)."""
 

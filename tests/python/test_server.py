@@ -87,6 +87,16 @@ def test_n_seed_logprobs_and_token_prompts(client: openai.OpenAI) -> None:
     assert sorted(c.index for c in two.choices) == [0, 1, 2, 3]
 
 
+def test_echo(client: openai.OpenAI) -> None:
+    full = client.completions.create(model=MODEL, prompt="Echo me", max_tokens=4, temperature=0, echo=True)
+    plain = client.completions.create(model=MODEL, prompt="Echo me", max_tokens=4, temperature=0)
+    assert full.choices[0].text == "Echo me" + plain.choices[0].text
+    chunks = client.completions.create(
+        model=MODEL, prompt="Echo me", max_tokens=4, temperature=0, echo=True, stream=True
+    )
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+
+
 def test_stop_strings(client: openai.OpenAI) -> None:
     # The demo model's text is random bytes; take a prompt whose greedy text is long enough.
     for prompt in ("Once upon a time", "The quick brown fox", "Stop here please", "abc"):

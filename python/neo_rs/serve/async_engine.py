@@ -126,10 +126,6 @@ class AsyncEngine:
 
     # -- event-loop side -------------------------------------------------------------------
 
-    @property
-    def num_pending(self) -> int:
-        return self._num_pending
-
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self._tokenizer is None:
             raise InvalidArgumentError("this model has no tokenizer; send token ids")
