@@ -98,10 +98,14 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg, max_positions)
+        self._decoder_layers: list[DecoderLayer] | None = None
 
     @property
     def decoder_layers(self) -> list[DecoderLayer]:
-        return cast(list[DecoderLayer], list(self.layers))
+        """The layers as a typed list (built once: the forward loops index it per layer)."""
+        if self._decoder_layers is None:
+            self._decoder_layers = cast(list[DecoderLayer], list(self.layers))
+        return self._decoder_layers
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[rows, vocab]`` of the final hidden states of the sampled rows."""

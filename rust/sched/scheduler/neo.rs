@@ -32,6 +32,7 @@ struct Load {
 /// CPU decodes placed so far, the budget left for them, and the shortest context that failed.
 struct Placement {
     placed: Vec<(RequestId, u8)>,
+    placed_ids: HashSet<RequestId>,
     budget: usize,
     fail_ctx: usize,
 }
@@ -75,7 +76,12 @@ impl Scheduler {
         }
         // Step 4: CPU decodes into sub-batch 1 or 0 while both invariants hold.
         let mut b1 = Load::default();
-        let mut place = Placement { placed: Vec::new(), budget: step.budget - prefill_tokens, fail_ctx: usize::MAX };
+        let mut place = Placement {
+            placed: Vec::new(),
+            placed_ids: HashSet::new(),
+            budget: step.budget - prefill_tokens,
+            fail_ctx: usize::MAX,
+        };
         self.place_cpu_decodes(&cpu_reqs, &mut place, &mut b0, &mut b1);
         // Step 5: trim trailing host-bound prefills while sub-batch 0 keeps enough linear work;
         // their budget goes back to the CPU decodes.
@@ -143,7 +149,7 @@ impl Scheduler {
                 break;
             }
             let ctx = self.requests[&id].num_computed_tokens + 1;
-            if ctx >= place.fail_ctx || place.placed.iter().any(|&(p, _)| p == id) {
+            if ctx >= place.fail_ctx || place.placed_ids.contains(&id) {
                 continue;
             }
             let r = self.remains(b0, b1);
@@ -161,6 +167,7 @@ impl Scheduler {
                 continue;
             }
             place.placed.push((id, sub));
+            place.placed_ids.insert(id);
             place.budget -= 1;
         }
     }
