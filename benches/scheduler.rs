@@ -21,6 +21,7 @@ impl Load {
             num_cpu_blocks: 0,
             offload: OffloadMode::GpuOnly,
             transfer_bytes_per_decode: 0,
+            kv_bytes_per_token: 0,
             force_pipeline: false,
         })
         .expect("valid config");

@@ -43,6 +43,7 @@ fn workload(mode: impl Strategy<Value = OffloadMode>) -> impl Strategy<Value = W
             num_cpu_blocks: cpu,
             offload,
             transfer_bytes_per_decode: 4096,
+            kv_bytes_per_token: 1024,
             force_pipeline,
         });
     let job = (
@@ -87,8 +88,13 @@ fn check_plan(s: &Scheduler, out: &SchedulerOutput) -> Result<(), TestCaseError>
         prop_assert_eq!(req.status, RequestStatus::Running);
         prop_assert_eq!(sr.sub_batch == 1, i >= out.sub_batch1_start);
         if i < out.sub_batch1_start {
+            // Sub-batch 0: GPU decodes, CPU decodes, device prefills, host prefills.
+            let host_prefill = i >= out.sub_batch1_start - out.num_host_prefills;
             prop_assert_eq!(i < out.num_decodes, sr.num_new_tokens == 1);
-            prop_assert_eq!(i >= num_gpu_decodes && i < out.num_decodes, sr.device == Device::Cpu);
+            prop_assert_eq!((i >= num_gpu_decodes && i < out.num_decodes) || host_prefill, sr.device == Device::Cpu);
+            if host_prefill {
+                prop_assert!(sr.num_computed_tokens == 0 && sr.sample && c.offload != OffloadMode::GpuOnly);
+            }
         } else {
             // Sub-batch 1 holds CPU decodes only.
             prop_assert!(sr.num_new_tokens == 1 && sr.device == Device::Cpu);
@@ -105,13 +111,13 @@ fn check_plan(s: &Scheduler, out: &SchedulerOutput) -> Result<(), TestCaseError>
             prop_assert_eq!(m.input_ids[start + k], i64::from(token(sr.id.0, pos)));
             prop_assert_eq!(m.positions[start + k], pos as i64);
             let slot = m.slot_mapping[start + k];
-            if sr.device == Device::Cpu {
+            if sr.device == Device::Cpu && sr.num_new_tokens == 1 {
                 prop_assert_eq!(slot, -1);
                 continue;
             }
             let slot = slot as usize;
             prop_assert_eq!(slot / c.block_size, table[pos / c.block_size].0 as usize);
-            prop_assert!(slots.insert(slot), "slot {} written twice", slot);
+            prop_assert!(slots.insert((sr.device, slot)), "slot {} written twice", slot);
         }
         // A prefill finishing into the host pool stages every device block to its host twin.
         let host = s.kv(Device::Cpu).table(sr.id);
@@ -226,6 +232,7 @@ fn config(gpu: u32, cpu: u32, budget: usize) -> SchedulerConfig {
         num_cpu_blocks: cpu,
         offload: OffloadMode::GpuOnly,
         transfer_bytes_per_decode: 0,
+        kv_bytes_per_token: 0,
         force_pipeline: false,
     }
 }
@@ -313,9 +320,11 @@ fn all_mode_moves_finished_prefills_to_the_host_and_decodes_there() {
     s.add_request(RequestId(0), vec![1; 9], 3).unwrap();
     s.add_request(RequestId(1), vec![2; 2], 3).unwrap();
     let plans = drain(&mut s);
-    // Request 0's prompt is chunked (6 + 3); its last chunk stages 3 device blocks to the host.
+    // Request 0's prompt is chunked (6 + 3): its last chunk stages its 3 device blocks to the
+    // host. Request 1's whole prompt fits the next chunk and is written to the host directly.
     assert_eq!(plans[0].prefill_to_host.pairs.len(), 0);
-    assert_eq!(plans[1].prefill_to_host.pairs.len(), 3 + 1);
+    assert_eq!(plans[1].prefill_to_host.pairs.len(), 3);
+    assert_eq!(plans[1].num_host_prefills, 1);
     // Then both decode on the CPU, never on the device.
     assert!(plans[2..].iter().all(|p| p.num_cpu_decodes == p.scheduled.len() && p.num_decodes == p.scheduled.len()));
     assert!(plans[2..].iter().all(|p| p.inputs.slot_mapping.iter().all(|&x| x == -1)));
@@ -332,6 +341,7 @@ fn neo_mode_offloads_pipelines_and_swaps_both_ways() {
         num_gpu_blocks: 24,
         num_cpu_blocks: 128,
         transfer_bytes_per_decode: 4096,
+        kv_bytes_per_token: 1024,
         force_pipeline: false,
         max_model_len: 128,
     };

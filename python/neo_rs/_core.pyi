@@ -80,6 +80,8 @@ class SchedulerOutput:
     num_decodes: int
     num_cpu_decodes: int
     """The last ``num_cpu_decodes`` decode rows of sub-batch 0 attend over the host pool (slot -1)."""
+    num_host_prefills: int
+    """The last ``num_host_prefills`` prefills of sub-batch 0 write their KV to the host pool."""
     sub_batch1_start: int
     """Requests from here on are sub-batch 1 (CPU decodes); ``len(req_ids)`` when not pipelined."""
     input_ids: npt.NDArray[np.int64]
@@ -114,6 +116,7 @@ class Scheduler:
         num_cpu_blocks: int,
         offload: str = "none",
         transfer_bytes_per_decode: int = 0,
+        kv_bytes_per_token: int = 0,
         force_pipeline: bool = False,
     ) -> None:
         """``offload``: ``neo`` (partial offload, pipelined when it pays), ``none`` (GPU-only,

@@ -42,9 +42,10 @@ class DecodeRows:
 @dataclass
 class AttentionBatch:
     """The per-iteration metadata every layer's attention shares, for one sub-batch. Rows: GPU
-    decodes, CPU decodes, prefill chunks."""
+    decodes, CPU decodes, device prefill chunks, host prefills."""
 
     tokens: slice  # this sub-batch's rows of the whole batch
+    host_prefill_rows: slice  # whole prompts whose K/V go to the host pool (host slots)
     slot_mapping: torch.Tensor  # [tokens] int64, device; -1 for CPU decodes
     gpu_decodes: DecodeRows  # tables on the device
     cpu_decodes: DecodeRows  # tables in CPU memory (the host pool's)
@@ -55,17 +56,23 @@ class AttentionBatch:
         """One batch per sub-batch of the plan (two when it is pipelined); each batch's rows
         count from its own first token."""
         n, s1 = len(plan.req_ids), plan.sub_batch1_start
-        batches = [
-            AttentionBatch._rows(plan, 0, s1, plan.num_decodes, plan.num_cpu_decodes, device, block_size)
-        ]
+        nd, ncd, nhp = plan.num_decodes, plan.num_cpu_decodes, plan.num_host_prefills
+        batches = [AttentionBatch._rows(plan, 0, s1, (nd, ncd, nhp), device, block_size)]
         if s1 < n:
-            batches.append(AttentionBatch._rows(plan, s1, n, n - s1, n - s1, device, block_size))
+            batches.append(AttentionBatch._rows(plan, s1, n, (n - s1, n - s1, 0), device, block_size))
         return batches
 
     @staticmethod
     def _rows(
-        plan: SchedulerOutput, lo: int, hi: int, nd: int, ncd: int, device: torch.device, block_size: int
+        plan: SchedulerOutput,
+        lo: int,
+        hi: int,
+        counts: tuple[int, int, int],
+        device: torch.device,
+        block_size: int,
     ) -> AttentionBatch:
+        """Requests ``lo:hi``; ``counts``: their decodes, CPU decodes among them, host prefills."""
+        nd, ncd, nhp = counts
         ngd = nd - ncd
         qsl = plan.query_start_loc[lo : hi + 1] - plan.query_start_loc[lo]
         lens = plan.seq_lens[lo:hi]
@@ -82,17 +89,17 @@ class AttentionBatch:
         t0, t1 = int(plan.query_start_loc[lo]), int(plan.query_start_loc[hi])
         return AttentionBatch(
             tokens=slice(t0, t1),
+            host_prefill_rows=slice(int(qsl[hi - lo - nhp]), t1 - t0),  # the last rows
             slot_mapping=torch.from_numpy(plan.slot_mapping[t0:t1]).to(device),
             gpu_decodes=DecodeRows(0, ngd, tables[:ngd].to(device), seq_lens[:ngd].to(device)),
             cpu_decodes=DecodeRows(ngd, nd, tables[ngd:nd], seq_lens[ngd:nd]),
             prefills=prefills,
         )
 
-    def device_rows(self, num_tokens: int) -> list[slice]:
-        """Row ranges whose K/V go to the device pool (all but the CPU decodes)."""
-        c = self.cpu_decodes
-        rows = [slice(0, c.start), slice(c.end, num_tokens)] if len(c) else [slice(0, num_tokens)]
-        return [r for r in rows if r.stop > r.start]
+    def device_rows(self) -> list[slice]:
+        """Row ranges whose K/V go to the device pool: GPU decodes and device prefills."""
+        c, h = self.cpu_decodes, self.host_prefill_rows
+        return [r for r in (slice(0, c.start), slice(c.end, h.start)) if r.stop > r.start]
 
 
 def paged_decode_torch(

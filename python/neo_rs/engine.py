@@ -82,6 +82,7 @@ class LLMEngine:
             num_cpu_blocks=self.runner.num_cpu_blocks,
             offload=args.offload,
             transfer_bytes_per_decode=self.runner.transfer_bytes_per_decode(),
+            kv_bytes_per_token=self.runner.kv_bytes_per_token(),
             force_pipeline=args.neo_force_pipeline,
         )
         if args.offload == "neo":

@@ -91,6 +91,10 @@ class ModelRunner:
             )
         return blocks
 
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token in one layer."""
+        return self.layout.bytes_per_block() // (self.layout.num_layers * self.layout.block_size)
+
     def transfer_bytes_per_decode(self) -> int:
         """Per layer, one CPU decode sends q, k, v to the host and its output back."""
         cfg, elem = self.model.config, torch.empty((), dtype=self.layout.dtype).element_size()
@@ -137,12 +141,16 @@ class ModelRunner:
     def _pre(
         self, i: int, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, to_host: Pairs | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Stage 1 of layer ``i`` and the KV writes: device rows to the device pool, finishing
-        host-bound prefills on to the host pool."""
+        """Stage 1 of layer ``i`` and the KV writes: device rows to the device pool, host prefills
+        to the host pool, staged prefills copied on from the device pool."""
         model, pool = self.model, self.device_pool
         q, k, v = model.decoder_layers[i].pre_attention(x, positions, model.rotary)
-        for r in batch.device_rows(len(x)):
+        for r in batch.device_rows():
             pool.write(i, batch.slot_mapping[r], k[r], v[r])
+        h = batch.host_prefill_rows
+        if h.stop > h.start:
+            cpu = torch.device("cpu")
+            self.host_pool.write(i, batch.slot_mapping[h].to(cpu), k[h].to(cpu), v[h].to(cpu))
         if to_host is not None:
             copy_blocks(pool, self.host_pool, *to_host, layer=i)
         return q, k, v

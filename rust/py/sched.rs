@@ -23,6 +23,7 @@ pub struct SchedulerOutput {
     num_new_tokens: Py<PyArray1<i64>>,
     num_decodes: usize,
     num_cpu_decodes: usize,
+    num_host_prefills: usize,
     sub_batch1_start: usize,
     input_ids: Py<PyArray1<i64>>,
     positions: Py<PyArray1<i64>>,
@@ -90,7 +91,7 @@ fn column(v: impl Iterator<Item = usize>) -> Vec<i64> {
 #[pymethods]
 impl Scheduler {
     #[new]
-    #[pyo3(signature = (*, max_num_seqs, max_num_batched_tokens, max_model_len, block_size, num_gpu_blocks, num_cpu_blocks, offload = "none", transfer_bytes_per_decode = 0, force_pipeline = false))]
+    #[pyo3(signature = (*, max_num_seqs, max_num_batched_tokens, max_model_len, block_size, num_gpu_blocks, num_cpu_blocks, offload = "none", transfer_bytes_per_decode = 0, kv_bytes_per_token = 0, force_pipeline = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         max_num_seqs: usize,
@@ -101,6 +102,7 @@ impl Scheduler {
         num_cpu_blocks: u32,
         offload: &str,
         transfer_bytes_per_decode: usize,
+        kv_bytes_per_token: usize,
         force_pipeline: bool,
     ) -> PyResult<Self> {
         let config = SchedulerConfig {
@@ -112,6 +114,7 @@ impl Scheduler {
             num_cpu_blocks,
             offload: OffloadMode::parse(offload)?,
             transfer_bytes_per_decode,
+            kv_bytes_per_token,
             force_pipeline,
         };
         Ok(Scheduler { inner: sched::Scheduler::new(config)? })
@@ -136,6 +139,7 @@ impl Scheduler {
             num_new_tokens: column(s.iter().map(|r| r.num_new_tokens)).into_pyarray(py).unbind(),
             num_decodes: out.num_decodes,
             num_cpu_decodes: out.num_cpu_decodes,
+            num_host_prefills: out.num_host_prefills,
             sub_batch1_start: out.sub_batch1_start,
             input_ids: m.input_ids.into_pyarray(py).unbind(),
             positions: m.positions.into_pyarray(py).unbind(),

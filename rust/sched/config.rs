@@ -48,6 +48,8 @@ pub struct SchedulerConfig {
     /// Bytes one CPU decode moves between device and host per layer (Q, K, V out; output back),
     /// for the predictor's transfer term.
     pub transfer_bytes_per_decode: usize,
+    /// Bytes of K and V of one token in one layer (a host prefill's copy per token and layer).
+    pub kv_bytes_per_token: usize,
     /// `neo` only, for tests: run every CPU decode in the pipeline whatever the estimates say.
     pub force_pipeline: bool,
 }

@@ -26,8 +26,9 @@ pub struct ModelInputs {
     /// `[num_tokens]` token ids and their positions.
     pub input_ids: Vec<i64>,
     pub positions: Vec<i64>,
-    /// `[num_tokens]` flat device-pool slot `block * block_size + offset` each token's K/V goes
-    /// to; -1 for CPU decodes (the CPU kernel appends their K/V to the host pool).
+    /// `[num_tokens]` flat slot `block * block_size + offset` each token's K/V goes to: in the
+    /// device pool, or for host prefills in the host pool; -1 for CPU decodes (the CPU kernel
+    /// appends their K/V to the host pool itself).
     pub slot_mapping: Vec<i64>,
     /// `[num_reqs + 1]` start row of each request (cumulative `num_new_tokens`).
     pub query_start_loc: Vec<i32>,
@@ -48,6 +49,9 @@ pub struct SchedulerOutput {
     pub scheduled: Vec<ScheduledRequest>,
     pub num_decodes: usize,
     pub num_cpu_decodes: usize,
+    /// The last `num_host_prefills` prefills of sub-batch 0 write their KV straight to the host
+    /// pool (whole prompts whose request decodes on the CPU).
+    pub num_host_prefills: usize,
     /// Requests from this index on form sub-batch 1 (CPU decodes, pipelined half a layer behind
     /// sub-batch 0); `scheduled.len()` when the iteration is not pipelined. `num_decodes` and
     /// `num_cpu_decodes` describe sub-batch 0.
@@ -117,8 +121,8 @@ impl ModelInputs {
             m.input_ids.extend(req.token_ids[range.clone()].iter().map(|&t| i64::from(t)));
             for pos in range.clone() {
                 m.positions.push(pos as i64);
-                let slot =
-                    if s.device == Device::Gpu { (table[pos / bs].0 as usize * bs + pos % bs) as i64 } else { -1 };
+                let cpu_decode = s.device == Device::Cpu && s.num_new_tokens == 1;
+                let slot = if cpu_decode { -1 } else { (table[pos / bs].0 as usize * bs + pos % bs) as i64 };
                 m.slot_mapping.push(slot);
             }
             let row = &mut m.block_tables[i * max_blocks..i * max_blocks + table.len()];

@@ -44,6 +44,7 @@ pub struct SchedulerStats {
     pub num_recomputed: u64,
     pub num_swapped_out_blocks: u64,
     pub num_swapped_in_blocks: u64,
+    /// Prefills whose KV went to the host pool (straight, or staged on the device).
     pub num_prefills_to_host: u64,
     /// Iterations run as NEO's two-sub-batch pipeline.
     pub num_pipelined_steps: u64,
@@ -229,14 +230,17 @@ impl Scheduler {
         // 1 (CPU decodes only); stable, so FCFS within each group.
         let mut scheduled = step.scheduled;
         scheduled.sort_by_key(|s| match (s.sub_batch, s.num_new_tokens, s.device) {
-            (1, ..) => 3,
+            (1, ..) => 4,
             (_, 1, Device::Gpu) => 0,
             (_, 1, Device::Cpu) => 1,
-            _ => 2,
+            (_, _, Device::Gpu) => 2,
+            (_, _, Device::Cpu) => 3,
         });
         let sub_batch1_start = scheduled.iter().take_while(|s| s.sub_batch == 0).count();
-        let num_decodes = scheduled[..sub_batch1_start].iter().take_while(|s| s.num_new_tokens == 1).count();
-        let num_cpu_decodes = scheduled[..num_decodes].iter().filter(|s| s.device == Device::Cpu).count();
+        let sub0 = &scheduled[..sub_batch1_start];
+        let num_decodes = sub0.iter().take_while(|s| s.num_new_tokens == 1).count();
+        let num_cpu_decodes = sub0[..num_decodes].iter().filter(|s| s.device == Device::Cpu).count();
+        let num_host_prefills = sub0[num_decodes..].iter().filter(|s| s.device == Device::Cpu).count();
         let requests = &self.requests;
         let inputs = ModelInputs::build(&scheduled, |id| &requests[&id], &self.gpu, &self.cpu);
         let predicted = self.price(&scheduled);
@@ -245,6 +249,7 @@ impl Scheduler {
             scheduled,
             num_decodes,
             num_cpu_decodes,
+            num_host_prefills,
             sub_batch1_start,
             swap_out: step.swap_out,
             swap_in: step.swap_in,
@@ -338,6 +343,17 @@ impl Scheduler {
             let req = &self.requests[&id];
             let n = req.num_pending_tokens().min(step.budget);
             let target = req.num_computed_tokens + n;
+            if self.prefill_goes_to_host(req, n) && req.num_computed_tokens == 0 {
+                // The whole prompt in one chunk: its KV is written straight to the host pool.
+                if !self.cpu.allocate_slots(id, target) {
+                    break;
+                }
+                self.waiting.pop_front();
+                self.admit_to(id, Device::Cpu);
+                self.stats.num_prefills_to_host += 1;
+                step.push(self.scheduled(id, n));
+                continue;
+            }
             let to_host = self.prefill_goes_to_host(req, n);
             if (to_host && !self.host_has_room(target)) || !self.gpu.allocate_slots(id, target) {
                 break;
@@ -362,7 +378,8 @@ impl Scheduler {
     }
 
     /// Give the request host blocks for `num_tokens` tokens and plan the layer-wise copy of its
-    /// device blocks (which stay allocated as staging until `update()`).
+    /// device blocks (which stay allocated as staging until `update()`). Only for a prompt whose
+    /// earlier chunks already sit on the device; whole prompts go straight to the host.
     fn stage_to_host(&mut self, id: RequestId, num_tokens: usize, step: &mut Step) {
         let grown = self.cpu.allocate_slots(id, num_tokens);
         debug_assert!(grown, "host room was checked");
@@ -385,9 +402,13 @@ impl Scheduler {
     }
 
     fn admit(&mut self, id: RequestId) {
+        self.admit_to(id, Device::Gpu);
+    }
+
+    fn admit_to(&mut self, id: RequestId, device: Device) {
         let req = self.requests.get_mut(&id).expect("admitted request exists");
         req.status = RequestStatus::Running;
-        req.device = Device::Gpu;
+        req.device = device;
         self.running.push(id);
     }
 

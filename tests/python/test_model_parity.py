@@ -111,14 +111,16 @@ def test_all_decodes_on_the_cpu_keep_outputs_identical(checkpoints, kind: str) -
 
 @pytest.mark.parametrize("kind", ["llama3", "mistral"])
 def test_neo_pipeline_keeps_outputs_identical(checkpoints, kind: str) -> None:
-    # A device pool too small for the batch: prefills land in the host pool, requests swap out
-    # and back in mid-generation, and (forced here) iterations run as the two-sub-batch pipeline.
+    # A device pool too small for the batch and a small token budget: whole prompts land in the
+    # host pool, chunked ones on the device, requests swap out and back in mid-generation, and
+    # (forced here) iterations run as the two-sub-batch pipeline.
     tokens, engine = run(
         checkpoints[kind],
         offload="neo",
         num_gpu_blocks=10,
         num_cpu_blocks=64,
         block_size=8,
+        max_num_batched_tokens=16,
         neo_force_pipeline=True,
     )
     assert tokens == [hf_greedy(checkpoints[kind], kind, p) for p in PROMPTS]

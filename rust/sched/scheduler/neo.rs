@@ -104,15 +104,16 @@ impl Scheduler {
             place.fail_ctx = usize::MAX;
             self.place_cpu_decodes(&cpu_reqs, &mut place, &mut b0, &mut b1);
         }
-        // Step 6: the GPU-only alternative keeps every device prefill and host-bound ones only to
-        // reach the linear-work threshold; pick the plan with the higher estimated throughput.
+        // Step 6: the GPU-only alternative keeps every device prefill, and host-bound ones only
+        // when the device would otherwise idle (in GPU-only iterations their requests could not
+        // decode); pick the plan with the higher estimated throughput.
         let mut g_prefills = prefills.clone();
         let mut g = gpu;
         for p in &g_prefills {
             self.add_gpu_work(&mut g, self.requests[&p.id].num_computed_tokens, p.n);
         }
         while let Some(p) = g_prefills.last().copied() {
-            if !p.to_host || g.tokens - p.n < MIN_LINEAR_TOKENS {
+            if !p.to_host || g.reqs == 1 {
                 break;
             }
             g_prefills.pop();
@@ -176,12 +177,15 @@ impl Scheduler {
     pub(super) fn price(&self, scheduled: &[ScheduledRequest]) -> StageTimes {
         let p = &self.predictor;
         let mut loads = [Load::default(); 2];
-        let (mut prefill_ms, mut decode_ctx) = (0.0, 0);
+        let (mut prefill_ms, mut decode_ctx, mut host_kv_bytes) = (0.0, 0, 0);
         for s in scheduled {
             let b = &mut loads[usize::from(s.sub_batch)];
-            if s.device == Device::Cpu {
+            if s.device == Device::Cpu && s.num_new_tokens == 1 {
                 add_cpu_decode(b, s.num_computed_tokens + 1, 1);
             } else {
+                if s.device == Device::Cpu {
+                    host_kv_bytes += s.num_new_tokens * self.config.kv_bytes_per_token;
+                }
                 b.reqs += 1;
                 b.tokens += s.num_new_tokens;
                 if s.num_new_tokens == 1 {
@@ -200,12 +204,15 @@ impl Scheduler {
         } else {
             p.linear_ms(b0.tokens) + b0.gpu_attn_ms.max(self.cpu_ms(&b0))
         };
+        // Host prefills' KV leaves on the copy stream, overlapped with the layer's compute.
+        let host_kv_ms = p.transfer_ms(host_kv_bytes);
+        let layer_ms = layer_ms.max(host_kv_ms);
         StageTimes {
             linear_ms: [p.linear_ms(b0.tokens), p.linear_ms(b1.tokens)],
             prefill_attn_ms: prefill_ms,
             gpu_decode_ms,
             cpu_attn_ms: [kernel(&b0), kernel(&b1)],
-            transfer_ms: [self.cpu_ms(&b0) - kernel(&b0), self.cpu_ms(&b1) - kernel(&b1)],
+            transfer_ms: [self.cpu_ms(&b0) - kernel(&b0) + host_kv_ms, self.cpu_ms(&b1) - kernel(&b1)],
             layer_ms,
         }
     }
@@ -292,8 +299,8 @@ impl Scheduler {
     }
 
     /// Prefill chunks from the head of the waiting queue: on the device while it keeps headroom
-    /// for the running requests' growth, else (a prompt's last chunk only) through device
-    /// staging blocks to the host. Stops at the first that fits nowhere.
+    /// for the running requests' growth, else (a whole prompt in one chunk) with its KV written
+    /// straight to the host pool, layer by layer. Stops at the first that fits nowhere.
     fn tentative_prefills(&self, mut budget: usize, mut seats: usize) -> Vec<Tentative> {
         let mut free_gpu = self.gpu.num_free_blocks();
         let mut free_cpu = self.cpu.num_free_blocks();
@@ -312,17 +319,17 @@ impl Scheduler {
             let blocks = self.gpu.blocks_for(target);
             let to_host = if !host_bound && blocks + max_headroom.min(on_device) <= free_gpu {
                 false
-            } else if n == req.num_pending_tokens() && blocks <= free_gpu && self.cpu.blocks_for(target) <= free_cpu {
+            } else if n == req.num_pending_tokens() && self.cpu.blocks_for(target) <= free_cpu {
                 true
             } else {
                 break;
             };
             // Once one prefill goes to the host, later ones follow (FCFS fairness).
             host_bound |= to_host;
-            free_gpu -= blocks;
             if to_host {
                 free_cpu -= self.cpu.blocks_for(target);
             } else {
+                free_gpu -= blocks;
                 on_device += 1;
             }
             let attn_ms = self.predictor.prefill_attn_ms(req.num_computed_tokens, n);
@@ -336,13 +343,12 @@ impl Scheduler {
     fn commit_prefills(&mut self, step: &mut Step, prefills: &[Tentative]) {
         for p in prefills {
             debug_assert_eq!(self.waiting.front(), Some(&p.id));
-            let grown = self.gpu.allocate_slots(p.id, p.target);
+            let kv = if p.to_host { &mut self.cpu } else { &mut self.gpu };
+            let grown = kv.allocate_slots(p.id, p.target);
             debug_assert!(grown, "tentative prefills were counted against the free blocks");
             self.waiting.pop_front();
-            self.admit(p.id);
-            if p.to_host {
-                self.stage_to_host(p.id, p.target, step);
-            }
+            self.admit_to(p.id, if p.to_host { Device::Cpu } else { Device::Gpu });
+            self.stats.num_prefills_to_host += u64::from(p.to_host);
             step.push(self.scheduled(p.id, p.n));
         }
     }
