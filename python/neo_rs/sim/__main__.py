@@ -1,0 +1,81 @@
+"""``python -m neo_rs.sim``: will CPU offloading help on this GPU + host, for this model and
+workload? Runs the real scheduler in ``neo``, ``none`` and ``all`` modes against the cost model
+and prints throughput, latency, the gain and a verdict.
+
+    python -m neo_rs.sim --gpu T4 --host g4dn.4xlarge --model llama-2-7b --workload osc --rate 2
+    python -m neo_rs.sim --gpu A10G --host g5.16xlarge --model llama-3-8b --input-len 1000 --output-len 200
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from neo_rs.bench import workloads
+from neo_rs.bench.arrivals import arrival_times
+from neo_rs.sim.cost import CostModel
+from neo_rs.sim.profiles import GPUS, HOSTS, MODELS, load_profiles
+from neo_rs.sim.simulate import simulate, verdict
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m neo_rs.sim", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--profiles", type=Path, help="extra GPU/host/model profiles (JSON or TOML)")
+    ap.add_argument("--gpu", default="A10G")
+    ap.add_argument("--host", default="g5.4xlarge")
+    ap.add_argument("--model", default="llama-3-8b")
+    ap.add_argument("--workload", default="synthetic", help="synthetic | osc | azure-code | FILE.jsonl")
+    ap.add_argument("--input-len", type=int, default=1000)
+    ap.add_argument("--output-len", type=int, default=200)
+    ap.add_argument("--num-requests", type=int, default=2000)
+    ap.add_argument("--rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
+    ap.add_argument("--modes", default="neo,none,all")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.profiles:
+        load_profiles(args.profiles)
+    for kind, name, table in (
+        ("gpu", args.gpu, GPUS),
+        ("host", args.host, HOSTS),
+        ("model", args.model, MODELS),
+    ):
+        if name not in table:
+            ap.error(f"unknown {kind} {name!r} (known: {', '.join(table)})")
+    cost = CostModel(GPUS[args.gpu], HOSTS[args.host], MODELS[args.model])
+    if args.workload == "synthetic":
+        reqs = workloads.synthetic(args.num_requests, args.input_len, args.output_len, args.seed)
+    elif args.workload == "osc":
+        reqs = workloads.osc(args.num_requests, args.seed)
+    elif args.workload == "azure-code":
+        reqs = workloads.azure_code(args.num_requests, args.seed)
+    else:
+        reqs = workloads.from_jsonl(Path(args.workload), args.num_requests)
+    arrivals = arrival_times(len(reqs), args.rate, 1.0, args.seed)
+    print(
+        f"{args.gpu} + {args.host} + {args.model}: device KV {cost.num_gpu_blocks() * cost.block_size} tokens, "
+        f"host KV {cost.num_cpu_blocks() * cost.block_size} tokens; {len(reqs)} requests at {args.rate} req/s"
+    )
+    results = {}
+    print(
+        f"{'mode':<6}{'tok/s':>10}{'req/s':>8}{'ms/token':>10}{'TTFT ms':>10}{'iters':>8}{'pipelined':>10}"
+        f"{'CPU dec':>9}{'sched us/it':>12}"
+    )
+    for mode in args.modes.split(","):
+        r = simulate(cost, mode, reqs, arrivals, args.max_num_seqs, args.max_num_batched_tokens)
+        results[mode] = r
+        print(
+            f"{mode:<6}{r.output_throughput:>10.1f}{r.request_throughput:>8.2f}{r.per_token_latency_ms:>10.1f}"
+            f"{r.ttft_ms:>10.0f}{r.iterations:>8}{r.pipelined_share:>10.0%}{r.cpu_decode_share:>9.0%}"
+            f"{r.scheduler_us_per_iteration:>12.1f}"
+        )
+    if "neo" in results and "none" in results and results["none"].output_throughput:
+        print(f"neo vs none: {results['neo'].output_throughput / results['none'].output_throughput:.2f}x")
+    print(verdict(cost, results))
+
+
+if __name__ == "__main__":
+    main()

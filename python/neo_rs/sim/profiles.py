@@ -1,0 +1,131 @@
+"""Hardware and model profiles. GPU figures are dense FP16/BF16 tensor throughput and memory
+bandwidth from NVIDIA's datasheets; host figures are the instances' memory and an effective
+read bandwidth that grows with the instance's share of its socket (the paper's finding: NEO's gain
+tracks host memory bandwidth). Users add their own from a JSON (or TOML) file."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    name: str
+    mem_gib: float
+    mem_gbps: float  # HBM/GDDR bandwidth
+    tflops: float  # dense FP16/BF16 tensor
+    pcie_gbps: float  # effective host<->device copy bandwidth
+    count: int = 1  # tensor-parallel GPUs the model is split over
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class HostProfile:
+    name: str
+    vcpus: int
+    mem_gib: float
+    mem_gbps: float  # effective read bandwidth available to the instance
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    name: str
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    max_len: int = 8192
+    dtype_bytes: int = 2
+
+    def layer_params(self) -> int:
+        attn = self.hidden * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        return attn + self.num_heads * self.head_dim * self.hidden + 3 * self.hidden * self.ffn
+
+    def weight_bytes(self) -> int:
+        return (self.num_layers * self.layer_params() + 2 * self.vocab * self.hidden) * self.dtype_bytes
+
+    def kv_bytes_per_token_layer(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+
+GPUS = {
+    g.name: g
+    for g in (
+        GpuProfile(
+            "T4", 16, 320, 65, 12, source="NVIDIA T4 datasheet: 16 GB GDDR6, 320 GB/s, 65 TFLOPS FP16"
+        ),
+        GpuProfile(
+            "A10G", 24, 600, 70, 25, source="AWS G5 / NVIDIA A10G: 24 GB, 600 GB/s, ~70 TFLOPS FP16 dense"
+        ),
+        GpuProfile(
+            "L4", 24, 300, 121, 25, source="NVIDIA L4 datasheet: 24 GB, 300 GB/s, 121 TFLOPS FP16 dense"
+        ),
+        GpuProfile(
+            "A100-80G", 80, 2039, 312, 25, source="NVIDIA A100 datasheet: 80 GB HBM2e, 2039 GB/s, 312 TFLOPS"
+        ),
+        GpuProfile(
+            "H100", 80, 3350, 989, 50, source="NVIDIA H100 SXM datasheet: 80 GB, 3.35 TB/s, 989 TFLOPS dense"
+        ),
+        GpuProfile(
+            "H200", 141, 4800, 989, 50, source="NVIDIA H200 datasheet: 141 GB HBM3e, 4.8 TB/s, 989 TFLOPS"
+        ),
+        GpuProfile("2xH100", 160, 6700, 1978, 100, count=2, source="two H100 SXM, tensor parallel"),
+    )
+}
+
+HOSTS = {
+    h.name: h
+    for h in (
+        HostProfile("g4dn.4xlarge", 16, 64, 50, source="AWS g4dn: Xeon 8259CL, 16 vCPU of 96, 64 GiB"),
+        HostProfile(
+            "g5.2xlarge", 8, 32, 25, source="AWS g5: EPYC 7R32 (8 ch DDR4-3200, 205 GB/s/socket), 8 vCPU"
+        ),
+        HostProfile("g5.4xlarge", 16, 64, 45, source="AWS g5.4xlarge: 16 vCPU, 64 GiB"),
+        HostProfile("g5.8xlarge", 32, 128, 85, source="AWS g5.8xlarge: 32 vCPU, 128 GiB"),
+        HostProfile("g5.16xlarge", 64, 256, 150, source="AWS g5.16xlarge: 64 vCPU, 256 GiB"),
+        HostProfile("server", 64, 512, 200, source="a 2-socket DDR4/DDR5 server, ~200 GB/s effective"),
+    )
+}
+
+MODELS = {
+    m.name: m
+    for m in (
+        ModelProfile("llama-2-7b", 32, 4096, 32, 32, 128, 11008, 32000, 4096),
+        ModelProfile("llama-3-8b", 32, 4096, 32, 8, 128, 14336, 128256, 8192),
+        ModelProfile("llama-3-70b", 80, 8192, 64, 8, 128, 28672, 128256, 8192),
+    )
+}
+
+
+def _build(cls: type, d: dict[str, Any]) -> Any:
+    known = {f.name for f in fields(cls)}
+    unknown = set(d) - known
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} fields: {', '.join(sorted(unknown))}")
+    return cls(**d)
+
+
+def load_profiles(path: Path) -> None:
+    """Add ``[gpu.NAME]`` / ``[host.NAME]`` / ``[model.NAME]`` tables (or JSON objects) to the
+    built-in profiles."""
+    text = path.read_text()
+    if path.suffix == ".toml":
+        import tomllib  # Python >= 3.11; JSON works everywhere
+
+        data = tomllib.loads(text)
+    else:
+        data = json.loads(text)
+    for kind, table, cls in (
+        ("gpu", GPUS, GpuProfile),
+        ("host", HOSTS, HostProfile),
+        ("model", MODELS, ModelProfile),
+    ):
+        for name, d in data.get(kind, {}).items():
+            table[name] = _build(cls, {"name": name, **d})
