@@ -34,16 +34,6 @@ def _slo(items: list[str]) -> tuple[float | None, float | None]:
     return ttft, tpot
 
 
-def _workload(args: argparse.Namespace) -> list[workloads.BenchRequest]:
-    if args.workload == "synthetic":
-        return workloads.synthetic(args.num_requests, args.input_len, args.output_len, args.seed)
-    if args.workload == "osc":
-        return workloads.osc(args.num_requests, args.seed)
-    if args.workload == "azure-code":
-        return workloads.azure_code(args.num_requests, args.seed)
-    return workloads.from_jsonl(Path(args.workload), args.num_requests)
-
-
 def _model(url: str) -> tuple[str, int]:
     with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
         card = json.loads(r.read())["data"][0]
@@ -84,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     model, _ = (args.model, 0) if args.model else _model(args.url)
     slo_ttft, slo_tpot = _slo(args.slo)
-    requests = _workload(args)
+    requests = workloads.make(args.workload, args.num_requests, args.input_len, args.output_len, args.seed)
     runs = []
     for rate in (float(x) for x in args.rate.split(",")):
         times = arrival_times(len(requests), rate, args.burstiness, args.seed)

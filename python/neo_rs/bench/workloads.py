@@ -71,6 +71,18 @@ def from_jsonl(path: Path, n: int | None) -> list[BenchRequest]:
     return out[:n] if n else out
 
 
+def make(kind: str, n: int, input_len: int, output_len: int, seed: int) -> list[BenchRequest]:
+    """``kind``: ``synthetic`` (around ``input_len`` / ``output_len``), ``osc``, ``azure-code``,
+    or the path of a JSONL file."""
+    if kind == "synthetic":
+        return synthetic(n, input_len, output_len, seed)
+    if kind == "osc":
+        return osc(n, seed)
+    if kind == "azure-code":
+        return azure_code(n, seed)
+    return from_jsonl(Path(kind), n)
+
+
 def prompt_ids(req: BenchRequest, index: int, vocab: int) -> list[int]:
     """Distinct, deterministic token ids (no two prompts share a prefix, so no cache helps)."""
     rng = random.Random(index)

@@ -46,18 +46,12 @@ def main(argv: list[str] | None = None) -> None:
         if name not in table:
             ap.error(f"unknown {kind} {name!r} (known: {', '.join(table)})")
     cost = CostModel(GPUS[args.gpu], HOSTS[args.host], MODELS[args.model])
-    if args.workload == "synthetic":
-        reqs = workloads.synthetic(args.num_requests, args.input_len, args.output_len, args.seed)
-    elif args.workload == "osc":
-        reqs = workloads.osc(args.num_requests, args.seed)
-    elif args.workload == "azure-code":
-        reqs = workloads.azure_code(args.num_requests, args.seed)
-    else:
-        reqs = workloads.from_jsonl(Path(args.workload), args.num_requests)
+    reqs = workloads.make(args.workload, args.num_requests, args.input_len, args.output_len, args.seed)
     arrivals = arrival_times(len(reqs), args.rate, 1.0, args.seed)
     print(
-        f"{args.gpu} + {args.host} + {args.model}: device KV {cost.num_gpu_blocks() * cost.block_size} tokens, "
-        f"host KV {cost.num_cpu_blocks() * cost.block_size} tokens; {len(reqs)} requests at {args.rate} req/s"
+        f"{args.gpu} + {args.host} + {args.model}: device KV {cost.num_gpu_blocks() * cost.block_size} "
+        f"tokens, host KV {cost.num_cpu_blocks() * cost.block_size} tokens; "
+        f"{len(reqs)} requests at {args.rate} req/s"
     )
     results = {}
     print(

@@ -123,8 +123,8 @@ def verdict(cost: CostModel, results: dict[str, SimResult]) -> str:
     seqs_on_gpu = cost.num_gpu_blocks() * cost.block_size
     if gain > 0.05:
         why = (
-            f"GPU-memory bound: the device KV pool holds only {seqs_on_gpu} tokens, so the GPU batch is small; "
-            f"host attention lets it grow ({neo.cpu_decode_share:.0%} of decodes ran on the CPU)"
+            f"GPU-memory bound: the device KV pool holds only {seqs_on_gpu} tokens, so the GPU batch "
+            f"is small; host attention lets it grow ({neo.cpu_decode_share:.0%} of decodes ran on the CPU)"
         )
         return f"CPU offloading helps: +{gain:.0%} throughput. {why}."
     if neo.cpu_decode_share > 0.05:

@@ -13,7 +13,8 @@ const SWAP_IN_WATERMARK: f64 = 0.95;
 /// Host-bound prefills are trimmed only while a sub-batch keeps this many tokens of linear
 /// work (below it GEMMs run at a poor rate anyway).
 const MIN_LINEAR_TOKENS: usize = 128;
-/// GPU-only iterations in a row after which waiting CPU decodes run regardless of the estimate.
+/// GPU-only iterations in a row that left CPU requests waiting, after which they are owed the
+/// device (NEO falls back to the GPU-only order until they are served).
 const MAX_CPU_IDLE_STEPS: u32 = 8;
 
 /// What the predictor prices of one sub-batch, per layer.
@@ -50,18 +51,29 @@ struct Tentative {
 impl Scheduler {
     pub(super) fn schedule_neo(&mut self, step: &mut Step) {
         // Steps 1-2: GPU requests, with swap-out on a full device; swap-in below the watermark.
+        // CPU requests the estimates have left waiting too long (the CPU cannot hide their
+        // attention) are owed the device first: they swap in up to a full pool, and no new
+        // prefill overtakes them. This is the GPU-only baseline's order, NEO's fallback.
         self.schedule_running(step, Some(Device::Gpu));
-        self.swap_in_cpu_requests(step);
+        let owed = self.cpu_idle_steps >= MAX_CPU_IDLE_STEPS;
+        self.swap_in_cpu_requests(step, if owed { 1.0 } else { SWAP_IN_WATERMARK });
         self.grow_cpu_requests(step);
         let mut gpu = Load::default();
         for s in &step.scheduled {
             self.add_gpu_work(&mut gpu, s.num_computed_tokens, s.num_new_tokens);
         }
-        // Step 3: tentative prefills, FCFS.
-        let mut prefills = self.tentative_prefills(step.budget, self.config.max_num_seqs - self.running.len());
-        let prefill_tokens: usize = prefills.iter().map(|p| p.n).sum();
         let cpu_reqs: Vec<RequestId> =
             self.running.iter().copied().filter(|id| self.requests[id].device == Device::Cpu).collect();
+        if cpu_reqs.is_empty() {
+            self.cpu_idle_steps = 0;
+        }
+        // Step 3: tentative prefills, FCFS.
+        let mut prefills = if owed && !cpu_reqs.is_empty() {
+            Vec::new()
+        } else {
+            self.tentative_prefills(step.budget, self.config.max_num_seqs - self.running.len())
+        };
+        let prefill_tokens: usize = prefills.iter().map(|p| p.n).sum();
 
         if gpu.reqs == 0 && prefills.is_empty() {
             // No device work to hide behind: CPU decodes run alone rather than wait.
@@ -104,16 +116,15 @@ impl Scheduler {
             place.fail_ctx = usize::MAX;
             self.place_cpu_decodes(&cpu_reqs, &mut place, &mut b0, &mut b1);
         }
-        // Step 6: the GPU-only alternative keeps every device prefill, and host-bound ones only
-        // when the device would otherwise idle (in GPU-only iterations their requests could not
-        // decode); pick the plan with the higher estimated throughput.
+        // Step 6: the GPU-only alternative keeps every device prefill and host-bound ones only to
+        // reach the linear-work threshold; pick the plan with the higher estimated throughput.
         let mut g_prefills = prefills.clone();
         let mut g = gpu;
         for p in &g_prefills {
             self.add_gpu_work(&mut g, self.requests[&p.id].num_computed_tokens, p.n);
         }
         while let Some(p) = g_prefills.last().copied() {
-            if !p.to_host || g.reqs == 1 {
+            if !p.to_host || g.tokens - p.n < MIN_LINEAR_TOKENS {
                 break;
             }
             g_prefills.pop();
@@ -123,17 +134,15 @@ impl Scheduler {
         }
         let g_rate = g.reqs as f64 / (self.predictor.linear_ms(g.tokens) + g.gpu_attn_ms).max(1e-9);
         let p_rate = (b0.reqs + b1.reqs) as f64 / self.pipelined_ms(&b0, &b1).max(1e-9);
-        let starving =
-            !cpu_reqs.is_empty() && (self.cpu_idle_steps >= MAX_CPU_IDLE_STEPS || self.config.force_pipeline);
-        if !starving && (place.placed.is_empty() || p_rate <= g_rate) {
+        let forced = self.config.force_pipeline && !cpu_reqs.is_empty();
+        if !forced && (place.placed.is_empty() || p_rate <= g_rate) {
             self.commit_prefills(step, &g_prefills);
             self.cpu_idle_steps += u32::from(!cpu_reqs.is_empty());
             return;
         }
         self.commit_prefills(step, &prefills);
         let (ids, subs): (Vec<RequestId>, Vec<u8>) = if place.placed.is_empty() {
-            // Starving and nothing fits the invariants: run them in sub-batch 0 anyway.
-            (cpu_reqs.clone(), vec![0; cpu_reqs.len()])
+            (cpu_reqs.clone(), vec![0; cpu_reqs.len()]) // forced, and nothing fits the invariants
         } else {
             place.placed.into_iter().unzip()
         };
@@ -255,13 +264,13 @@ impl Scheduler {
         l(b0).max(self.cpu_ms(b1)) + (l(b1) + b0.gpu_attn_ms).max(self.cpu_ms(b0))
     }
 
-    /// Move the oldest CPU requests to the device while it stays under the watermark (never in
-    /// an iteration that preempted).
-    fn swap_in_cpu_requests(&mut self, step: &mut Step) {
+    /// Move the oldest CPU requests to the device while it stays under `watermark` of its
+    /// blocks (never in an iteration that preempted).
+    fn swap_in_cpu_requests(&mut self, step: &mut Step, watermark: f64) {
         if step.preempted() {
             return;
         }
-        let limit = (SWAP_IN_WATERMARK * self.gpu.num_total_blocks() as f64) as usize;
+        let limit = (watermark * self.gpu.num_total_blocks() as f64) as usize;
         let mut i = 0;
         while i < self.running.len() && step.budget > 0 {
             let id = self.running[i];
