@@ -24,8 +24,10 @@ struct Load {
     reqs: usize,
     /// Tokens through the linear layers.
     tokens: usize,
-    /// Device attention: prefill chunks and GPU decodes.
-    gpu_attn_ms: f64,
+    /// Device attention of its prefill chunks.
+    prefill_ms: f64,
+    /// Context tokens of its GPU decodes (priced together: one kernel for the batch).
+    decode_ctx: usize,
     cpu_seqs: usize,
     cpu_ctx: usize,
 }
@@ -84,7 +86,7 @@ impl Scheduler {
         for p in &prefills {
             b0.reqs += 1;
             b0.tokens += p.n;
-            b0.gpu_attn_ms += p.attn_ms;
+            b0.prefill_ms += p.attn_ms;
         }
         // Step 4: CPU decodes into sub-batch 1 or 0 while both invariants hold.
         let mut b1 = Load::default();
@@ -102,7 +104,7 @@ impl Scheduler {
             let mut trimmed = b0;
             trimmed.reqs -= 1;
             trimmed.tokens -= p.n;
-            trimmed.gpu_attn_ms -= p.attn_ms;
+            trimmed.prefill_ms -= p.attn_ms;
             if !p.to_host || trimmed.tokens < MIN_LINEAR_TOKENS || b1.reqs == 0 || self.min_remains(&trimmed, &b1) < 0.0
             {
                 break;
@@ -119,20 +121,19 @@ impl Scheduler {
         // Step 6: the GPU-only alternative keeps every device prefill and host-bound ones only to
         // reach the linear-work threshold; pick the plan with the higher estimated throughput.
         let mut g_prefills = prefills.clone();
-        let mut g = gpu;
-        for p in &g_prefills {
-            self.add_gpu_work(&mut g, self.requests[&p.id].num_computed_tokens, p.n);
-        }
+        let mut g_tokens = gpu.tokens + prefills.iter().map(|p| p.n).sum::<usize>();
         while let Some(p) = g_prefills.last().copied() {
-            if !p.to_host || g.tokens - p.n < MIN_LINEAR_TOKENS {
+            if !p.to_host || g_tokens - p.n < MIN_LINEAR_TOKENS {
                 break;
             }
             g_prefills.pop();
-            g.reqs -= 1;
-            g.tokens -= p.n;
-            g.gpu_attn_ms -= p.attn_ms;
+            g_tokens -= p.n;
         }
-        let g_rate = g.reqs as f64 / (self.predictor.linear_ms(g.tokens) + g.gpu_attn_ms).max(1e-9);
+        let mut g = gpu;
+        for p in &g_prefills {
+            self.add_gpu_work(&mut g, 0, p.n);
+        }
+        let g_rate = g.reqs as f64 / (self.predictor.linear_ms(g.tokens) + self.gpu_attn_ms(&g)).max(1e-9);
         let p_rate = (b0.reqs + b1.reqs) as f64 / self.pipelined_ms(&b0, &b1).max(1e-9);
         let forced = self.config.force_pipeline && !cpu_reqs.is_empty();
         if !forced && (place.placed.is_empty() || p_rate <= g_rate) {
@@ -186,7 +187,7 @@ impl Scheduler {
     pub(super) fn price(&self, scheduled: &[ScheduledRequest]) -> StageTimes {
         let p = &self.predictor;
         let mut loads = [Load::default(); 2];
-        let (mut prefill_ms, mut decode_ctx, mut host_kv_bytes) = (0.0, 0, 0);
+        let mut host_kv_bytes = 0;
         for s in scheduled {
             let b = &mut loads[usize::from(s.sub_batch)];
             if s.device == Device::Cpu && s.num_new_tokens == 1 {
@@ -195,31 +196,23 @@ impl Scheduler {
                 if s.device == Device::Cpu {
                     host_kv_bytes += s.num_new_tokens * self.config.kv_bytes_per_token;
                 }
-                b.reqs += 1;
-                b.tokens += s.num_new_tokens;
-                if s.num_new_tokens == 1 {
-                    decode_ctx += s.num_computed_tokens + 1;
-                } else {
-                    prefill_ms += p.prefill_attn_ms(s.num_computed_tokens, s.num_new_tokens);
-                }
+                self.add_gpu_work(b, s.num_computed_tokens, s.num_new_tokens);
             }
         }
-        let gpu_decode_ms = p.gpu_decode_ms(decode_ctx);
-        loads[0].gpu_attn_ms = prefill_ms + gpu_decode_ms;
         let [b0, b1] = loads;
         let kernel = |b: &Load| p.cpu_decode_ms(b.cpu_seqs, b.cpu_ctx);
         let layer_ms = if b1.reqs > 0 {
             self.pipelined_ms(&b0, &b1)
         } else {
-            p.linear_ms(b0.tokens) + b0.gpu_attn_ms.max(self.cpu_ms(&b0))
+            p.linear_ms(b0.tokens) + self.gpu_attn_ms(&b0).max(self.cpu_ms(&b0))
         };
         // Host prefills' KV leaves on the copy stream, overlapped with the layer's compute.
         let host_kv_ms = p.transfer_ms(host_kv_bytes);
         let layer_ms = layer_ms.max(host_kv_ms);
         StageTimes {
             linear_ms: [p.linear_ms(b0.tokens), p.linear_ms(b1.tokens)],
-            prefill_attn_ms: prefill_ms,
-            gpu_decode_ms,
+            prefill_attn_ms: b0.prefill_ms,
+            gpu_decode_ms: p.gpu_decode_ms(b0.decode_ctx),
             cpu_attn_ms: [kernel(&b0), kernel(&b1)],
             transfer_ms: [self.cpu_ms(&b0) - kernel(&b0) + host_kv_ms, self.cpu_ms(&b1) - kernel(&b1)],
             layer_ms,
@@ -229,11 +222,16 @@ impl Scheduler {
     fn add_gpu_work(&self, load: &mut Load, computed: usize, n: usize) {
         load.reqs += 1;
         load.tokens += n;
-        load.gpu_attn_ms += if n == 1 {
-            self.predictor.gpu_decode_ms(computed + 1)
+        if n == 1 {
+            load.decode_ctx += computed + 1;
         } else {
-            self.predictor.prefill_attn_ms(computed, n)
-        };
+            load.prefill_ms += self.predictor.prefill_attn_ms(computed, n);
+        }
+    }
+
+    /// Device attention of a sub-batch: its prefill chunks, and its GPU decodes as one kernel.
+    fn gpu_attn_ms(&self, b: &Load) -> f64 {
+        b.prefill_ms + self.predictor.gpu_decode_ms(b.decode_ctx)
     }
 
     /// CPU attention of one sub-batch with its transfers and hand-off.
@@ -250,7 +248,7 @@ impl Scheduler {
     /// `remains[j] = T_l(B_{1-j}) + T_ga(B_j) - T_ca(B_j)`.
     fn remains(&self, b0: &Load, b1: &Load) -> [f64; 2] {
         let l = |b: &Load| self.predictor.linear_ms(b.tokens);
-        [l(b1) + b0.gpu_attn_ms - self.cpu_ms(b0), l(b0) + b1.gpu_attn_ms - self.cpu_ms(b1)]
+        [l(b1) + self.gpu_attn_ms(b0) - self.cpu_ms(b0), l(b0) + self.gpu_attn_ms(b1) - self.cpu_ms(b1)]
     }
 
     fn min_remains(&self, b0: &Load, b1: &Load) -> f64 {
@@ -261,7 +259,7 @@ impl Scheduler {
     /// Per-layer time of the pipeline: `max(T_l0, T_ca1) + max(T_l1 + T_ga0, T_ca0)`.
     fn pipelined_ms(&self, b0: &Load, b1: &Load) -> f64 {
         let l = |b: &Load| self.predictor.linear_ms(b.tokens);
-        l(b0).max(self.cpu_ms(b1)) + (l(b1) + b0.gpu_attn_ms).max(self.cpu_ms(b0))
+        l(b0).max(self.cpu_ms(b1)) + (l(b1) + self.gpu_attn_ms(b0)).max(self.cpu_ms(b0))
     }
 
     /// Move the oldest CPU requests to the device while it stays under `watermark` of its
