@@ -182,6 +182,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration; outputs of every request that got a token or finished."""
+        self.last_stats = None
         plan = self.scheduler.schedule()
         if len(plan.req_ids) == 0:
             self.scheduler.update([], [])

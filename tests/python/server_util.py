@@ -22,7 +22,9 @@ class Server:
     def __init__(self, *flags: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = Path(os.environ.get("NEO_RS_CACHE_DIR", "/tmp")) / f"serve-{self.port}.log"
+        log_dir = Path(os.environ.get("NEO_RS_CACHE_DIR", "/tmp"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log = log_dir / f"serve-{self.port}.log"
         cmd = [
             sys.executable,
             "-m",

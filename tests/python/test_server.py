@@ -297,13 +297,13 @@ def test_api_key_and_backpressure() -> None:
 
 
 def test_sigterm_finishes_running_streams_then_exits_0() -> None:
-    s = Server("--shutdown-timeout", "60")
+    s = Server("--shutdown-timeout", "300")
 
     async def stream(i: int) -> str | None:
         body = {
             "model": MODEL,
             "prompt": f"drain {i}",
-            "max_tokens": 1500,
+            "max_tokens": 600,
             "stream": True,
             "ignore_eos": True,
         }
