@@ -57,6 +57,7 @@ class AsyncEngine:
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="neo-tokenize")
         self._tokenizer: Any = None
         self.on_step: Callable[[LLMEngine, IterationStats | None, list[RequestOutput]], None] | None = None
+        self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._main, name="neo-engine", daemon=True)
 
     def start(self) -> None:
@@ -76,7 +77,7 @@ class AsyncEngine:
         self._loop(self.engine)
 
     def _loop(self, engine: LLMEngine) -> None:
-        while True:
+        while not self._stopping.is_set():
             cmds = self._take_commands(block=not engine.has_unfinished())
             if cmds is None:
                 continue
@@ -186,6 +187,11 @@ class AsyncEngine:
     def abort_all(self) -> None:
         for request_id in list(self._streams):
             self._inbox.put(_Abort(request_id))
+
+    async def stop(self) -> None:
+        """End the engine thread after its current iteration (at shutdown, after ``drain``)."""
+        self._stopping.set()
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30.0)
 
     async def drain(self, timeout: float) -> bool:
         """Wait until no request is in flight, at most ``timeout`` s; True if it got there."""

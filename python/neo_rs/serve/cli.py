@@ -121,6 +121,7 @@ async def serve(args: argparse.Namespace) -> int:
             log.warning("aborting the requests still running")
             engine.abort_all()
             await engine.drain(5.0)
+    await engine.stop()
     await runner.cleanup()
     return code
 
