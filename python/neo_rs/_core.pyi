@@ -142,7 +142,7 @@ class Scheduler:
         self,
         linear: tuple[list[float], list[float]],
         prefill_attn: tuple[list[float], list[float]],
-        gpu_decode: tuple[list[float], list[float]],
+        gpu_decode: tuple[list[float], list[float], list[float]],
         cpu_decode: tuple[list[float], list[float], list[float]],
         transfer: tuple[list[float], list[float]],
         launch_ms: float,

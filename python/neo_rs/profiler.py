@@ -30,16 +30,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-VERSION = 1
+VERSION = 2
 Curve = tuple[list[float], list[float]]
+Grid = tuple[list[float], list[float], list[float]]  # rows, columns, values row-major
 
 
 @dataclass
 class PerfTables:
     linear: Curve
     prefill_attn: Curve
-    gpu_decode: Curve
-    cpu_decode: tuple[list[float], list[float], list[float]]
+    gpu_decode: Grid
+    cpu_decode: Grid
     transfer: Curve
     launch_ms: float
 
@@ -48,12 +49,15 @@ class PerfTables:
         def curve(v: list[list[float]]) -> Curve:
             return [float(x) for x in v[0]], [float(y) for y in v[1]]
 
-        rows, cols, vals = d["cpu_decode"]
+        def grid(v: list[list[float]]) -> Grid:
+            rows, cols, vals = v
+            return [float(x) for x in rows], [float(x) for x in cols], [float(x) for x in vals]
+
         return PerfTables(
             curve(d["linear"]),
             curve(d["prefill_attn"]),
-            curve(d["gpu_decode"]),
-            ([float(x) for x in rows], [float(x) for x in cols], [float(x) for x in vals]),
+            grid(d["gpu_decode"]),
+            grid(d["cpu_decode"]),
             curve(d["transfer"]),
             float(d["launch_ms"]),
         )
@@ -160,36 +164,30 @@ class _Profiler:
             ys.append(self.time(partial(self.r.attention.prefill, q, k, v, self.r.device_pool, 0, p)))
         return _floats(grid), ys
 
-    def gpu_decode(self, grid: list[int]) -> Curve:
-        bs, ys = self.r.layout.block_size, []
-        for n in grid:
-            seqs = max(1, min(8, n // bs))
-            rows = _decode_rows(n, seqs, bs, self.dev)
-            q, out = self.rand(seqs, self.heads, self.head_dim), self.rand(seqs, self.heads, self.head_dim)
-            ys.append(self.time(partial(self.r.attention.decode, q, self.r.device_pool, 0, rows, out)))
-        return _floats(grid), ys
-
-    def cpu_decode(
-        self, rows_grid: list[int], cols_grid: list[int]
-    ) -> tuple[list[float], list[float], list[float]]:
-        cpu, host, attn = torch.device("cpu"), self.r.host_pool, self.r.attention
+    def _decode_table(
+        self, rows_grid: list[int], cols_grid: list[int], device: torch.device, call: Callable[..., object]
+    ) -> Grid:
+        """``call(q, rows, out)`` timed for ``s`` sequences sharing ``n`` tokens, every (s, n)."""
         vals = []
         for s in rows_grid:
             for n in cols_grid:
-                rows = _decode_rows(max(n, s), s, self.r.layout.block_size, cpu)
-                q = self.rand(s, self.heads, self.head_dim, device=cpu)
-                call = partial(
-                    attn.cpu_attention.forward,
-                    q,
-                    host.k,
-                    host.v,
-                    0,
-                    rows.block_tables,
-                    rows.seq_lens,
-                    attn.scale,
-                )
-                vals.append(self.time(partial(call, torch.empty_like(q)), cpu))
+                rows = _decode_rows(max(n, s), s, self.r.layout.block_size, device)
+                q = self.rand(s, self.heads, self.head_dim, device=device)
+                vals.append(self.time(partial(call, q, rows, torch.empty_like(q)), device))
         return _floats(rows_grid), _floats(cols_grid), vals
+
+    def _gpu_call(self, q: torch.Tensor, rows: DecodeRows, out: torch.Tensor) -> None:
+        self.r.attention.decode(q, self.r.device_pool, 0, rows, out)
+
+    def _cpu_call(self, q: torch.Tensor, rows: DecodeRows, out: torch.Tensor) -> None:
+        attn, host = self.r.attention, self.r.host_pool
+        attn.cpu_attention.forward(q, host.k, host.v, 0, rows.block_tables, rows.seq_lens, attn.scale, out)
+
+    def gpu_decode(self, rows_grid: list[int], cols_grid: list[int]) -> Grid:
+        return self._decode_table(rows_grid, cols_grid, self.dev, self._gpu_call)
+
+    def cpu_decode(self, rows_grid: list[int], cols_grid: list[int]) -> Grid:
+        return self._decode_table(rows_grid, cols_grid, torch.device("cpu"), self._cpu_call)
 
     def transfer(self, grid: list[int]) -> Curve:
         ys = []
@@ -225,7 +223,9 @@ def profile(runner: ModelRunner, max_tokens: int, max_model_len: int) -> PerfTab
     bs = runner.layout.block_size
     linear_grid = _pow2_grid(1, max_tokens)
     prefill_grid = _pow2_grid(16, max(16, min(max_model_len, max_tokens)))
-    gpu_grid = _pow2_grid(bs, max(bs, min(runner.device_pool.num_blocks * bs, 1 << 15)))
+    dev_tokens = max(bs, min(runner.device_pool.num_blocks * bs, 1 << 15))
+    gpu_rows = [s for s in (1, 4, 16, 64) if s * bs <= dev_tokens] or [1]
+    gpu_cols = sorted({*_pow2_grid(bs, dev_tokens)[::2], dev_tokens})
     host_tokens = max(bs, min(runner.host_pool.num_blocks * bs, 1 << 16))
     cpu_rows = [s for s in (1, 4, 16, 64) if s * bs <= host_tokens] or [1]
     cpu_cols = sorted({*_pow2_grid(bs, host_tokens)[::2], host_tokens})
@@ -233,7 +233,7 @@ def profile(runner: ModelRunner, max_tokens: int, max_model_len: int) -> PerfTab
     total = (
         len(linear_grid)
         + len(prefill_grid)
-        + len(gpu_grid)
+        + len(gpu_rows) * len(gpu_cols)
         + len(cpu_rows) * len(cpu_cols)
         + len(transfer_grid)
         + 1
@@ -243,7 +243,7 @@ def profile(runner: ModelRunner, max_tokens: int, max_model_len: int) -> PerfTab
         return PerfTables(
             linear=p.linear(linear_grid, max_model_len),
             prefill_attn=p.prefill(prefill_grid),
-            gpu_decode=p.gpu_decode(gpu_grid),
+            gpu_decode=p.gpu_decode(gpu_rows, gpu_cols),
             cpu_decode=p.cpu_decode(cpu_rows, cpu_cols),
             transfer=p.transfer(transfer_grid),
             launch_ms=p.launch(),

@@ -205,14 +205,14 @@ impl Scheduler {
     }
 
     /// Replace the predictor's tables (per-layer ms): `(xs, ys)` pairs for linear (by tokens),
-    /// prefill attention (by prompt length), GPU decode (by context tokens) and transfer (by
-    /// bytes); CPU decode as `(seqs, tokens, values row-major)`. Corrections restart at 1.
+    /// prefill attention (by prompt length) and transfer (by bytes); GPU and CPU decode as
+    /// `(seqs, tokens, values row-major)`. Corrections restart at 1.
     #[allow(clippy::too_many_arguments)]
     fn set_perf_tables(
         &mut self,
         linear: (Vec<f64>, Vec<f64>),
         prefill_attn: (Vec<f64>, Vec<f64>),
-        gpu_decode: (Vec<f64>, Vec<f64>),
+        gpu_decode: (Vec<f64>, Vec<f64>, Vec<f64>),
         cpu_decode: (Vec<f64>, Vec<f64>, Vec<f64>),
         transfer: (Vec<f64>, Vec<f64>),
         launch_ms: f64,
@@ -221,7 +221,7 @@ impl Scheduler {
         *self.inner.predictor_mut() = PerfPredictor::new(
             t(linear)?,
             t(prefill_attn)?,
-            t(gpu_decode)?,
+            Table2::new(gpu_decode.0, gpu_decode.1, gpu_decode.2)?,
             Table2::new(cpu_decode.0, cpu_decode.1, cpu_decode.2)?,
             t(transfer)?,
             launch_ms,

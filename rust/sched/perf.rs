@@ -11,7 +11,7 @@ pub enum Term {
     Linear = 0,
     /// Prefill attention of one chunk, by its equivalent prompt length.
     PrefillAttn = 1,
-    /// Device decode attention, by the decodes' total context tokens.
+    /// Device decode attention, by sequences × their total context tokens.
     GpuDecode = 2,
     /// CPU decode attention, by sequences × total context tokens.
     CpuDecode = 3,
@@ -75,7 +75,7 @@ impl Table2 {
 pub struct PerfPredictor {
     pub linear: Table1,
     pub prefill_attn: Table1,
-    pub gpu_decode: Table1,
+    pub gpu_decode: Table2,
     pub cpu_decode: Table2,
     pub transfer: Table1,
     /// Fixed cost of one CPU-attention hand-off (submit, wait, copies issued), ms.
@@ -90,7 +90,7 @@ impl PerfPredictor {
     pub fn new(
         linear: Table1,
         prefill_attn: Table1,
-        gpu_decode: Table1,
+        gpu_decode: Table2,
         cpu_decode: Table2,
         transfer: Table1,
         launch_ms: f64,
@@ -114,7 +114,8 @@ impl PerfPredictor {
         PerfPredictor::new(
             t(&[1.0, 4096.0], &[0.2, 0.2 + 4095.0 * 0.002]),
             t(&[1.0, 4096.0], &[0.01, 2.0]),
-            t(&[0.0, 1e6], &[0.01, 0.01 + 1e6 * 5e-6]),
+            Table2::new(vec![1.0, 1024.0], vec![0.0, 1e6], vec![0.01, 0.01 + 1e6 * 5e-6, 0.05, 0.05 + 1e6 * 5e-6])
+                .expect("valid"),
             Table2::new(vec![1.0, 1024.0], vec![0.0, 1e6], vec![0.02, 0.02 + 1e6 * 4e-5, 0.5, 0.5 + 1e6 * 4e-5])
                 .expect("valid"),
             t(&[0.0, 1e9], &[0.005, 0.005 + 1e9 * 4e-8]),
@@ -140,11 +141,11 @@ impl PerfPredictor {
         self.corrected(Term::PrefillAttn, self.prefill_attn.eval((2.0 * area).sqrt()))
     }
 
-    pub fn gpu_decode_ms(&self, context_tokens: usize) -> f64 {
-        if context_tokens == 0 {
+    pub fn gpu_decode_ms(&self, seqs: usize, context_tokens: usize) -> f64 {
+        if seqs == 0 {
             return 0.0;
         }
-        self.corrected(Term::GpuDecode, self.gpu_decode.eval(context_tokens as f64))
+        self.corrected(Term::GpuDecode, self.gpu_decode.eval(seqs as f64, context_tokens as f64))
     }
 
     pub fn cpu_decode_ms(&self, seqs: usize, context_tokens: usize) -> f64 {

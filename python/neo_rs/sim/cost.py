@@ -63,9 +63,11 @@ class CostModel:
         flops = 2 * prompt_len * prompt_len * m.num_heads * m.head_dim  # causal: half of 4 S^2 h d
         return flops / (self.gpu.tflops * 1e12 * self.eff.attn) * 1e3 + self.eff.kernel_launch_ms
 
-    def gpu_decode_ms(self, context_tokens: float) -> float:
+    def gpu_decode_ms(self, seqs: float, context_tokens: float) -> float:
         kv = context_tokens * self.model.kv_bytes_per_token_layer()
-        return kv / (self.gpu.mem_gbps * 1e9 * self.eff.gpu_mem) * 1e3 + self.eff.kernel_launch_ms
+        return (
+            kv / (self.gpu.mem_gbps * 1e9 * self.eff.gpu_mem) * 1e3 + self.eff.kernel_launch_ms + 2e-5 * seqs
+        )
 
     def cpu_decode_ms(self, seqs: float, context_tokens: float) -> float:
         kv = context_tokens * self.model.kv_bytes_per_token_layer()
@@ -91,7 +93,7 @@ class CostModel:
         return PerfTables(
             linear=(lin, [self.linear_ms(x) for x in lin]),
             prefill_attn=(pre, [self.prefill_attn_ms(x) for x in pre]),
-            gpu_decode=(ctx, [self.gpu_decode_ms(x) for x in ctx]),
+            gpu_decode=(rows, ctx, [self.gpu_decode_ms(s, n) for s in rows for n in ctx]),
             cpu_decode=(rows, ctx, [self.cpu_decode_ms(s, n) for s in rows for n in ctx]),
             transfer=([0.0, 1e10], [self.transfer_ms(0), self.transfer_ms(1e10)]),
             launch_ms=self.eff.cpu_handoff_ms,

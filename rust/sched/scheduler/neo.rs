@@ -26,7 +26,8 @@ struct Load {
     tokens: usize,
     /// Device attention of its prefill chunks.
     prefill_ms: f64,
-    /// Context tokens of its GPU decodes (priced together: one kernel for the batch).
+    /// Its GPU decodes and their context tokens (priced together: one kernel for the batch).
+    decode_seqs: usize,
     decode_ctx: usize,
     cpu_seqs: usize,
     cpu_ctx: usize,
@@ -212,7 +213,7 @@ impl Scheduler {
         StageTimes {
             linear_ms: [p.linear_ms(b0.tokens), p.linear_ms(b1.tokens)],
             prefill_attn_ms: b0.prefill_ms,
-            gpu_decode_ms: p.gpu_decode_ms(b0.decode_ctx),
+            gpu_decode_ms: p.gpu_decode_ms(b0.decode_seqs, b0.decode_ctx),
             cpu_attn_ms: [kernel(&b0), kernel(&b1)],
             transfer_ms: [self.cpu_ms(&b0) - kernel(&b0) + host_kv_ms, self.cpu_ms(&b1) - kernel(&b1)],
             layer_ms,
@@ -223,6 +224,7 @@ impl Scheduler {
         load.reqs += 1;
         load.tokens += n;
         if n == 1 {
+            load.decode_seqs += 1;
             load.decode_ctx += computed + 1;
         } else {
             load.prefill_ms += self.predictor.prefill_attn_ms(computed, n);
@@ -231,7 +233,7 @@ impl Scheduler {
 
     /// Device attention of a sub-batch: its prefill chunks, and its GPU decodes as one kernel.
     fn gpu_attn_ms(&self, b: &Load) -> f64 {
-        b.prefill_ms + self.predictor.gpu_decode_ms(b.decode_ctx)
+        b.prefill_ms + self.predictor.gpu_decode_ms(b.decode_seqs, b.decode_ctx)
     }
 
     /// CPU attention of one sub-batch with its transfers and hand-off.
