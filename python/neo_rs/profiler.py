@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-VERSION = 2
+VERSION = 3
 Curve = tuple[list[float], list[float]]
 Grid = tuple[list[float], list[float], list[float]]  # rows, columns, values row-major
 
@@ -190,9 +190,10 @@ class _Profiler:
         return self._decode_table(rows_grid, cols_grid, torch.device("cpu"), self._cpu_call)
 
     def transfer(self, grid: list[int]) -> Curve:
+        """Bytes moved (half each way, as CPU decodes move them) -> ms."""
         ys = []
         for nbytes in grid:
-            x = torch.empty(nbytes // 2, dtype=torch.float16, device=self.dev)
+            x = torch.empty(nbytes // 4, dtype=torch.float16, device=self.dev)
             ys.append(self.time(partial(_round_trip, x)))
         return _floats(grid), ys
 

@@ -5,6 +5,7 @@ lengths, ``neo`` never clearly below ``none``)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 
 from neo_rs.bench import workloads
@@ -74,3 +75,31 @@ def test_cli_prints_a_verdict(capsys) -> None:  # noqa: ANN001
     )
     text = capsys.readouterr().out
     assert "neo vs none" in text and "CPU offloading helps" in text
+
+
+def test_calibration_recovers_known_efficiencies(tmp_path, checkpoints, capsys) -> None:  # noqa: ANN001
+    from neo_rs.sim.calibrate import fit
+    from neo_rs.sim.cost import Efficiency
+
+    truth = Efficiency(gemm=0.45, gpu_mem=0.7, attn=0.3, cpu_mem=0.5, pcie=0.6, cpu_handoff_ms=0.07)
+    cost = CostModel(GPUS["A10G"], HOSTS["g5.4xlarge"], MODELS["llama-3-8b"], truth)
+    got = fit(dataclasses.replace(cost, eff=Efficiency()), cost.tables(4096))
+    for name in ("gemm", "gpu_mem", "attn", "cpu_mem", "pcie", "cpu_handoff_ms"):
+        assert abs(getattr(got, name) / getattr(truth, name) - 1) < 0.05, name
+    # The CLI reads an engine profile of this machine's tiny model and prints the factors.
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(dataclasses.asdict(cost.tables(256))))
+    sim_main(
+        [
+            "--calibrate",
+            str(path),
+            "--model-dir",
+            str(checkpoints["llama"]),
+            "--gpu",
+            "A10G",
+            "--host",
+            "server",
+        ]
+    )
+    fitted = json.loads(capsys.readouterr().out)
+    assert set(fitted) == {f.name for f in dataclasses.fields(Efficiency)}

@@ -9,13 +9,32 @@ and prints throughput, latency, the gain and a verdict.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 from pathlib import Path
+
+import torch
 
 from neo_rs.bench import workloads
 from neo_rs.bench.arrivals import arrival_times
-from neo_rs.sim.cost import CostModel
+from neo_rs.config import ModelConfig, resolve_dtype
+from neo_rs.profiler import PerfTables
+from neo_rs.sim.calibrate import fit, model_profile
+from neo_rs.sim.cost import CostModel, Efficiency
 from neo_rs.sim.profiles import GPUS, HOSTS, MODELS, load_profiles
 from neo_rs.sim.simulate import simulate, verdict
+
+
+def _calibrate(args: argparse.Namespace) -> None:
+    """Print the efficiency factors that reproduce a measured profile on ``--gpu``/``--host``."""
+    if args.model_dir is None:
+        raise SystemExit("--calibrate needs --model-dir (the model the profile was taken with)")
+    tables = PerfTables.from_json(json.loads(args.calibrate.read_text()))
+    cfg = ModelConfig.from_dir(args.model_dir)
+    dtype = resolve_dtype(args.dtype, cfg)
+    model = model_profile(cfg, args.model_dir.name, torch.empty((), dtype=dtype).element_size())
+    eff = fit(CostModel(GPUS[args.gpu], HOSTS[args.host], model), tables)
+    print(json.dumps(dataclasses.asdict(eff), indent=1))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -35,9 +54,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--efficiency", type=Path, help="efficiency factors (JSON, as --calibrate prints)")
+    ap.add_argument(
+        "--calibrate", type=Path, help="fit efficiency factors to this engine profile (JSON); no run"
+    )
+    ap.add_argument("--model-dir", type=Path, help="with --calibrate: the profiled model's directory")
+    ap.add_argument("--dtype", default="auto", help="with --calibrate: the dtype the profile ran in")
     args = ap.parse_args(argv)
     if args.profiles:
         load_profiles(args.profiles)
+    if args.calibrate:
+        _calibrate(args)
+        return
     for kind, name, table in (
         ("gpu", args.gpu, GPUS),
         ("host", args.host, HOSTS),
@@ -45,7 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     ):
         if name not in table:
             ap.error(f"unknown {kind} {name!r} (known: {', '.join(table)})")
-    cost = CostModel(GPUS[args.gpu], HOSTS[args.host], MODELS[args.model])
+    eff = Efficiency(**json.loads(args.efficiency.read_text())) if args.efficiency else Efficiency()
+    cost = CostModel(GPUS[args.gpu], HOSTS[args.host], MODELS[args.model], eff)
     reqs = workloads.make(args.workload, args.num_requests, args.input_len, args.output_len, args.seed)
     arrivals = arrival_times(len(reqs), args.rate, 1.0, args.seed)
     print(
