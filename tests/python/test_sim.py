@@ -103,3 +103,15 @@ def test_calibration_recovers_known_efficiencies(tmp_path, checkpoints, capsys) 
     )
     fitted = json.loads(capsys.readouterr().out)
     assert set(fitted) == {f.name for f in dataclasses.fields(Efficiency)}
+
+
+def test_equal_latency_capacity_on_a_memory_starved_gpu() -> None:
+    from neo_rs.sim.simulate import capacity_at_slo
+
+    cost = CostModel(GPUS["T4"], HOSTS["g4dn.4xlarge"], MODELS["llama-2-7b"])
+    reqs = workloads.osc(150, seed=0)
+    neo, run_neo = capacity_at_slo(cost, "neo", reqs, 1000)
+    none, run_none = capacity_at_slo(cost, "none", reqs, 1000)
+    assert run_neo is not None and run_none is not None
+    assert run_neo.per_token_latency_ms <= 1000 and run_none.per_token_latency_ms <= 1000
+    assert neo > 2 * none  # the device pool holds ~1,700 tokens: offloading is what scales

@@ -22,7 +22,7 @@ from neo_rs.profiler import PerfTables
 from neo_rs.sim.calibrate import fit, model_profile
 from neo_rs.sim.cost import CostModel, Efficiency
 from neo_rs.sim.profiles import GPUS, HOSTS, MODELS, load_profiles
-from neo_rs.sim.simulate import simulate, verdict
+from neo_rs.sim.simulate import capacity_at_slo, simulate, verdict
 
 
 def _calibrate(args: argparse.Namespace) -> None:
@@ -35,6 +35,22 @@ def _calibrate(args: argparse.Namespace) -> None:
     model = model_profile(cfg, args.model_dir.name, torch.empty((), dtype=dtype).element_size())
     eff = fit(CostModel(GPUS[args.gpu], HOSTS[args.host], model), tables)
     print(json.dumps(dataclasses.asdict(eff), indent=1))
+
+
+def _equal_latency(cost: CostModel, args: argparse.Namespace, reqs: list[workloads.BenchRequest]) -> None:
+    rates = {}
+    print(f"{'mode':<6}{'req/s at SLO':>14}{'tok/s':>10}{'ms/token':>10}")
+    for mode in args.modes.split(","):
+        rate, r = capacity_at_slo(
+            cost, mode, reqs, args.slo_ms_per_token, args.seed, args.max_num_seqs, args.max_num_batched_tokens
+        )
+        rates[mode] = rate
+        tput, lat = (r.output_throughput, r.per_token_latency_ms) if r else (0.0, 0.0)
+        print(f"{mode:<6}{rate:>14.3f}{tput:>10.1f}{lat:>10.1f}")
+    if rates.get("none"):
+        print(
+            f"neo vs none at {args.slo_ms_per_token:g} ms/token: {rates.get('neo', 0.0) / rates['none']:.2f}x"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -55,6 +71,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--efficiency", type=Path, help="efficiency factors (JSON, as --calibrate prints)")
+    ap.add_argument(
+        "--slo-ms-per-token",
+        type=float,
+        help="instead of one run per mode, the highest Poisson rate each mode sustains within this "
+        "mean per-token latency (the paper's equal-latency comparison)",
+    )
     ap.add_argument(
         "--calibrate", type=Path, help="fit efficiency factors to this engine profile (JSON); no run"
     )
@@ -82,6 +104,9 @@ def main(argv: list[str] | None = None) -> None:
         f"tokens, host KV {cost.num_cpu_blocks() * cost.block_size} tokens; "
         f"{len(reqs)} requests at {args.rate} req/s"
     )
+    if args.slo_ms_per_token:
+        _equal_latency(cost, args, reqs)
+        return
     results = {}
     print(
         f"{'mode':<6}{'tok/s':>10}{'req/s':>8}{'ms/token':>10}{'TTFT ms':>10}{'iters':>8}{'pipelined':>10}"

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 
 from neo_rs._core import Scheduler
+from neo_rs.bench.arrivals import arrival_times
 from neo_rs.bench.workloads import BenchRequest
 from neo_rs.sim.cost import CostModel
 
@@ -136,3 +137,32 @@ def verdict(cost: CostModel, results: dict[str, SimResult]) -> str:
         f"CPU offloading does not pay ({gain:+.0%}): the GPU is not memory bound for this load "
         f"(its KV pool holds {seqs_on_gpu} tokens), so NEO falls back to GPU-only iterations."
     )
+
+
+def capacity_at_slo(
+    cost: CostModel,
+    mode: str,
+    requests: list[BenchRequest],
+    slo_ms_per_token: float,
+    seed: int = 0,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 4096,
+) -> tuple[float, SimResult | None]:
+    """The highest Poisson rate (req/s) at which the mean per-token latency stays within the SLO
+    (NEO's equal-latency comparison), by bisection; with the run at that rate."""
+
+    def at(rate: float) -> SimResult:
+        arrivals = arrival_times(len(requests), rate, 1.0, seed)
+        return simulate(cost, mode, requests, arrivals, max_num_seqs, max_num_batched_tokens)
+
+    lo, hi, best = 0.0, 1.0, None
+    while (r := at(hi)).per_token_latency_ms <= slo_ms_per_token and hi < 1e4:
+        lo, hi, best = hi, hi * 2, r
+    for _ in range(12):
+        mid = (lo + hi) / 2
+        r = at(mid)
+        if r.per_token_latency_ms <= slo_ms_per_token:
+            lo, best = mid, r
+        else:
+            hi = mid
+    return lo, best
