@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from neo_rs._core import AttentionHandle, CpuAttention, SchedulerOutput
-from neo_rs.kv_cache import KvPool
+from neo_rs.kv_cache import KvPool, Slots, split_slots
 from neo_rs.transfer import HostTransfer, Staged
 
 
@@ -45,8 +45,8 @@ class AttentionBatch:
     decodes, CPU decodes, device prefill chunks, host prefills."""
 
     tokens: slice  # this sub-batch's rows of the whole batch
-    host_prefill_rows: slice  # whole prompts whose K/V go to the host pool (host slots)
-    slot_mapping: torch.Tensor  # [tokens] int64, device; -1 for CPU decodes
+    device_writes: list[tuple[slice, Slots]]  # rows whose K/V go to the device pool
+    host_writes: tuple[slice, Slots] | None  # whole prompts whose K/V go to the host pool
     gpu_decodes: DecodeRows  # tables on the device
     cpu_decodes: DecodeRows  # tables in CPU memory (the host pool's)
     prefills: list[Prefill]
@@ -87,19 +87,22 @@ class AttentionBatch:
                 Prefill(start, end, seq_len - (end - start), seq_len, tables[i, :nblocks].long().to(device))
             )
         t0, t1 = int(plan.query_start_loc[lo]), int(plan.query_start_loc[hi])
+        slots = plan.slot_mapping[t0:t1]
+        # Rows: GPU decodes, CPU decodes (the kernel appends their K/V), device prefills, then
+        # host prefills (the last rows). Slots are split once here, not once per layer.
+        cpu_start, cpu_end, host = int(qsl[ngd]), int(qsl[nd]), int(qsl[hi - lo - nhp])
+        to_device = [r for r in (slice(0, cpu_start), slice(cpu_end, host)) if r.stop > r.start]
+        host_rows = slice(host, t1 - t0)
         return AttentionBatch(
             tokens=slice(t0, t1),
-            host_prefill_rows=slice(int(qsl[hi - lo - nhp]), t1 - t0),  # the last rows
-            slot_mapping=torch.from_numpy(plan.slot_mapping[t0:t1]).to(device),
+            device_writes=[(r, split_slots(slots[r], block_size, device)) for r in to_device],
+            host_writes=(host_rows, split_slots(slots[host_rows], block_size, torch.device("cpu")))
+            if host_rows.stop > host_rows.start
+            else None,
             gpu_decodes=DecodeRows(0, ngd, tables[:ngd].to(device), seq_lens[:ngd].to(device)),
             cpu_decodes=DecodeRows(ngd, nd, tables[ngd:nd], seq_lens[ngd:nd]),
             prefills=prefills,
         )
-
-    def device_rows(self) -> list[slice]:
-        """Row ranges whose K/V go to the device pool: GPU decodes and device prefills."""
-        c, h = self.cpu_decodes, self.host_prefill_rows
-        return [r for r in (slice(0, c.start), slice(c.end, h.start)) if r.stop > r.start]
 
 
 def paged_decode_torch(

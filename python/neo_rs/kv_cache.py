@@ -10,6 +10,9 @@ import numpy as np
 import torch
 
 
+Slots = tuple[torch.Tensor, torch.Tensor]  # block ids and in-block offsets, one per token
+
+
 @dataclass(frozen=True)
 class KvLayout:
     num_layers: int
@@ -35,12 +38,17 @@ class KvPool:
         self.k = torch.empty(shape, dtype=layout.dtype, device=device, pin_memory=pin)
         self.v = torch.empty(shape, dtype=layout.dtype, device=device, pin_memory=pin)
 
-    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store each token's ``[kv_heads, head_dim]`` K/V at its slot ``block * block_size + offset``."""
-        bs = self.layout.block_size
-        block, offset = slot_mapping // bs, slot_mapping % bs
+    def write(self, layer: int, slots: Slots, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store each token's ``[kv_heads, head_dim]`` K/V at its (block, offset) slot."""
+        block, offset = slots
         self.k[layer][block, :, offset] = k
         self.v[layer][block, :, offset] = v
+
+
+def split_slots(slot_mapping: np.ndarray, block_size: int, device: torch.device) -> Slots:
+    """Flat slots ``block * block_size + offset`` as (block, offset) index tensors on ``device``."""
+    flat = torch.from_numpy(np.ascontiguousarray(slot_mapping))
+    return (flat // block_size).to(device), (flat % block_size).to(device)
 
 
 def block_pairs(pairs: np.ndarray, src: KvPool, dst: KvPool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -145,12 +145,12 @@ class ModelRunner:
         to the host pool, staged prefills copied on from the device pool."""
         model, pool = self.model, self.device_pool
         q, k, v = model.decoder_layers[i].pre_attention(x, positions, model.rotary)
-        for r in batch.device_rows():
-            pool.write(i, batch.slot_mapping[r], k[r], v[r])
-        h = batch.host_prefill_rows
-        if h.stop > h.start:
+        for r, slots in batch.device_writes:
+            pool.write(i, slots, k[r], v[r])
+        if batch.host_writes is not None:
+            h, slots = batch.host_writes
             cpu = torch.device("cpu")
-            self.host_pool.write(i, batch.slot_mapping[h].to(cpu), k[h].to(cpu), v[h].to(cpu))
+            self.host_pool.write(i, slots, k[h].to(cpu), v[h].to(cpu))
         if to_host is not None:
             copy_blocks(pool, self.host_pool, *to_host, layer=i)
         return q, k, v

@@ -60,7 +60,6 @@ pub struct Request {
     pub device: Device,
     /// Order of arrival; FCFS ties and preemption victims follow it.
     pub arrival: u64,
-    pub num_preemptions: u32,
 }
 
 impl Request {

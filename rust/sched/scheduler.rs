@@ -174,7 +174,6 @@ impl Scheduler {
             status: RequestStatus::Waiting,
             device: Device::Gpu,
             arrival: self.next_arrival,
-            num_preemptions: 0,
         };
         self.next_arrival += 1;
         self.requests.insert(id, request);
@@ -420,7 +419,6 @@ impl Scheduler {
     fn preempt(&mut self, id: RequestId, step: &mut Step) -> bool {
         let before = step.swap_out.pairs.len();
         let req = self.requests.get_mut(&id).expect("preempted request exists");
-        req.num_preemptions += 1;
         let may_swap = self.config.offload != OffloadMode::AllCpu && req.device == Device::Gpu;
         if may_swap && self.gpu.swap_to(&mut self.cpu, id, &mut step.swap_out) {
             req.device = Device::Cpu;
