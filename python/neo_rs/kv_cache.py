@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-
 Slots = tuple[torch.Tensor, torch.Tensor]  # block ids and in-block offsets, one per token
 
 
