@@ -45,22 +45,48 @@ pub(crate) struct Item<'a, E> {
     pub start: usize,
     pub end: usize,
     pub scale: f32,
+    /// The item this thread most likely runs next: its first tiles are prefetched during this
+    /// item's last blocks, so the switch does not stall on cold misses.
+    pub next: Option<NextItem<'a>>,
+}
+
+/// The part of the following item that prefetching needs.
+pub(crate) struct NextItem<'a> {
+    pub blocks: &'a [i32],
+    pub kv_head: usize,
+    pub start: usize,
+    pub end: usize,
+}
+
+/// Pool range of the whole tile of block `blocks[b]`, KV head `kv_head`.
+#[inline(always)]
+fn tile_range(geo: &Geometry, blocks: &[i32], kv_head: usize, b: usize) -> Range<usize> {
+    let tile = geo.block_size * geo.head_dim;
+    let offset = (blocks[b] as usize * geo.num_kv_heads + kv_head) * tile;
+    offset..offset + tile
 }
 
 impl<E> Item<'_, E> {
     /// For block index `b` of the sequence: the number of tokens in it, and the pool ranges of
-    /// this head's tile and of the tile to prefetch — `PREFETCH_BLOCKS` ahead, or the current
-    /// one near the end (a harmless hint that keeps the hot loops branch-free). Both ranges hold
-    /// at least `n` rows.
+    /// this head's tile and of the tile to prefetch — `PREFETCH_BLOCKS` ahead, running on into
+    /// the next item, or the current one at the very end (a harmless hint that keeps the hot
+    /// loops branch-free). Both ranges hold at least `n` rows.
     #[inline(always)]
     fn block_tile(&self, geo: &Geometry, b: usize) -> (usize, Range<usize>, Range<usize>) {
-        let (bs, tile) = (geo.block_size, geo.block_size * geo.head_dim);
-        let offset = |b: usize| (self.blocks[b] as usize * geo.num_kv_heads + self.kv_head) * tile;
+        let bs = geo.block_size;
         let n = self.end.min((b + 1) * bs) - b * bs;
-        let current = offset(b)..offset(b) + n * geo.head_dim;
-        let ahead = match b + PREFETCH_BLOCKS < self.end.div_ceil(bs) {
-            true => offset(b + PREFETCH_BLOCKS)..offset(b + PREFETCH_BLOCKS) + tile,
-            false => current.clone(),
+        let mut current = tile_range(geo, self.blocks, self.kv_head, b);
+        current.end = current.start + n * geo.head_dim;
+        let (ahead, last) = (b + PREFETCH_BLOCKS, self.end.div_ceil(bs));
+        let ahead = if ahead < last {
+            tile_range(geo, self.blocks, self.kv_head, ahead)
+        } else {
+            match &self.next {
+                Some(nx) if nx.start / bs + ahead - last < nx.end.div_ceil(bs) => {
+                    tile_range(geo, nx.blocks, nx.kv_head, nx.start / bs + ahead - last)
+                }
+                _ => current.clone(),
+            }
         };
         (n, current, ahead)
     }
@@ -121,7 +147,18 @@ pub(crate) unsafe fn attend_item<S: Simd, E: Element>(
     scratch.max.fill(f32::NEG_INFINITY);
     scratch.sum.fill(0.0);
 
-    for b in it.start / geo.block_size..it.end.div_ceil(geo.block_size) {
+    let (first, last) = (it.start / geo.block_size, it.end.div_ceil(geo.block_size));
+    // The tiles the loop below does not prefetch itself (warm already when the previous item
+    // ran on this thread and looked ahead into this one).
+    for b in first..last.min(first + PREFETCH_BLOCKS) {
+        let tile = tile_range(geo, it.blocks, it.kv_head, b);
+        // SAFETY: the CPU supports S (caller); a prefetch never faults.
+        unsafe {
+            prefetch_lines::<S, E>(&it.k[tile.clone()]);
+            prefetch_lines::<S, E>(&it.v[tile]);
+        }
+    }
+    for b in first..last {
         let (n, tile, ahead) = it.block_tile(geo, b);
         let (k, v) = (&it.k[tile.clone()], &it.v[tile]);
         let (k_ahead, v_ahead) = (&it.k[ahead.clone()], &it.v[ahead]);
@@ -172,6 +209,19 @@ pub(crate) unsafe fn attend_item<S: Simd, E: Element>(
     }
     partial[group * d..group * (d + 1)].copy_from_slice(&scratch.max);
     partial[group * (d + 1)..].copy_from_slice(&scratch.sum);
+}
+
+/// Prefetches every cache line of `x` into L2.
+///
+/// # Safety
+/// The CPU must support `S`.
+#[inline(always)]
+unsafe fn prefetch_lines<S: Simd, E>(x: &[E]) {
+    let p = x.as_ptr().cast::<u8>();
+    for off in (0..size_of_val(x)).step_by(64) {
+        // SAFETY: in bounds of `x`; the CPU supports S (caller).
+        unsafe { S::prefetch_l2(p.add(off)) };
+    }
 }
 
 /// Width of the next register tile of query heads when `remaining` are left: 4, 2 or 1.
@@ -269,8 +319,10 @@ unsafe fn qk_chunk<S: Simd, E: Element, const GT: usize, const TT: usize>(
             *x = S::load(q.as_ptr().add(g * dp + c));
         }
         for (i, row) in rows.iter().enumerate() {
-            // One row of the tile PREFETCH_BLOCKS ahead per row read keeps the misses spread out.
-            S::prefetch_l2(ahead[i].add(c).cast());
+            // Each line of the K tile PREFETCH_BLOCKS ahead once, spread over the rows read.
+            if (c * size_of::<E>()).is_multiple_of(64) {
+                S::prefetch_l2(ahead[i].add(c).cast());
+            }
             let kv = load_chunk::<S, E>(row.add(c), count);
             for g in 0..GT {
                 acc[g][i] = S::fma(qv[g], kv, acc[g][i]);
@@ -382,9 +434,12 @@ unsafe fn pv_chunks<S: Simd, E: Element, const GT: usize, const CB: usize>(
         }
         let (mut vrow, mut arow) = (v.as_ptr().add(c), ahead.as_ptr().add(c));
         for t in 0..n {
-            S::prefetch_l2(arow.cast());
             let mut vv = [S::zero(); CB];
             for (j, x) in vv.iter_mut().enumerate() {
+                // Each line of the V tile ahead once, as these chunks' rows are read.
+                if ((c + j * S::LANES) * size_of::<E>()).is_multiple_of(64) {
+                    S::prefetch_l2(arow.add(j * S::LANES).cast());
+                }
                 *x = load_chunk::<S, E>(vrow.add(j * S::LANES), if j + 1 == CB { count } else { S::LANES });
             }
             for g in 0..GT {

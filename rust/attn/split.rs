@@ -8,7 +8,7 @@ use rayon::ThreadPool;
 
 use crate::attn::check::{DecodeBatch, DecodeParams, PagedShape};
 use crate::attn::element::Element;
-use crate::attn::kernel::{Geometry, Item, Scratch};
+use crate::attn::kernel::{Geometry, Item, NextItem, Scratch};
 
 /// Items each thread should get when the batch is big enough (room for work stealing).
 const ITEMS_PER_THREAD: usize = 4;
@@ -55,9 +55,16 @@ pub(crate) fn run<E: Element>(
     partials.resize(items.len() * pl, 0.0);
     let group_len = geo.group * geo.head_dim;
     pool.install(|| {
-        partials.par_chunks_mut(pl).zip(items.par_iter()).for_each_init(
+        partials.par_chunks_mut(pl).zip(items.par_iter()).enumerate().for_each_init(
             || Scratch::new(&geo, kernel.lanes),
-            |scratch, (partial, spec)| {
+            |scratch, (i, (partial, spec))| {
+                // Rayon hands each thread runs of consecutive items, so i + 1 usually runs next.
+                let next = items.get(i + 1).map(|nx| NextItem {
+                    blocks: batch.row(nx.seq),
+                    kv_head: nx.kv_head,
+                    start: nx.start,
+                    end: nx.end,
+                });
                 let q_off = (spec.seq * geo.num_kv_heads + spec.kv_head) * group_len;
                 let item = Item {
                     q: &q[q_off..q_off + group_len],
@@ -68,6 +75,7 @@ pub(crate) fn run<E: Element>(
                     start: spec.start,
                     end: spec.end,
                     scale: params.scale,
+                    next,
                 };
                 // SAFETY: `kernel` only exists for tiers this CPU supports, and the scratch
                 // was made for its lane count.
