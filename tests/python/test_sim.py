@@ -59,6 +59,17 @@ def test_paper_shape_on_a10g_llama3_8b() -> None:
     assert gains["g5.16xlarge", 200] > gains["g5.16xlarge", 50]  # short outputs gain little
 
 
+def test_gain_peaks_at_intermediate_outputs() -> None:
+    # Where the host is what bounds the CPU tier (g5.8xlarge), the gain rises from short outputs
+    # and falls back toward the baseline for long ones, whose CPU attention no longer hides.
+    gains = {
+        out: run("A10G", "g5.8xlarge", "llama-3-8b", "neo", out, n=1000).output_throughput
+        / run("A10G", "g5.8xlarge", "llama-3-8b", "none", out, n=1000).output_throughput
+        for out in (50, 200, 800)
+    }
+    assert gains[200] > gains[50] + 0.05 and gains[200] > gains[800] + 0.03, gains
+
+
 def test_cli_prints_a_verdict(capsys) -> None:  # noqa: ANN001
     sim_main(
         [
