@@ -2,8 +2,9 @@
 (a) the machine's read bandwidth (a streaming read of a 1 GiB buffer on the kernel's own pool)
 and (b) torch's CPU baseline (gather the pages into a reused workspace + SDPA). Prints GB/s of K+V
 read and the ratios kernel / bandwidth and kernel / torch. Figures only; not a CI gate.
+`--huge-pages` backs the pools and the read buffer with 2 MiB pages, as the engine's CPU pools are.
 
-    python benches/attn_cpu.py [--quick] [--threads 1,2] [--dtype bfloat16,float32]
+    python benches/attn_cpu.py [--quick] [--threads 1,2] [--dtype bfloat16,float32] [--huge-pages]
 """
 
 import argparse
@@ -15,6 +16,7 @@ import time
 import neo_rs
 import torch
 import torch.nn.functional as F
+from neo_rs._core import advise_huge_pages
 
 MODELS = {"llama3-8b": (32, 8), "llama2-7b": (32, 32)}  # (q heads, kv heads), head_dim 128
 SHAPES = [(1, 8192), (16, 2048), (64, 512), (256, 256)]
@@ -37,12 +39,20 @@ def read_bandwidth(attn, buf, reps):
     return buf.numel() * buf.element_size() / timed(functools.partial(attn.stream_read, buf), reps) / 1e9
 
 
-def setup(hq, hkv, batch, ctx, dtype):
+def empty(shape, dtype, huge):
+    t = torch.empty(shape, dtype=dtype)
+    if huge:
+        advise_huge_pages(t)  # before the first write
+    return t
+
+
+def setup(hq, hkv, batch, ctx, dtype, huge=False):
     max_blocks = ctx // BLOCK
     nb = batch * max_blocks
     g = torch.Generator().manual_seed(0)
-    k = torch.randn(1, nb, hkv, BLOCK, HEAD_DIM, generator=g).to(dtype)
-    v = torch.randn(1, nb, hkv, BLOCK, HEAD_DIM, generator=g).to(dtype)
+    shape = (1, nb, hkv, BLOCK, HEAD_DIM)
+    k = empty(shape, dtype, huge).copy_(torch.randn(shape, generator=g))
+    v = empty(shape, dtype, huge).copy_(torch.randn(shape, generator=g))
     tables = torch.randperm(nb, generator=g).to(torch.int32).reshape(batch, max_blocks)
     q = torch.randn(batch, hq, HEAD_DIM, generator=g).to(dtype)
     return q, k, v, tables, torch.full((batch,), ctx, dtype=torch.int32)
@@ -76,6 +86,7 @@ def main():
     ap.add_argument("--threads", default=f"1,{os.cpu_count()}")
     ap.add_argument("--dtype", default="bfloat16,float32")
     ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--huge-pages", action="store_true", help="2 MiB pages under pools and read buffer")
     a = ap.parse_args()
     threads = sorted({int(t) for t in a.threads.split(",")})
     dtypes = [getattr(torch, d) for d in a.dtype.split(",")]
@@ -92,13 +103,13 @@ def main():
         f"{'model':10} {'dtype':9} {'BxL':>8} {'thr':>3} {'kernel GB/s':>11} {'read GB/s':>9} "
         f"{'torch GB/s':>10} {'k/bw':>6} {'k/torch':>7}"
     )
-    buf = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB, touched once
+    buf = empty(1 << 28, torch.float32, a.huge_pages).fill_(1.0)  # 1 GiB, touched once
     for t in threads:
         attn = neo_rs.CpuAttention(num_threads=t)
         for name, (hq, hkv) in models.items():
             for dtype in dtypes:
                 for batch, ctx in shapes:
-                    q, k, v, tables, lens = setup(hq, hkv, batch, ctx, dtype)
+                    q, k, v, tables, lens = setup(hq, hkv, batch, ctx, dtype, a.huge_pages)
                     out = torch.empty_like(q)
                     kv_bytes = 2 * k.numel() * k.element_size()
                     scale = HEAD_DIM**-0.5
@@ -116,7 +127,7 @@ def main():
                         f"{base:10.1f} {kern / bw:6.2f} {kern / base:7.1f}",
                         flush=True,
                     )
-    print(f"(simd={attn.simd})")
+    print(f"(simd={attn.simd}, {'2 MiB' if a.huge_pages else '4 KiB'} pages)")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
 pub mod attn;
 pub mod config;
 pub mod error;
+pub mod hugepages;
 pub mod kv;
 pub mod sched;
 

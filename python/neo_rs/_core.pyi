@@ -13,6 +13,10 @@ class BackendError(NeoRsError): ...
 def simd_tiers() -> list[str]:
     """SIMD tiers this CPU supports, slowest first (``scalar``, ``avx2``, ``avx512``, ``neon``)."""
 
+def advise_huge_pages(tensor: torch.Tensor) -> int:
+    """Ask for 2 MiB pages under a CPU tensor not yet written (a KV pool): the bytes advised,
+    0 where the OS does not support it."""
+
 class AttentionHandle:
     def wait(self) -> None:
         """Block (GIL released) until the submitted call is done; raise its error, if any."""

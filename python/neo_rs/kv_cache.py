@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from neo_rs._core import advise_huge_pages
+
 Slots = tuple[torch.Tensor, torch.Tensor]  # block ids and in-block offsets, one per token
 
 
@@ -36,6 +38,11 @@ class KvPool:
         # Pinned (when CUDA copies it), it is locked but still not filled.
         self.k = torch.empty(shape, dtype=layout.dtype, device=device, pin_memory=pin)
         self.v = torch.empty(shape, dtype=layout.dtype, device=device, pin_memory=pin)
+        if device.type == "cpu" and not pin:
+            # Before the first write: the CPU kernel's scattered tiles then cost far fewer TLB
+            # misses (pinned memory is already faulted in, as 4 KiB pages).
+            advise_huge_pages(self.k)
+            advise_huge_pages(self.v)
 
     def write(self, layer: int, slots: Slots, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store each token's ``[kv_heads, head_dim]`` K/V at its (block, offset) slot."""

@@ -35,6 +35,14 @@ fn simd_tiers() -> Vec<&'static str> {
     crate::attn::Tier::supported().into_iter().map(|t| t.name()).collect()
 }
 
+/// Asks for 2 MiB pages under a CPU tensor not yet written (a KV pool); returns the bytes advised.
+#[pyfunction]
+fn advise_huge_pages(tensor: &Bound<'_, PyAny>) -> PyResult<usize> {
+    let t = tensor::TensorRef::extract(tensor, "tensor")?;
+    let bytes = t.bytes();
+    Ok(crate::hugepages::advise_huge_pages(bytes.start, bytes.len()))
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -44,6 +52,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("InvalidArgumentError", py.get_type::<InvalidArgumentError>())?;
     m.add("BackendError", py.get_type::<BackendError>())?;
     m.add_function(wrap_pyfunction!(simd_tiers, m)?)?;
+    m.add_function(wrap_pyfunction!(advise_huge_pages, m)?)?;
     m.add_class::<attn::CpuAttention>()?;
     m.add_class::<attn::AttentionHandle>()?;
     m.add_class::<sched::Scheduler>()?;
