@@ -194,13 +194,14 @@ fn run_case<E: Element>(c: &Case, attn: &CpuAttention) {
     }
 }
 
-/// Every tier this host supports, or only the one `NEO_RS_SIMD` forces.
+/// Every tier this host supports, or only the one `NEO_RS_SIMD` forces; every call on the pool
+/// (these cases are small enough to run inline otherwise).
 fn engines(threads: usize) -> Vec<CpuAttention> {
     let tiers = match std::env::var_os("NEO_RS_SIMD") {
         Some(_) => vec![Tier::from_env().unwrap()],
         None => Tier::supported(),
     };
-    tiers.into_iter().map(|t| CpuAttention::new(Some(threads), Some(t)).unwrap()).collect()
+    tiers.into_iter().map(|t| CpuAttention::new(Some(threads), Some(t)).unwrap().with_inline_below(0)).collect()
 }
 
 fn run_all_dtypes(c: &Case, engines: &[CpuAttention]) {
@@ -269,6 +270,16 @@ fn long_sequence_is_split_and_merged() {
         let c = case(128, 16, 2, 4, &[6000, 1, 2500], true);
         run_case::<f32>(&c, &e);
         run_case::<bf16>(&c, &e);
+    }
+}
+
+#[test]
+fn small_calls_run_on_the_calling_thread() {
+    for t in Tier::supported() {
+        let e = CpuAttention::new(Some(2), Some(t)).unwrap(); // default inline limit
+        for append in [false, true] {
+            run_all_dtypes(&case(64, 16, 2, 4, &[1, 17, 40, 5], append), std::slice::from_ref(&e));
+        }
     }
 }
 

@@ -57,6 +57,8 @@ class CpuAttention:
         seq_lens: int32 ``[num_seqs]`` (including the new token). With ``new_k``/``new_v``
         (``[num_seqs, num_kv_heads, head_dim]``) the new token's K/V are first written at
         position ``seq_len - 1``. All CPU, contiguous, one float dtype. Releases the GIL.
+        Calls reading under 256 KiB of K/V run on the calling thread (handing them to the pool
+        would cost more).
         """
     def stream_read(self, buf: torch.Tensor) -> int:
         """Read every byte of ``buf`` once on this engine's pool; time it for the read bandwidth."""
@@ -73,7 +75,8 @@ class CpuAttention:
         new_k: torch.Tensor | None = None,
         new_v: torch.Tensor | None = None,
     ) -> AttentionHandle:
-        """Like ``forward`` but returns at once; the tensors must not be touched before ``wait()``."""
+        """Like ``forward`` but returns at once; the tensors must not be touched before ``wait()``.
+        A call under 256 KiB of K/V is done on return (cheaper than the hand-off)."""
 
 class SchedulerOutput:
     """One iteration's plan; rows in batch order (``num_decodes`` decodes, then prefill chunks)."""

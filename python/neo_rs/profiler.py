@@ -30,7 +30,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-VERSION = 3
+# Part of the cache key: bump when what a profile measures changes (v4: small CPU attention
+# calls run on the calling thread, without the pool hand-off).
+VERSION = 4
 Curve = tuple[list[float], list[float]]
 Grid = tuple[list[float], list[float], list[float]]  # rows, columns, values row-major
 

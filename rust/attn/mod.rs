@@ -26,11 +26,17 @@ pub use element::{DType, Element};
 use crate::config;
 use crate::error::{NeoError, Result};
 
+/// Calls that read less K/V than this run on the calling thread: waking the pool costs tens of
+/// microseconds (about 50 in this project's 2-vCPU VMs), about what one core needs for this
+/// much, and the engine makes such calls per layer for small CPU batches.
+pub const INLINE_BELOW_BYTES: usize = 256 << 10;
+
 /// A CPU attention engine: a SIMD tier and a persistent thread pool. Fork-safe: a child process
 /// (aiohttp, torch and multiprocessing fork) gets a fresh pool on first use.
 pub struct CpuAttention {
     tier: Tier,
     num_threads: usize,
+    inline_below: usize,
     pool: Mutex<PoolSlot>,
     /// Reusable merge workspaces, one per call in flight (calls may overlap from several threads).
     workspaces: Mutex<Vec<Vec<f32>>>,
@@ -74,9 +80,16 @@ impl CpuAttention {
         Ok(CpuAttention {
             tier,
             num_threads,
+            inline_below: INLINE_BELOW_BYTES,
             pool: Mutex::new(PoolSlot { pid: std::process::id(), pool }),
             workspaces: Mutex::new(Vec::new()),
         })
+    }
+
+    /// Sets the K/V size below which a call runs on the calling thread (0: always on the pool).
+    pub fn with_inline_below(mut self, bytes: usize) -> Self {
+        self.inline_below = bytes;
+        self
     }
 
     pub fn tier(&self) -> Tier {
@@ -99,6 +112,14 @@ impl CpuAttention {
             slot.pid = pid;
         }
         Ok(Arc::clone(&slot.pool))
+    }
+
+    /// Whether a call over `batch` reads too little K/V to be worth handing to the pool (see
+    /// `INLINE_BELOW_BYTES`). `elem_bytes`: the size of one K/V element.
+    pub fn is_small(&self, shape: &PagedShape, batch: &DecodeBatch<'_>, elem_bytes: usize) -> bool {
+        // Raw lengths: this may run before the batch is checked.
+        let tokens = batch.seq_lens.iter().fold(0usize, |a, &l| a.saturating_add(l.max(0) as usize));
+        tokens.saturating_mul(2 * shape.num_kv_heads * shape.head_dim * elem_bytes) < self.inline_below
     }
 
     /// Decode attention of `q` `[num_seqs, num_q_heads, head_dim]` against one pool layer
@@ -153,9 +174,13 @@ impl CpuAttention {
         out: &mut [E],
     ) -> Result<()> {
         let kernel = self.tier.kernel::<E>()?;
-        let pool = self.pool()?;
+        // One thread, or little work: the calling thread does it (no hand-off to wait for).
+        let pool = match self.num_threads > 1 && !self.is_small(shape, batch, size_of::<E>()) {
+            true => Some(self.pool()?),
+            false => None,
+        };
         let mut ws = lock(&self.workspaces).pop().unwrap_or_default();
-        split::run(&kernel, &pool, q, k, v, shape, batch, params, out, &mut ws);
+        split::run(&kernel, pool.as_deref(), q, k, v, shape, batch, params, out, &mut ws);
         lock(&self.workspaces).push(ws);
         Ok(())
     }

@@ -30,11 +30,12 @@ struct ItemSpec {
     end: usize,
 }
 
-/// Runs a checked decode call on `pool`. `partials` is a reusable workspace.
+/// Runs a checked decode call on `pool`, or on the calling thread when `pool` is `None`.
+/// `partials` is a reusable workspace.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run<E: Element>(
     kernel: &Kernel<E>,
-    pool: &ThreadPool,
+    pool: Option<&ThreadPool>,
     q: &[E],
     k: &[E],
     v: &[E],
@@ -50,43 +51,57 @@ pub(crate) fn run<E: Element>(
         num_kv_heads: shape.num_kv_heads,
         group: params.num_q_heads / shape.num_kv_heads,
     };
-    let (items, first_item) = plan(&geo, batch, pool.current_num_threads());
+    let (items, first_item) = plan(&geo, batch, pool.map_or(1, ThreadPool::current_num_threads));
     let pl = geo.partial_len();
     partials.resize(items.len() * pl, 0.0);
     let group_len = geo.group * geo.head_dim;
-    pool.install(|| {
-        partials.par_chunks_mut(pl).zip(items.par_iter()).enumerate().for_each_init(
-            || Scratch::new(&geo, kernel.lanes),
-            |scratch, (i, (partial, spec))| {
-                // Rayon hands each thread runs of consecutive items, so i + 1 usually runs next.
-                let next = items.get(i + 1).map(|nx| NextItem {
-                    blocks: batch.row(nx.seq),
-                    kv_head: nx.kv_head,
-                    start: nx.start,
-                    end: nx.end,
-                });
-                let q_off = (spec.seq * geo.num_kv_heads + spec.kv_head) * group_len;
-                let item = Item {
-                    q: &q[q_off..q_off + group_len],
-                    k,
-                    v,
-                    blocks: batch.row(spec.seq),
-                    kv_head: spec.kv_head,
-                    start: spec.start,
-                    end: spec.end,
-                    scale: params.scale,
-                    next,
-                };
-                // SAFETY: `kernel` only exists for tiers this CPU supports, and the scratch
-                // was made for its lane count.
-                unsafe { (kernel.item)(&item, &geo, scratch, partial) };
-            },
-        );
-        let partials = &partials[..];
-        out.par_chunks_mut(group_len)
-            .enumerate()
-            .for_each(|(sh, out)| merge(&geo, &partials[first_item[sh] * pl..first_item[sh + 1] * pl], out));
-    });
+    let attend = |scratch: &mut Scratch, i: usize, partial: &mut [f32]| {
+        let spec = &items[i];
+        // Each thread runs consecutive items, so i + 1 usually runs next.
+        let next = items.get(i + 1).map(|nx| NextItem {
+            blocks: batch.row(nx.seq),
+            kv_head: nx.kv_head,
+            start: nx.start,
+            end: nx.end,
+        });
+        let q_off = (spec.seq * geo.num_kv_heads + spec.kv_head) * group_len;
+        let item = Item {
+            q: &q[q_off..q_off + group_len],
+            k,
+            v,
+            blocks: batch.row(spec.seq),
+            kv_head: spec.kv_head,
+            start: spec.start,
+            end: spec.end,
+            scale: params.scale,
+            next,
+        };
+        // SAFETY: `kernel` only exists for tiers this CPU supports, and the scratch was made
+        // for its lane count.
+        unsafe { (kernel.item)(&item, &geo, scratch, partial) };
+    };
+    let merge_pair = |sh: usize, out: &mut [E], partials: &[f32]| {
+        merge(&geo, &partials[first_item[sh] * pl..first_item[sh + 1] * pl], out);
+    };
+    match pool {
+        Some(pool) => pool.install(|| {
+            partials.par_chunks_mut(pl).enumerate().for_each_init(
+                || Scratch::new(&geo, kernel.lanes),
+                |scratch, (i, partial)| attend(scratch, i, partial),
+            );
+            let partials = &partials[..];
+            out.par_chunks_mut(group_len).enumerate().for_each(|(sh, out)| merge_pair(sh, out, partials));
+        }),
+        None => {
+            let mut scratch = Scratch::new(&geo, kernel.lanes);
+            for (i, partial) in partials.chunks_mut(pl).enumerate() {
+                attend(&mut scratch, i, partial);
+            }
+            for (sh, out) in out.chunks_mut(group_len).enumerate() {
+                merge_pair(sh, out, partials);
+            }
+        }
+    }
 }
 
 /// Cuts the batch into items; `first_item[s * num_kv_heads + h]` is the first item of that pair

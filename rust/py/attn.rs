@@ -118,6 +118,30 @@ impl Call {
         }
     }
 
+    /// The block tables and lengths.
+    ///
+    /// # Safety
+    /// As for `execute`: the tensors `prepare` saw are alive.
+    unsafe fn batch(&self) -> DecodeBatch<'_> {
+        // SAFETY: live, contiguous int32 CPU tensors of these sizes (checked in `prepare`).
+        unsafe {
+            DecodeBatch {
+                block_tables: std::slice::from_raw_parts(self.tables as *const i32, self.num_seqs * self.max_blocks),
+                max_blocks_per_seq: self.max_blocks,
+                seq_lens: std::slice::from_raw_parts(self.lens as *const i32, self.num_seqs),
+            }
+        }
+    }
+
+    /// Whether `engine` finds this call too small to hand to its pool.
+    ///
+    /// # Safety
+    /// As for `execute`.
+    unsafe fn is_small(&self, engine: &attn::CpuAttention) -> bool {
+        // SAFETY: forwarded caller contract.
+        engine.is_small(&self.shape, &unsafe { self.batch() }, self.dtype.size_bytes())
+    }
+
     unsafe fn run<E: Element>(&self, engine: &attn::CpuAttention) -> Result<()> {
         let qn = self.num_seqs * self.params.num_q_heads * self.shape.head_dim;
         let layer = self.shape.layer_numel().ok_or_else(|| NeoError::Shape("cache too large".into()))?;
@@ -127,10 +151,8 @@ impl Call {
         // overlap anything else the call touches.
         unsafe {
             let q = std::slice::from_raw_parts(self.q as *const E, qn);
-            let tables = std::slice::from_raw_parts(self.tables as *const i32, self.num_seqs * self.max_blocks);
-            let lens = std::slice::from_raw_parts(self.lens as *const i32, self.num_seqs);
             let out = std::slice::from_raw_parts_mut(self.out as *mut E, qn);
-            let batch = DecodeBatch { block_tables: tables, max_blocks_per_seq: self.max_blocks, seq_lens: lens };
+            let batch = self.batch();
             match self.append {
                 None => {
                     let k = std::slice::from_raw_parts(self.k_layer as *const E, layer);
@@ -262,6 +284,7 @@ impl CpuAttention {
     #[pyo3(signature = (q, k_cache, v_cache, layer, block_tables, seq_lens, scale, out, new_k=None, new_v=None))]
     fn submit<'py>(
         &self,
+        py: Python<'py>,
         q: Bound<'py, PyAny>,
         k_cache: Bound<'py, PyAny>,
         v_cache: Bound<'py, PyAny>,
@@ -278,16 +301,23 @@ impl CpuAttention {
         let (q, k, v, t, l, o, nk, nv) = args;
         let mut keep: Vec<Py<PyAny>> = [q, k, v, t, l, o].into_iter().map(Bound::unbind).collect();
         keep.extend(nk.into_iter().chain(nv).map(Bound::unbind));
+        // SAFETY: `keep` holds the tensors alive here.
+        let small = unsafe { call.is_small(&self.engine) };
         let completion = Arc::new(Completion::default());
         let (job_done, engine) = (Arc::clone(&completion), Arc::clone(&self.engine));
-        let pool = self.engine.pool()?;
-        pool.spawn(move || {
+        let job = move || {
             let start = Instant::now();
             // SAFETY: the handle keeps every tensor alive until this job finishes (its drop
             // waits for completion); callers must not touch them before `wait()`.
             let r = unsafe { call.execute(&engine) };
             job_done.finish(r, start.elapsed());
-        });
+        };
+        if small {
+            // Less work than handing it to the pool costs: done before returning.
+            py.detach(job);
+        } else {
+            self.engine.pool()?.spawn(job);
+        }
         Ok(AttentionHandle { completion, _keep: keep })
     }
 

@@ -106,6 +106,16 @@ def test_submit_from_many_threads():
         )
 
 
+def test_small_submit_is_done_on_return():
+    attn = neo_rs.CpuAttention(num_threads=2)
+    q, k, v, tables, seq_lens, _, _ = make_case([3, 20], 4, 2, 64, 16, torch.float32)
+    out = torch.full_like(q, float("nan"))
+    h = attn.submit(q, k, v, 0, tables, seq_lens, 0.1, out)
+    assert h.done()  # a few KiB of K/V: run on this thread, no hand-off to the pool
+    h.wait()
+    torch.testing.assert_close(out, reference(q, k, v, 0, tables, seq_lens, 0.1), atol=1e-4, rtol=1e-4)
+
+
 def test_gil_is_released_while_kernel_runs():
     attn = neo_rs.CpuAttention(num_threads=1, simd="scalar")  # slow on purpose: one long call
     q, k, v, tables, seq_lens, _, _ = make_case([4096], 8, 8, 128, 16, torch.float32, num_layers=1)
