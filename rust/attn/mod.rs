@@ -26,9 +26,9 @@ pub use element::{DType, Element};
 use crate::config;
 use crate::error::{NeoError, Result};
 
-/// Calls that read less K/V than this run on the calling thread: waking the pool costs tens of
-/// microseconds (about 50 in this project's 2-vCPU VMs), about what one core needs for this
-/// much, and the engine makes such calls per layer for small CPU batches.
+/// Calls that read less K/V than this run on the calling thread: handing a call to the pool and
+/// back costs tens of microseconds (45-80 in this project's 2-vCPU VMs), more than one core needs
+/// to read this much (~25 us), and the engine makes such calls per layer for small CPU batches.
 pub const INLINE_BELOW_BYTES: usize = 256 << 10;
 
 /// A CPU attention engine: a SIMD tier and a persistent thread pool. Fork-safe: a child process
