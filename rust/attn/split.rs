@@ -53,7 +53,6 @@ pub(crate) fn run<E: Element>(
     };
     let (items, first_item) = plan(&geo, batch, pool.map_or(1, ThreadPool::current_num_threads));
     let pl = geo.partial_len();
-    partials.resize(items.len() * pl, 0.0);
     let group_len = geo.group * geo.head_dim;
     let attend = |scratch: &mut Scratch, i: usize, partial: &mut [f32]| {
         let spec = &items[i];
@@ -83,6 +82,27 @@ pub(crate) fn run<E: Element>(
     let merge_pair = |sh: usize, out: &mut [E], partials: &[f32]| {
         merge(&geo, &partials[first_item[sh] * pl..first_item[sh + 1] * pl], out);
     };
+    if first_item.windows(2).all(|w| w[1] - w[0] <= 1) {
+        // No sequence was cut into chunks: one pass, each (sequence, head) attended and
+        // normalised straight into `out`, its partial never leaving the thread's cache.
+        let fused = |(scratch, partial): &mut (Scratch, Vec<f32>), (sh, out): (usize, &mut [E])| {
+            let n = first_item[sh + 1] - first_item[sh];
+            if n == 1 {
+                attend(scratch, first_item[sh], partial);
+            }
+            merge(&geo, &partial[..n * pl], out);
+        };
+        let init = || (Scratch::new(&geo, kernel.lanes), vec![0.0; pl]);
+        match pool {
+            Some(pool) => pool.install(|| out.par_chunks_mut(group_len).enumerate().for_each_init(init, fused)),
+            None => {
+                let mut state = init();
+                out.chunks_mut(group_len).enumerate().for_each(|g| fused(&mut state, g));
+            }
+        }
+        return;
+    }
+    partials.resize(items.len() * pl, 0.0);
     match pool {
         Some(pool) => pool.install(|| {
             partials.par_chunks_mut(pl).enumerate().for_each_init(
