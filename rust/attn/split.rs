@@ -1,7 +1,7 @@
 //! Work split and merge (FlashDecoding-style): the batch is cut into (sequence, KV head, chunk)
 //! items sized so every thread gets several, whether the batch is one 32k-token sequence or 256
 //! short ones; items run on the pool, then each (sequence, KV head) merges its chunks' partials by
-//! log-sum-exp into the output.
+//! log-sum-exp into the output (in the same pass when no sequence needed cutting).
 
 use rayon::prelude::*;
 use rayon::ThreadPool;
