@@ -121,6 +121,10 @@ def paged_decode_torch(
     k = pool.k[layer][idx].permute(0, 2, 1, 3, 4).reshape(n, pool.layout.num_kv_heads, max_blocks * bs, -1)
     v = pool.v[layer][idx].permute(0, 2, 1, 3, 4).reshape(n, pool.layout.num_kv_heads, max_blocks * bs, -1)
     mask = torch.arange(max_blocks * bs, device=q.device)[None, :] < seq_lens.to(q.device).long()[:, None]
+    # Slots past a sequence's length hold whatever the never-cleared pool memory held (inf and
+    # NaN included); masking their scores does not stop a NaN score or 0 x inf: clear them.
+    past = ~mask[:, None, :, None]
+    k, v = k.masked_fill(past, 0.0), v.masked_fill(past, 0.0)
     out = F.scaled_dot_product_attention(
         q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
     )

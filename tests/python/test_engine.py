@@ -4,6 +4,7 @@ templates, incremental detokenization and the demo model."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -90,7 +91,14 @@ def test_torch_decode_fallback_matches_the_rust_kernel(checkpoints) -> None:
     layout = runner.layout
     q = torch.randn(3, 4, layout.head_dim, device=runner.device)
     want = torch.empty_like(q)
-    rows = batch.gpu_decodes
+    # Attend over the prompts only, with every later slot of their blocks poisoned: pools are
+    # never cleared, so such slots hold whatever the memory held (inf and NaN included).
+    rows = dataclasses.replace(batch.gpu_decodes, seq_lens=batch.gpu_decodes.seq_lens - 1)
+    bs = layout.block_size
+    for table, n in zip(rows.block_tables.tolist(), rows.seq_lens.tolist(), strict=True):
+        for pos in range(n, -(-n // bs) * bs):
+            runner.device_pool.k[1][table[pos // bs], :, pos % bs] = float("nan")
+            runner.device_pool.v[1][table[pos // bs], :, pos % bs] = float("inf")
     runner.attention.decode(q, runner.device_pool, 1, rows, want)
     got = paged_decode_torch(
         q, runner.device_pool, 1, rows.block_tables, rows.seq_lens, layout.head_dim**-0.5
