@@ -131,6 +131,50 @@ def _apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:
     logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
+# Top-k/top-p look at this many of the largest logits first: sorting a whole 128k vocabulary
+# costs ~4 ms a row on a CPU (a top-1024 ~0.3 ms), and the nucleus nearly always lies within.
+TOP_CANDIDATES = 1024
+
+
+def _top_k_top_p_sorted(logits: torch.Tensor, ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    """Top-k then top-p (over what top-k keeps) by a full sort of each row; dropped -> -inf."""
+    dev, vocab = logits.device, logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k = torch.tensor(ks, device=dev)[:, None].clamp(max=vocab)
+    drop = torch.arange(vocab, device=dev)[None, :] >= k
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    before = probs.cumsum(dim=-1) - probs
+    drop |= before >= torch.tensor(top_ps, device=dev, dtype=probs.dtype)[:, None]
+    return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def _top_k_top_p(logits: torch.Tensor, ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    """``_top_k_top_p_sorted`` on the largest logits only: exact, as rows whose nucleus reaches
+    past them are redone by the full sort."""
+    dev, vocab = logits.device, logits.shape[-1]
+    n = max([TOP_CANDIDATES] + [k for k in ks if k < vocab])
+    if n >= vocab:
+        return _top_k_top_p_sorted(logits, ks, top_ps)
+    vals, order = logits.topk(n, dim=-1)  # sorted, largest first
+    topk_on = torch.tensor([k < vocab for k in ks], device=dev)[:, None]
+    drop = torch.arange(n, device=dev)[None, :] >= torch.tensor(ks, device=dev)[:, None].clamp(max=n)
+    # Top-p renormalises over what top-k keeps: all among the candidates when top-k is on, the
+    # whole row when it is off.
+    kept = vals.masked_fill(drop, float("-inf"))
+    lse = torch.where(topk_on, kept.logsumexp(-1, keepdim=True), logits.logsumexp(-1, keepdim=True))
+    probs = (kept - lse).exp()
+    top_p = torch.tensor(top_ps, device=dev, dtype=probs.dtype)[:, None]
+    before = probs.cumsum(dim=-1) - probs
+    drop |= before >= top_p
+    out = torch.full_like(logits, float("-inf")).scatter(-1, order, vals.masked_fill(drop, float("-inf")))
+    # Rows whose candidates hold less than top_p of the mass: their nucleus goes further.
+    short = ((probs.sum(dim=-1, keepdim=True) < top_p) & ~topk_on)[:, 0].nonzero()[:, 0].tolist()
+    if short:
+        out[short] = _top_k_top_p_sorted(logits[short], [ks[i] for i in short], [top_ps[i] for i in short])
+    return out
+
+
 def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p over rows ``[R, V]``; masked entries become -inf."""
     dev = logits.device
@@ -139,15 +183,9 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     vocab = logits.shape[-1]
     ks = [p.top_k if p.top_k > 0 else vocab for p in params]
     top_ps = [p.top_p for p in params]
-    if any(k < vocab for k in ks) or any(tp < 1 for tp in top_ps):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        k = torch.tensor(ks, device=dev)[:, None].clamp(max=vocab)
-        drop = torch.arange(vocab, device=dev)[None, :] >= k
-        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        before = probs.cumsum(dim=-1) - probs
-        drop |= before >= torch.tensor(top_ps, device=dev, dtype=probs.dtype)[:, None]
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    rows = [i for i, (k, tp) in enumerate(zip(ks, top_ps, strict=True)) if k < vocab or tp < 1]
+    if rows:
+        logits[rows] = _top_k_top_p(logits[rows], [ks[i] for i in rows], [top_ps[i] for i in rows])
     min_ps = torch.tensor([p.min_p for p in params], device=dev, dtype=logits.dtype)[:, None]
     if bool((min_ps > 0).any()):
         probs = logits.softmax(dim=-1)
