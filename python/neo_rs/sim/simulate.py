@@ -100,7 +100,7 @@ def simulate(
     start = min((arrivals[k] for k in done), default=0.0)
     makespan = max((finished[k] for k in done), default=0.0) - start
     lo, hi = (arrivals[n // 4], arrivals[-1]) if n else (0.0, 0.0)
-    arrived = sum(lo < arrivals[k] <= hi for k in range(n))
+    arrived = sum(lo < arrivals[k] <= hi for k in done)
     completed = sum(lo < finished[k] <= hi for k in done)
     return SimResult(
         mode=mode,
