@@ -165,7 +165,9 @@ def _top_k_top_p(
     # Top-p renormalises over what top-k keeps: all among the candidates when top-k is on, the
     # whole row when it is off.
     kept = vals.masked_fill(drop, float("-inf"))
-    lse = torch.where(topk_on, kept.logsumexp(-1, keepdim=True), logits.logsumexp(-1, keepdim=True))
+    lse = kept.logsumexp(-1, keepdim=True)
+    if not all(k < vocab for k in ks):
+        lse = torch.where(topk_on, lse, logits.logsumexp(-1, keepdim=True))
     probs = (kept - lse).exp()
     top_p = torch.tensor(top_ps, device=dev, dtype=probs.dtype)[:, None]
     before = probs.cumsum(dim=-1) - probs

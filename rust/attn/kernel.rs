@@ -318,9 +318,11 @@ unsafe fn qk_chunk<S: Simd, E: Element, const GT: usize, const TT: usize>(
         for (g, x) in qv.iter_mut().enumerate() {
             *x = S::load(q.as_ptr().add(g * dp + c));
         }
+        // Each line of the K tile PREFETCH_BLOCKS ahead once (from the chunk that starts it),
+        // spread over the rows read.
+        let starts_line = (c * size_of::<E>()).is_multiple_of(64);
         for (i, row) in rows.iter().enumerate() {
-            // Each line of the K tile PREFETCH_BLOCKS ahead once, spread over the rows read.
-            if (c * size_of::<E>()).is_multiple_of(64) {
+            if starts_line {
                 S::prefetch_l2(ahead[i].add(c).cast());
             }
             let kv = load_chunk::<S, E>(row.add(c), count);
@@ -433,11 +435,13 @@ unsafe fn pv_chunks<S: Simd, E: Element, const GT: usize, const CB: usize>(
             prow[g] = p.as_ptr().add(g * sp);
         }
         let (mut vrow, mut arow) = (v.as_ptr().add(c), ahead.as_ptr().add(c));
+        // Each line of the V tile ahead once (from the chunk that starts it), as these chunks'
+        // rows are read.
+        let starts_line: [bool; CB] = std::array::from_fn(|j| ((c + j * S::LANES) * size_of::<E>()).is_multiple_of(64));
         for t in 0..n {
             let mut vv = [S::zero(); CB];
             for (j, x) in vv.iter_mut().enumerate() {
-                // Each line of the V tile ahead once, as these chunks' rows are read.
-                if ((c + j * S::LANES) * size_of::<E>()).is_multiple_of(64) {
+                if starts_line[j] {
                     S::prefetch_l2(arow.add(j * S::LANES).cast());
                 }
                 *x = load_chunk::<S, E>(vrow.add(j * S::LANES), if j + 1 == CB { count } else { S::LANES });
