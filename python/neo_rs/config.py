@@ -155,16 +155,17 @@ class ModelConfig:
 
 
 def cache_dir() -> Path:
-    """``NEO_RS_CACHE_DIR``, else ``~/.cache/neo_rs``: the demo model and perf profiles."""
+    """``NEO_RS_CACHE_DIR``, else ``~/.cache/neo_rs``: built-in models, converted GGUFs, perf profiles."""
     root = os.environ.get("NEO_RS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "neo_rs")
     return Path(root)
 
 
-def resolve_dtype(name: str | torch.dtype, model: ModelConfig) -> torch.dtype:
+def resolve_dtype(name: str | torch.dtype, auto: torch.dtype) -> torch.dtype:
+    """``name`` as a torch dtype; ``auto`` is what "auto" stands for (the checkpoint's dtype)."""
     if isinstance(name, torch.dtype):
         return name
     if name == "auto":
-        return model.torch_dtype
+        return auto
     if name not in DTYPES:
         raise InvalidArgumentError(f"dtype must be auto, float32, float16 or bfloat16, got {name!r}")
     return DTYPES[name]
@@ -174,7 +175,7 @@ def resolve_dtype(name: str | torch.dtype, model: ModelConfig) -> torch.dtype:
 class EngineArgs:
     """Everything the engine needs besides the model directory; vLLM's names and defaults."""
 
-    model: str | None = None  # None: the built-in demo model
+    model: str | None = None  # a directory, a .gguf file or a built-in name; None: the demo model
     dtype: str = "auto"
     device: str | None = None  # None: cuda when available, else cpu
     max_model_len: int | None = None

@@ -9,13 +9,13 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from neo_rs._core import Scheduler, SchedulerOutput
 from neo_rs.config import EngineArgs, ModelConfig, cache_dir, resolve_dtype
 from neo_rs.errors import InvalidArgumentError
+from neo_rs.model.registry import DEMO_MODEL, resolve_model
 from neo_rs.profiler import load_or_profile
 from neo_rs.runner import ModelRunner, resolve_device
 from neo_rs.sampling import SamplingParams, sample
@@ -51,18 +51,11 @@ class _Request:
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         args.validate()
-        if args.model is None:
-            from neo_rs.demo import demo_model_dir
-
-            model_dir = demo_model_dir()
-            log.warning(
-                "no model given: using the built-in demo model from %s; its weights are RANDOM", model_dir
-            )
-        else:
-            model_dir = Path(args.model)
-        self.model_dir = model_dir
+        if args.model in (None, DEMO_MODEL):
+            log.warning("using the built-in demo model: its weights are RANDOM")
+        self.model_dir = model_dir = resolve_model(args.model, args.dtype)
         self.model_config = cfg = ModelConfig.from_dir(model_dir)
-        self.dtype = resolve_dtype(args.dtype, cfg)
+        self.dtype = resolve_dtype(args.dtype, cfg.torch_dtype)
         self.device = resolve_device(args.device)
         limit = cfg.max_model_len()
         if args.max_model_len is not None and args.max_model_len > limit:

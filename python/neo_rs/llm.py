@@ -19,8 +19,8 @@ Message = dict[str, str]
 
 
 class LLM:
-    """``LLM(model=DIR, dtype=..., max_num_seqs=..., num_gpu_blocks=... | gpu_memory_utilization=...,
-    block_size=...)``; with no model, the built-in demo model (random weights)."""
+    """``LLM(model=DIR | FILE.gguf | built-in name, dtype=..., max_num_seqs=..., num_gpu_blocks=... |
+    gpu_memory_utilization=..., block_size=...)``; with no model, the demo model (random weights)."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.engine = LLMEngine(EngineArgs(model=model, **kwargs))

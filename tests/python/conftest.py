@@ -78,6 +78,18 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
+def hf_greedy_ids(model, prompt: list[int], n: int) -> list[int]:  # noqa: ANN001 (a transformers model)
+    """transformers' greedy continuation of ``prompt``, ``n`` tokens, EOS ignored. The mask is
+    explicit: without one, generate masks every pad token in the prompt (SmolLM2's pad is
+    <|im_end|>, which every chat turn contains)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, eos_token_id=None
+        )
+    return out[0, len(prompt) :].tolist()
+
+
 def assert_all_blocks_free(engine) -> None:  # noqa: ANN001
     s = engine.scheduler
     s.check_invariants()

@@ -19,7 +19,9 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *flags: str) -> None:
+    """``model``: the ``--model`` flag (the random demo model unless told; None: the server's default)."""
+
+    def __init__(self, *flags: str, model: str | None = "demo") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         log_dir = Path(os.environ.get("NEO_RS_CACHE_DIR", "/tmp"))
@@ -33,6 +35,7 @@ class Server:
             str(self.port),
             "--num-gpu-blocks",
             "2048",
+            *(["--model", model] if model else []),
             *flags,
         ]
         self.proc = subprocess.Popen(cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT)  # noqa: SIM115

@@ -81,9 +81,8 @@ def load_model(
     model_dir = Path(model_dir)
     files = shard_files(model_dir)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions)
+        model = LlamaForCausalLM(cfg, max_positions).to(dtype)  # cast on meta: no float32 copy first
     model.to_empty(device=device)
-    model.to(dtype)
     model.rotary.fill_tables()
     params = dict(model.named_parameters())
     # Rows written per parameter, to name anything the checkpoint did not provide.

@@ -16,7 +16,7 @@ from typing import Any
 
 from neo_rs.config import EngineArgs
 from neo_rs.engine import LLMEngine
-from neo_rs.errors import InvalidArgumentError
+from neo_rs.errors import InvalidArgumentError, NeoRsError
 from neo_rs.sampling import SamplingParams
 from neo_rs.sequence import RequestOutput
 from neo_rs.stats import IterationStats
@@ -68,9 +68,10 @@ class AsyncEngine:
             self.engine = LLMEngine(self.args)
             if self.engine.tokenizer is not None:
                 self._tokenizer = load_tokenizer(self.engine.model_dir)
-        except BaseException as e:  # reported by /health and the CLI
+        except BaseException as e:  # reported by /health and the CLI (in one line)
             self.load_error = e
-            log.exception("the engine failed to load")
+            if not isinstance(e, NeoRsError):  # a bug rather than a bad model or argument
+                log.exception("the engine failed to load")
             self.ready.set()
             return
         self.ready.set()

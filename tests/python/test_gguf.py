@@ -1,0 +1,190 @@
+"""GGUF loading on tiny files written with the ``gguf`` package: every supported quantization type
+dequantizes to what transformers' own GGUF loading produces, the Q/K permutation round-trips, the
+converted checkpoint generates like transformers, and bad files raise ``ModelLoadError``."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from conftest import hf_greedy_ids
+from neo_rs import LLM, SamplingParams
+from neo_rs.errors import ModelLoadError
+from neo_rs.model.gguf import QUANT_TYPES, converted_dir, hf_config, iter_weights, open_gguf, unpermute_qk
+
+Q = gguf.GGMLQuantizationType
+HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 256, 4, 2, 2  # K-quants need rows of 256
+HEAD_DIM = HIDDEN // HEADS
+# Byte offsets of each quantized block's fp16 scale fields, which random bytes must not make NaN.
+_F16_FIELDS = {
+    "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
+    "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+}  # fmt: skip
+
+
+def _bytes_to_unicode() -> list[str]:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    table = bytes_to_unicode()
+    return [table[b] for b in range(256)]
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter (convert_hf_to_gguf.py, LlamaModel.permute), restated for the test."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _tensor(rng: np.random.Generator, shape: tuple[int, int], qtype: str) -> tuple[np.ndarray, Q | None]:
+    """A tensor of ``shape`` stored as ``qtype``: floats, or random blocks with sane scales."""
+    if qtype in ("F32", "F16"):
+        return (rng.standard_normal(shape) * 0.05).astype(np.float32 if qtype == "F32" else np.float16), None
+    if qtype == "BF16":
+        return gguf.quants.quantize((rng.standard_normal(shape) * 0.05).astype(np.float32), Q.BF16), Q.BF16
+    block, size = gguf.GGML_QUANT_SIZES[Q[qtype]]
+    blocks = rng.integers(0, 256, (shape[0] * shape[1] // block, size), dtype=np.uint8)
+    for off in _F16_FIELDS[qtype]:
+        scale = (rng.uniform(0.2, 1.0, len(blocks)) * (0.01 if qtype != "Q2_K" else 0.003)).astype(np.float16)
+        blocks[:, off : off + 2] = scale.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(shape[0], -1), Q[qtype]
+
+
+def write_gguf(path: Path, arch: str = "llama", types: list[str] | None = None, seed: int = 0) -> Path:
+    """A tiny Llama/Qwen2 GGUF with a byte-level tokenizer; 2-D tensors cycle through ``types``."""
+    rng = np.random.default_rng(seed)
+    types = types or QUANT_TYPES
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(LAYERS)
+    w.add_context_length(256)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([*_bytes_to_unicode(), "<s>", "</s>"])
+    w.add_token_types([1] * 256 + [3, 3])
+    w.add_token_scores([0.0] * 258)  # no merges: transformers derives them (none) from the scores
+    w.add_bos_token_id(256)
+    w.add_eos_token_id(257)
+    w.add_chat_template("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    vocab, kv = 258, KV_HEADS * HEAD_DIM
+    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (kv, HIDDEN), "attn_v": (kv, HIDDEN)}
+    shapes |= {"attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN)}
+    shapes |= {"ffn_down": (HIDDEN, FFN)}
+    kinds = itertools.cycle(types)
+
+    def add(name: str, shape: tuple[int, int]) -> None:
+        data, raw_dtype = _tensor(rng, shape, next(kinds))
+        w.add_tensor(name, data, raw_dtype=raw_dtype)
+
+    for name in ("token_embd.weight", "output.weight"):
+        add(name, (vocab, HIDDEN))
+    w.add_tensor("output_norm.weight", rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))
+    for i in range(LAYERS):
+        for kind in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{kind}.weight", rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))
+        for kind, shape in shapes.items():
+            add(f"blk.{i}.{kind}.weight", shape)
+            if arch == "qwen2" and kind in ("attn_q", "attn_k", "attn_v"):
+                bias = (rng.standard_normal(shape[0]) * 0.05).astype(np.float32)
+                w.add_tensor(f"blk.{i}.{kind}.bias", bias)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gguf")
+    return {arch: write_gguf(root / f"tiny-{arch}.gguf", arch) for arch in ("llama", "qwen2")}
+
+
+def _transformers(path: Path):  # noqa: ANN202 (a transformers model)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_every_quant_type_dequantizes_like_transformers(tiny, arch: str) -> None:
+    reader = open_gguf(tiny[arch])
+    cfg = hf_config(reader, tiny[arch])
+    kinds = {t.tensor_type.name for t in reader.tensors}
+    assert set(QUANT_TYPES) <= kinds, set(QUANT_TYPES) - kinds
+    ours = dict(iter_weights(reader, cfg, torch.float32))
+    want = _transformers(tiny[arch]).state_dict()
+    assert set(ours) == set(want)
+    for name, w in ours.items():
+        assert torch.isfinite(w).all(), name
+        torch.testing.assert_close(w, want[name], rtol=0, atol=0, msg=name)
+
+
+def test_qk_permutation_round_trips() -> None:
+    w = np.arange(12 * 8 * 5, dtype=np.float32).reshape(12 * 8, 5)
+    for n_head in (1, 3, 12):
+        permuted = llama_cpp_permute(w, n_head)
+        assert not np.array_equal(permuted, w)
+        assert np.array_equal(unpermute_qk(torch.from_numpy(permuted), n_head).numpy(), w)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_model_generates_like_transformers(tiny, arch: str) -> None:
+    prompts = [[256, 72, 105], list(range(10, 40)), [5, 9, 200, 31] * 3]
+    hf = _transformers(tiny[arch]).eval()
+    want = [hf_greedy_ids(hf, p, 8) for p in prompts]
+    llm = LLM(str(tiny[arch]), dtype="float32", num_gpu_blocks=32)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    tok = llm.get_tokenizer()
+    assert tok.eos_token == "</s>" and tok.chat_template.startswith("{% for m in messages %}")
+    assert llm.engine.eos_ids == {257}
+
+
+def test_conversion_is_cached_per_dtype(tiny) -> None:
+    first = converted_dir(tiny["llama"], torch.bfloat16)
+    stamp = (first / "config.json").stat().st_mtime_ns
+    assert converted_dir(tiny["llama"], torch.bfloat16) == first
+    assert (first / "config.json").stat().st_mtime_ns == stamp
+    assert converted_dir(tiny["llama"], torch.float16) != first
+
+
+def test_auto_dtype_is_bfloat16_for_quantized_and_the_float_type_otherwise(tmp_path: Path) -> None:
+    quantized = LLM(str(write_gguf(tmp_path / "q.gguf", types=["Q8_0"])), num_gpu_blocks=8)
+    assert quantized.engine.dtype == torch.bfloat16
+    half = LLM(str(write_gguf(tmp_path / "h.gguf", types=["F16"])), num_gpu_blocks=8)
+    assert half.engine.dtype == torch.float16
+
+
+def test_truncated_or_corrupt_file_raises_model_load_error(tiny, tmp_path: Path) -> None:
+    data = tiny["llama"].read_bytes()
+    for name, blob in [("truncated", data[: len(data) // 3]), ("header", data[:100]), ("junk", b"x" * 4096)]:
+        bad = tmp_path / f"{name}.gguf"
+        bad.write_bytes(blob)
+        with pytest.raises(ModelLoadError, match="GGUF"):
+            LLM(str(bad))
+
+
+def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="unsupported GGUF architecture 'gpt2'"):
+        open_gguf(write_gguf(tmp_path / "gpt2.gguf", arch="gpt2", types=["F32"]))
+
+
+def test_unsupported_quant_type_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "iq.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    block, size = gguf.GGML_QUANT_SIZES[Q.IQ4_NL]
+    w.add_tensor("token_embd.weight", np.zeros((8, 256 // block * size), np.uint8), raw_dtype=Q.IQ4_NL)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="unsupported quantization type IQ4_NL"):
+        open_gguf(path)
