@@ -46,7 +46,7 @@ impl Load {
     }
 
     fn step(&mut self) {
-        let out = self.s.schedule();
+        let out = self.s.schedule().expect("paired with update");
         let sampled = vec![5u32; out.inputs.sample_ids.len()];
         let finished = self.s.update(&sampled, &[]).expect("one token per sampled row");
         for _ in finished {

@@ -27,6 +27,8 @@ struct Job {
 struct Workload {
     config: SchedulerConfig,
     jobs: Vec<Job>,
+    /// Steps whose model run "fails": `abort_step()` instead of `update()`.
+    failed_steps: Vec<usize>,
 }
 
 fn workload(mode: impl Strategy<Value = OffloadMode>) -> impl Strategy<Value = Workload> {
@@ -60,7 +62,12 @@ fn workload(mode: impl Strategy<Value = OffloadMode>) -> impl Strategy<Value = W
             abort_at_step,
             stop_after,
         });
-    (config, prop::collection::vec(job, 1..24)).prop_map(|(config, jobs)| Workload { config, jobs })
+    let failed_steps = prop::collection::vec(0usize..60, 0..3);
+    (config, prop::collection::vec(job, 1..24), failed_steps).prop_map(|(config, jobs, failed_steps)| Workload {
+        config,
+        jobs,
+        failed_steps,
+    })
 }
 
 /// What one plan must satisfy on its own.
@@ -163,10 +170,26 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
             break;
         }
         prop_assert!(step < 5_000, "no progress after {} steps", step);
-        let out = s.schedule();
+        let out = s.schedule().unwrap();
         check_plan(&s, &out)?;
+        prop_assert!(s.schedule().is_err(), "a second schedule() before update()");
         if s.has_unfinished() && s.num_running() > 0 {
             prop_assert!(!out.scheduled.is_empty(), "running requests but nothing scheduled");
+        }
+        if w.failed_steps.contains(&step) {
+            // Every request the plan ran is aborted (and perhaps some it swapped), nothing else.
+            let aborted = s.abort_step();
+            for sr in &out.scheduled {
+                prop_assert!(aborted.contains(&sr.id), "scheduled request {} survived a failed step", sr.id);
+            }
+            for id in aborted {
+                prop_assert!(s.request(id).is_none());
+                prop_assert!(outcome.insert(id.0, FinishReason::Abort).is_none(), "request {} finished twice", id);
+            }
+            prop_assert!(s.update(&[], &[]).is_err(), "update() after abort_step()");
+            s.check_invariants().map_err(TestCaseError::fail)?;
+            step += 1;
+            continue;
         }
         let sampled: Vec<u32> = out
             .inputs
@@ -241,7 +264,7 @@ fn config(gpu: u32, cpu: u32, budget: usize) -> SchedulerConfig {
 fn drain(s: &mut Scheduler) -> Vec<SchedulerOutput> {
     let mut plans = Vec::new();
     while s.has_unfinished() {
-        let out = s.schedule();
+        let out = s.schedule().unwrap();
         let sampled: Vec<u32> = out.inputs.sample_ids.iter().map(|_| 7).collect();
         s.update(&sampled, &[]).unwrap();
         s.check_invariants().unwrap();
@@ -304,7 +327,7 @@ fn bad_requests_are_refused_and_abort_frees_everything() {
     assert!(s.add_request(RequestId(0), vec![1; 16], 2).is_err(), "more blocks than the pool");
     s.add_request(RequestId(0), vec![1; 10], 3).unwrap();
     assert!(s.add_request(RequestId(0), vec![1; 2], 3).is_err(), "duplicate id");
-    let out = s.schedule();
+    let out = s.schedule().unwrap();
     assert_eq!(out.inputs.sample_ids, vec![0]);
     assert!(s.update(&[], &[]).is_err(), "one sampled token expected");
     assert!(s.abort(RequestId(0)));
@@ -356,4 +379,30 @@ fn neo_mode_offloads_pipelines_and_swaps_both_ways() {
     let pipelined = plans.iter().find(|p| p.sub_batch1_start < p.scheduled.len()).unwrap();
     assert!(pipelined.scheduled[pipelined.sub_batch1_start..].iter().all(|r| r.device == Device::Cpu));
     assert!(plans.iter().any(|p| p.num_cpu_decodes > 0 && p.num_decodes > p.num_cpu_decodes));
+}
+
+#[test]
+fn a_failed_step_aborts_what_it_ran_and_swapped() {
+    let mut s = Scheduler::new(config(6, 16, 64)).unwrap();
+    for id in 0..3 {
+        s.add_request(RequestId(id), vec![3; 8], 4).unwrap();
+    }
+    assert!(s.abort_step().is_empty(), "nothing in flight");
+    assert!(s.update(&[], &[]).is_err(), "update() without schedule()");
+    loop {
+        let out = s.schedule().unwrap();
+        if !out.swap_out.pairs.is_empty() {
+            // Two requests decode; the third was swapped out by this very plan.
+            assert_eq!(out.scheduled.len(), 2);
+            assert_eq!(s.abort_step().len(), 3);
+            break;
+        }
+        let sampled: Vec<u32> = out.inputs.sample_ids.iter().map(|_| 7).collect();
+        s.update(&sampled, &[]).unwrap();
+    }
+    s.check_invariants().unwrap();
+    assert!(!s.has_unfinished());
+    assert_eq!((s.kv(Device::Gpu).num_free_blocks(), s.kv(Device::Cpu).num_free_blocks()), (6, 16));
+    s.add_request(RequestId(9), vec![1; 4], 2).unwrap();
+    assert_eq!(drain(&mut s).len(), 2, "the scheduler serves new requests after a failed step");
 }

@@ -4,12 +4,6 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-class NeoRsError(Exception): ...
-class ShapeError(NeoRsError): ...
-class DTypeError(NeoRsError): ...
-class InvalidArgumentError(NeoRsError): ...
-class BackendError(NeoRsError): ...
-
 def simd_tiers() -> list[str]:
     """SIMD tiers this CPU supports, slowest first (``scalar``, ``avx2``, ``avx512``, ``neon``)."""
 
@@ -132,9 +126,12 @@ class Scheduler:
         """Queue a request; ``InvalidArgumentError`` if it can never run (empty, too long, duplicate)."""
     def abort(self, request_id: int) -> bool:
         """Drop a request wherever it is and free its blocks; ``False`` if unknown."""
-    def schedule(self) -> SchedulerOutput: ...
+    def schedule(self) -> SchedulerOutput:
+        """Plan one iteration; ``BackendError`` if the previous one got no ``update``/``abort_step``."""
     def update(self, sampled: list[int], stopped: list[int]) -> list[tuple[int, str]]:
         """One token per sampled row; ``stopped`` ids finish with ``stop``. Returns the finished requests."""
+    def abort_step(self) -> list[int]:
+        """The last ``schedule``'s iteration failed: abort the requests it ran or swapped (their ids)."""
     def has_unfinished(self) -> bool: ...
     @property
     def num_waiting(self) -> int: ...

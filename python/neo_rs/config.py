@@ -160,6 +160,11 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def fail_steps() -> str:
+    """``NEO_RS_FAIL_STEPS``: model runs that raise, for fault-injection tests (``faults.py``)."""
+    return os.environ.get("NEO_RS_FAIL_STEPS", "")
+
+
 def resolve_dtype(name: str | torch.dtype, auto: torch.dtype) -> torch.dtype:
     """``name`` as a torch dtype; ``auto`` is what "auto" stands for (the checkpoint's dtype)."""
     if isinstance(name, torch.dtype):

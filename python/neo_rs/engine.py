@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from neo_rs._core import Scheduler, SchedulerOutput
-from neo_rs.config import EngineArgs, ModelConfig, cache_dir, resolve_dtype
-from neo_rs.errors import InvalidArgumentError
+from neo_rs.config import EngineArgs, ModelConfig, cache_dir, fail_steps, resolve_dtype
+from neo_rs.errors import EngineStepError, InvalidArgumentError
+from neo_rs.faults import failing, parse_calls
 from neo_rs.model.registry import DEMO_MODEL, resolve_model
 from neo_rs.profiler import load_or_profile
 from neo_rs.runner import ModelRunner, resolve_device
@@ -63,6 +64,7 @@ class LLMEngine:
                 f"max_model_len {args.max_model_len} exceeds the model's context of {limit} tokens"
             )
         self.max_model_len = args.max_model_len or limit
+        self.max_num_seqs = args.max_num_seqs
         self.runner = ModelRunner(args, model_dir, cfg, self.dtype, self.device, self.max_model_len)
         self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(model_dir)
         self.eos_ids = eos_token_ids(model_dir, self.tokenizer)
@@ -81,6 +83,8 @@ class LLMEngine:
         if args.offload == "neo":
             budget = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
             load_or_profile(self.runner, budget, self.max_model_len, cache_dir()).apply(self.scheduler)
+        if faults := parse_calls(fail_steps()):
+            self.runner.execute = failing(self.runner.execute, faults)  # type: ignore[method-assign]
         self.last_stats: IterationStats | None = None
         self.generator = torch.Generator(self.device).manual_seed(args.seed)
         self._requests: dict[str, _Request] = {}
@@ -102,6 +106,12 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_ids):
             raise InvalidArgumentError(f"prompt token ids must be integers in [0, {vocab})")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidArgumentError(f"logit_bias token ids must be below the vocabulary size {vocab}")
+        if params.n > self.max_num_seqs:
+            raise InvalidArgumentError(
+                f"n must be at most max_num_seqs ({self.max_num_seqs}), got {params.n}"
+            )
         if n >= self.max_model_len:
             raise InvalidArgumentError(
                 f"the prompt has {n} tokens, but the model's context is {self.max_model_len} "
@@ -186,16 +196,22 @@ class LLMEngine:
             metrics = self._seqs[seq_id][1].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
-        self.runner.apply_swaps(plan)
-        logits = self.runner.execute(plan)
-        seqs = [self._seqs[i][0] for i in plan.sample_ids.tolist()]
-        result = sample(logits, [s.sample_row() for s in seqs], self.generator)
-        stopped = [
-            s.seq_id
-            for s, tok, lp in zip(seqs, result.token_ids, result.logprobs, strict=True)
-            if s.append(tok, lp)
-        ]
-        finished = self.scheduler.update(result.token_ids, stopped)
+        try:
+            self.runner.apply_swaps(plan)
+            logits = self.runner.execute(plan)
+            seqs = [self._seqs[i][0] for i in plan.sample_ids.tolist()]
+            result = sample(logits, [s.sample_row() for s in seqs], self.generator)
+            stopped = [
+                s.seq_id
+                for s, tok, lp in zip(seqs, result.token_ids, result.logprobs, strict=True)
+                if s.append(tok, lp)
+            ]
+            finished = self.scheduler.update(result.token_ids, stopped)
+        except BaseException as e:
+            failure = self._fail_step(e)
+            if not isinstance(e, Exception):  # KeyboardInterrupt and the like go on as they are
+                raise
+            raise failure from e
         self._account(plan, (time.perf_counter() - start) * 1e3)
         now = time.monotonic()
         touched: dict[str, _Request] = {}
@@ -216,6 +232,18 @@ class LLMEngine:
                 del self._requests[req.request_id]
             outputs.append(out)
         return outputs
+
+    def _fail_step(self, cause: BaseException) -> EngineStepError:
+        """The iteration failed between ``schedule`` and ``update``: abort every request it ran
+        or swapped (their KV may be half written), freeing their blocks in both pools."""
+        request_ids = []
+        for seq_id in self.scheduler.abort_step():
+            entry = self._seqs.get(seq_id)
+            if entry is not None and entry[1].request_id not in request_ids:
+                request_ids.append(entry[1].request_id)
+        for request_id in request_ids:
+            self.abort(request_id)
+        return EngineStepError(f"the iteration failed ({type(cause).__name__}: {cause})", request_ids)
 
     def _account(self, plan: SchedulerOutput, iteration_ms: float) -> None:
         times, num_layers = self.runner.last_times, self.model_config.num_layers

@@ -15,7 +15,24 @@ from neo_rs.sampling import SamplingParams
 from neo_rs.sequence import RequestOutput
 
 Prompt = str | list[int]
+# vLLM's prompt dicts: {"prompt": text} (TextPrompt) or {"prompt_token_ids": ids} (TokensPrompt).
+PromptDict = dict[str, Any]
 Message = dict[str, str]
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def _from_dict(prompt: PromptDict) -> Prompt:
+    unknown = sorted(set(prompt) - set(_PROMPT_KEYS))
+    if unknown:
+        raise InvalidArgumentError(f"unsupported prompt field(s): {', '.join(unknown)}")
+    given = [k for k in _PROMPT_KEYS if k in prompt]
+    if len(given) != 1:
+        raise InvalidArgumentError("a prompt dict needs exactly one of 'prompt' or 'prompt_token_ids'")
+    value = prompt[given[0]]
+    want = str if given[0] == "prompt" else list
+    if not isinstance(value, want):
+        raise InvalidArgumentError(f"'{given[0]}' must be a {want.__name__}")
+    return value
 
 
 class LLM:
@@ -30,15 +47,17 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Seq[Prompt],
+        prompts: Prompt | PromptDict | Seq[Prompt | PromptDict],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (
+        """Text, token ids or vLLM prompt dicts, one or a list; outputs in input order."""
+        if isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]  # type: ignore[list-item]
-        return self._run([(p, None) for p in prompts], sampling_params, use_tqdm)  # type: ignore[misc]
+        items = [(_from_dict(p) if isinstance(p, dict) else p, None) for p in prompts]
+        return self._run(items, sampling_params, use_tqdm)  # type: ignore[arg-type]
 
     def chat(
         self,

@@ -5,6 +5,7 @@ seeded request gets the same tokens whatever else is in the batch."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch
 from neo_rs.errors import InvalidArgumentError
 
 MAX_LOGPROBS = 20
+SEED_RANGE = (-(2**63), 2**63 - 1)  # torch.Generator's; vLLM bounds the API's seed the same way
 
 
 @dataclass
@@ -34,6 +36,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per output token (the sampled one is always included)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -49,24 +52,29 @@ class SamplingParams:
         def is_int(x: Any) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)
 
+        def is_number(x: Any) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
         if not is_int(self.n) or self.n < 1:
             raise bad(f"n must be a positive integer, got {self.n!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+        if not is_number(self.temperature) or self.temperature < 0:
             raise bad(f"temperature must be non-negative, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not is_int(self.top_k) or self.top_k < -1:
             raise bad(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
-        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+        if not is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not isinstance(self.repetition_penalty, (int, float)) or self.repetition_penalty <= 0:
+        if not is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise bad(f"repetition_penalty must be positive, got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not -2 <= v <= 2:
+            if not is_number(v) or not -2 <= v <= 2:
                 raise bad(f"{name} must be in [-2, 2], got {v!r}")
-        if self.seed is not None and not is_int(self.seed):
-            raise bad(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (
+            not is_int(self.seed) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]
+        ):
+            raise bad(f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad(f"max_tokens must be at least 1, got {self.max_tokens!r}")
         if not is_int(self.min_tokens) or self.min_tokens < 0:
@@ -81,6 +89,10 @@ class SamplingParams:
             not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise bad(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.logit_bias is not None and not all(
+            is_int(t) and t >= 0 and is_number(b) and -100 <= b <= 100 for t, b in self.logit_bias.items()
+        ):
+            raise bad("logit_bias must map token ids to biases in [-100, 100]")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
@@ -202,11 +214,16 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch
     """Sample one token per row of float32 ``logits`` ``[len(rows), vocab]``."""
     want_logprobs = [r.params.logprobs is not None for r in rows]
     raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
-    if any(r.params.has_penalties or r.banned_ids for r in rows):
+    if any(r.params.has_penalties or r.params.logit_bias or r.banned_ids for r in rows):
         logits = logits.clone()
         for i, r in enumerate(rows):
             if r.params.has_penalties:
                 _apply_penalties(logits[i], r)
+            if r.params.logit_bias:
+                bias = r.params.logit_bias
+                logits[i, list(bias)] += torch.tensor(
+                    list(bias.values()), dtype=logits.dtype, device=logits.device
+                )
             if r.banned_ids:
                 logits[i, r.banned_ids] = float("-inf")
     tokens = logits.argmax(dim=-1)

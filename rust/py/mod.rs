@@ -1,22 +1,21 @@
 //! The only place that knows PyO3: the `neo_rs._core` extension module. Thin wrappers:
 //! extract -> call the core with the GIL released -> convert. Errors map one-to-one from
-//! `NeoError` onto a Python hierarchy under `NeoRsError`.
+//! `NeoError` onto the Python hierarchy under `NeoRsError` that `neo_rs.errors` defines (in
+//! Python, because each class also derives from the builtin it refines, e.g. `ValueError`).
 
 mod attn;
 mod sched;
 mod tensor;
 
-use pyo3::create_exception;
-use pyo3::exceptions::PyException;
+use pyo3::import_exception;
 use pyo3::prelude::*;
 
 use crate::error::NeoError;
 
-create_exception!(_core, NeoRsError, PyException, "Root of every neo_rs error.");
-create_exception!(_core, ShapeError, NeoRsError, "A tensor's shape or size does not fit the call.");
-create_exception!(_core, DTypeError, NeoRsError, "A tensor has the wrong dtype, or dtypes disagree.");
-create_exception!(_core, InvalidArgumentError, NeoRsError, "A value is out of range or not allowed.");
-create_exception!(_core, BackendError, NeoRsError, "The runtime cannot do what was asked.");
+import_exception!(neo_rs.errors, ShapeError);
+import_exception!(neo_rs.errors, DTypeError);
+import_exception!(neo_rs.errors, InvalidArgumentError);
+import_exception!(neo_rs.errors, BackendError);
 
 impl From<NeoError> for PyErr {
     fn from(e: NeoError) -> PyErr {
@@ -45,12 +44,6 @@ fn advise_huge_pages(tensor: &Bound<'_, PyAny>) -> PyResult<usize> {
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    let py = m.py();
-    m.add("NeoRsError", py.get_type::<NeoRsError>())?;
-    m.add("ShapeError", py.get_type::<ShapeError>())?;
-    m.add("DTypeError", py.get_type::<DTypeError>())?;
-    m.add("InvalidArgumentError", py.get_type::<InvalidArgumentError>())?;
-    m.add("BackendError", py.get_type::<BackendError>())?;
     m.add_function(wrap_pyfunction!(simd_tiers, m)?)?;
     m.add_function(wrap_pyfunction!(advise_huge_pages, m)?)?;
     m.add_class::<attn::CpuAttention>()?;

@@ -129,7 +129,7 @@ impl Scheduler {
     }
 
     fn schedule(&mut self, py: Python<'_>) -> PyResult<SchedulerOutput> {
-        let out = py.detach(|| self.inner.schedule());
+        let out = py.detach(|| self.inner.schedule())?;
         let s = &out.scheduled;
         let m = out.inputs;
         let num_reqs = s.len();
@@ -162,6 +162,11 @@ impl Scheduler {
         let stopped: Vec<RequestId> = stopped.into_iter().map(RequestId).collect();
         let finished = py.detach(|| self.inner.update(&sampled, &stopped))?;
         Ok(finished.into_iter().map(|(id, r)| (id.0, r.name())).collect())
+    }
+
+    /// The iteration of the last `schedule()` failed: abort every request it ran or swapped.
+    fn abort_step(&mut self) -> Vec<u64> {
+        self.inner.abort_step().into_iter().map(|id| id.0).collect()
     }
 
     fn has_unfinished(&self) -> bool {

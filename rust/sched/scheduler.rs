@@ -22,6 +22,8 @@ struct Step {
     swap_in: SwapPlan,
     to_host: SwapPlan,
     recomputed: Vec<RequestId>,
+    /// Requests whose KV this plan moves between pools (swaps); a failed step must drop them.
+    moved: Vec<RequestId>,
     pipelined: bool,
 }
 
@@ -61,8 +63,12 @@ pub struct Scheduler {
     running: Vec<RequestId>,
     /// In arrival order.
     swapped: VecDeque<RequestId>,
+    /// Whether a `schedule()` awaits its `update()` (or `abort_step()`).
+    awaiting_update: bool,
     /// The last `schedule()`'s requests, consumed by `update()`.
     in_flight: Vec<ScheduledRequest>,
+    /// The last `schedule()`'s swapped requests (see `Step::moved`).
+    in_flight_moved: Vec<RequestId>,
     /// Requests whose prefill KV is being copied to the host pool this iteration.
     moving_to_host: Vec<RequestId>,
     next_arrival: u64,
@@ -84,7 +90,9 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             swapped: VecDeque::new(),
+            awaiting_update: false,
             in_flight: Vec::new(),
+            in_flight_moved: Vec::new(),
             moving_to_host: Vec::new(),
             next_arrival: 0,
             stats: SchedulerStats::default(),
@@ -199,9 +207,10 @@ impl Scheduler {
         self.requests.remove(&id);
     }
 
-    /// Plan one iteration. Call `update()` with its sampled tokens before the next `schedule()`.
-    pub fn schedule(&mut self) -> SchedulerOutput {
-        debug_assert!(self.in_flight.is_empty(), "schedule() called twice without update()");
+    /// Plan one iteration. Call `update()` with its sampled tokens (or `abort_step()` if the
+    /// iteration failed) before the next `schedule()`; a second `schedule()` is an error.
+    pub fn schedule(&mut self) -> Result<SchedulerOutput> {
+        ensure!(!self.awaiting_update, Runtime, "schedule() called again before update() or abort_step()");
         let mut step = Step {
             budget: self.config.max_num_batched_tokens,
             scheduled: Vec::with_capacity(self.running.len() + 1),
@@ -209,6 +218,7 @@ impl Scheduler {
             swap_in: SwapPlan::new(Device::Cpu, Device::Gpu),
             to_host: SwapPlan::new(Device::Gpu, Device::Cpu),
             recomputed: Vec::new(),
+            moved: Vec::new(),
             pipelined: false,
         };
         match self.config.offload {
@@ -244,7 +254,9 @@ impl Scheduler {
         let inputs = ModelInputs::build(&scheduled, |id| &requests[&id], &self.gpu, &self.cpu);
         let predicted = self.price(&scheduled);
         self.in_flight.clone_from(&scheduled);
-        SchedulerOutput {
+        self.in_flight_moved = step.moved;
+        self.awaiting_update = true;
+        Ok(SchedulerOutput {
             scheduled,
             num_decodes,
             num_cpu_decodes,
@@ -256,7 +268,7 @@ impl Scheduler {
             recomputed: step.recomputed,
             inputs,
             predicted,
-        }
+        })
     }
 
     /// Running requests (those in pool `only`, or all), oldest first, each in its own pool;
@@ -326,6 +338,7 @@ impl Scheduler {
             let moved = self.cpu.swap_to(&mut self.gpu, id, &mut step.swap_in);
             let grown = self.gpu.allocate_slots(id, req.num_computed_tokens + n);
             debug_assert!(moved && grown);
+            step.moved.push(id);
             self.swapped.pop_front();
             self.stats.num_swapped_in += 1;
             self.admit(id);
@@ -421,6 +434,7 @@ impl Scheduler {
         let req = self.requests.get_mut(&id).expect("preempted request exists");
         let may_swap = self.config.offload != OffloadMode::AllCpu && req.device == Device::Gpu;
         if may_swap && self.gpu.swap_to(&mut self.cpu, id, &mut step.swap_out) {
+            step.moved.push(id);
             req.device = Device::Cpu;
             self.stats.num_swapped_out += 1;
             self.stats.num_swapped_out_blocks += (step.swap_out.pairs.len() - before) as u64;
@@ -447,6 +461,7 @@ impl Scheduler {
     /// plan's `sample_ids` order); `stopped` lists requests the caller finished (EOS, stop
     /// string). Returns every request that finished, with why. Aborted requests are skipped.
     pub fn update(&mut self, sampled: &[u32], stopped: &[RequestId]) -> Result<Vec<(RequestId, FinishReason)>> {
+        ensure!(self.awaiting_update, Runtime, "update() called without a schedule() to pair with");
         let num_sampled = self.in_flight.iter().filter(|s| s.sample).count();
         ensure!(
             sampled.len() == num_sampled,
@@ -454,6 +469,8 @@ impl Scheduler {
             "update() got {} sampled tokens, but the plan samples {num_sampled} rows",
             sampled.len()
         );
+        self.awaiting_update = false;
+        self.in_flight_moved.clear();
         for id in std::mem::take(&mut self.moving_to_host) {
             if let Some(req) = self.requests.get_mut(&id) {
                 self.gpu.free(id); // the staging blocks; the KV is in the host pool now
@@ -485,6 +502,21 @@ impl Scheduler {
             self.swapped.retain(|id| requests.contains_key(id));
         }
         Ok(finished)
+    }
+
+    /// The last `schedule()`'s iteration failed before `update()`: its KV writes and copies may
+    /// be half done, so every request it ran or swapped is aborted (blocks freed in both pools)
+    /// and the scheduler is ready for the next `schedule()`. Returns those requests.
+    pub fn abort_step(&mut self) -> Vec<RequestId> {
+        if !std::mem::take(&mut self.awaiting_update) {
+            return Vec::new();
+        }
+        let mut ids: Vec<RequestId> = std::mem::take(&mut self.in_flight).into_iter().map(|s| s.id).collect();
+        ids.append(&mut self.in_flight_moved);
+        ids.append(&mut self.moving_to_host);
+        let mut seen = HashSet::new();
+        ids.retain(|&id| seen.insert(id) && self.abort(id));
+        ids
     }
 
     /// Check the accounting between iterations: pools agree with their tables, no block owned

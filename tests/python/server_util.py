@@ -19,9 +19,10 @@ def free_port() -> int:
 
 
 class Server:
-    """``model``: the ``--model`` flag (the random demo model unless told; None: the server's default)."""
+    """``model``: the ``--model`` flag (the random demo model unless told; None: the server's
+    default); ``env``: extra environment variables."""
 
-    def __init__(self, *flags: str, model: str | None = "demo") -> None:
+    def __init__(self, *flags: str, model: str | None = "demo", env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         log_dir = Path(os.environ.get("NEO_RS_CACHE_DIR", "/tmp"))
@@ -38,7 +39,9 @@ class Server:
             *(["--model", model] if model else []),
             *flags,
         ]
-        self.proc = subprocess.Popen(cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
+        self.proc = subprocess.Popen(  # noqa: SIM115
+            cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

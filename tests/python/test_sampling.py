@@ -166,11 +166,30 @@ def test_top_k_top_p_on_candidates_matches_the_full_sort() -> None:
         dict(logprobs=100),
         dict(stop=[""]),
         dict(seed="x"),
+        dict(seed=2**70),
+        dict(temperature=float("nan")),
+        dict(temperature=float("inf")),
+        dict(repetition_penalty=float("nan")),
+        dict(logit_bias={5: 101.0}),
+        dict(logit_bias={-1: 1.0}),
+        dict(logit_bias={5: float("nan")}),
     ],
 )
 def test_bad_parameters_raise_typed_errors(kw) -> None:  # noqa: ANN001
     with pytest.raises(InvalidArgumentError):
         SamplingParams(**kw)
+    with pytest.raises(ValueError):  # what code written for vLLM catches
+        SamplingParams(**kw)
+
+
+def test_logit_bias_follows_openai_semantics() -> None:
+    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0]])
+    assert sample(logits, [_row(temperature=0)], torch.Generator()).token_ids == [1]
+    assert sample(logits, [_row(temperature=0, logit_bias={2: 100.0})], torch.Generator()).token_ids == [2]
+    assert sample(logits, [_row(temperature=0, logit_bias={1: -100.0})], torch.Generator()).token_ids == [3]
+    # A bias of -100 all but bans a token from sampled rows too.
+    row = _row(temperature=1.0, logit_bias={1: -100.0})
+    assert 1 not in sample(logits.repeat(200, 1), [row] * 200, torch.Generator().manual_seed(0)).token_ids
 
 
 def test_bad_requests_raise_before_anything_is_scheduled(llm: LLM) -> None:
@@ -184,7 +203,24 @@ def test_bad_requests_raise_before_anything_is_scheduled(llm: LLM) -> None:
         llm.generate(["ok"], SamplingParams(max_tokens=10_000), use_tqdm=False)
     with pytest.raises(InvalidArgumentError, match="token ids"):
         llm.generate([[1, 99_999]], use_tqdm=False)
+    with pytest.raises(InvalidArgumentError, match="logit_bias"):
+        llm.generate(["ok"], SamplingParams(logit_bias={99_999: 1.0}), use_tqdm=False)
+    with pytest.raises(InvalidArgumentError, match="max_num_seqs"):
+        llm.generate(["ok"], SamplingParams(n=llm.engine.max_num_seqs + 1), use_tqdm=False)
+    with pytest.raises(InvalidArgumentError, match="multi_modal_data"):
+        llm.generate([{"prompt": "x", "multi_modal_data": {}}], use_tqdm=False)
     assert_all_blocks_free(llm.engine)
+
+
+def test_prompts_may_be_vllm_prompt_dicts(llm: LLM) -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ids = llm.engine.tokenize("Hello")
+    plain = llm.generate(["Hello", ids], greedy, use_tqdm=False)
+    dicts = llm.generate([{"prompt": "Hello"}, {"prompt_token_ids": ids}], greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
+    assert dicts[0].prompt == "Hello" and dicts[1].prompt_token_ids == ids
+    one = llm.generate({"prompt_token_ids": ids}, greedy, use_tqdm=False)
+    assert one[0].outputs[0].token_ids == plain[1].outputs[0].token_ids
 
 
 def test_random_draws_follow_the_distribution() -> None:

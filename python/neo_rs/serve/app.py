@@ -5,6 +5,7 @@ request: every failure becomes an error body with the right status."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -16,7 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from neo_rs import __version__
-from neo_rs.errors import InvalidArgumentError
+from neo_rs.errors import EngineStepError, InvalidArgumentError
 from neo_rs.sampling import SamplingParams
 from neo_rs.sequence import CompletionOutput, RequestOutput
 from neo_rs.serve.async_engine import AsyncEngine, QueueFull
@@ -103,7 +104,8 @@ async def errors_and_access_log(request: web.Request, handler: Handler) -> web.S
 async def api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
     key = request.app[STATE].api_key
     if key and request.path.startswith("/v1/"):
-        if request.headers.get("Authorization", "") != f"Bearer {key}":
+        given = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(given, f"Bearer {key}".encode()):  # no timing side channel
             raise ApiError(401, "invalid or missing API key", "AuthenticationError")
     return await handler(request)
 
@@ -114,12 +116,19 @@ def _ready(request: web.Request) -> AsyncEngine:
         raise ApiError(503, "the server is shutting down", "ServiceUnavailableError")
     if not engine.ready.is_set() or engine.engine is None:
         raise ApiError(503, "the model is still loading", "ServiceUnavailableError")
+    if engine.fatal_error is not None:
+        raise ApiError(503, "the engine failed and the server is restarting", "ServiceUnavailableError")
     return engine
+
+
+def _engine_failed(e: EngineStepError) -> ApiError:
+    return ApiError(500, f"the engine failed on this request: {e}", "InternalServerError")
 
 
 async def health(request: web.Request) -> web.Response:
     engine, state = request.app[ENGINE], request.app[STATE]
     ok = engine.ready.is_set() and engine.engine is not None and not state.draining
+    ok = ok and engine.fatal_error is None
     return web.json_response({"status": "ok" if ok else "unavailable"}, status=200 if ok else 503)
 
 
@@ -151,6 +160,8 @@ async def _json_body(request: web.Request) -> Any:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad(f"invalid JSON body: {e}") from e
+    except RecursionError as e:  # nested past the interpreter's recursion limit
+        raise bad("invalid JSON body: nested too deeply") from e
 
 
 async def _prompt_ids(
@@ -261,9 +272,12 @@ async def _respond(run: _Run) -> web.StreamResponse:
     if run.parsed.stream:
         return await _stream(run, gens)
     finals: dict[int, RequestOutput] = {}
-    async for i, out in _merged(gens):
-        if out.finished:
-            finals[i] = out
+    try:
+        async for i, out in _merged(gens):
+            if out.finished:
+                finals[i] = out
+    except EngineStepError as e:
+        raise _engine_failed(e) from e
     choices = []
     for i in sorted(finals):
         for o in finals[i].outputs:
@@ -320,22 +334,28 @@ async def _stream(run: _Run, gens: list[AsyncIterator[RequestOutput]]) -> web.St
             for s in range(run.parsed.params.n)
         ]
         await send(run.env.wrap(obj, echo, **extra()))
-    async for i, out in _merged(gens):
-        for o in out.outputs:
-            idx = run.choice_index(i, o.index)
-            cur = cursors.setdefault(idx, _Cursor(holdback))
-            if cur.done or (cur.tokens == len(o.token_ids) and not o.finish_reason):
-                continue  # finished earlier, or another sequence of this request moved
-            offset = cur.text
-            delta, t0, t1 = cur.advance(o)
-            produced += t1 - t0
-            fin = _finish(o) if o.finish_reason else {"finish_reason": None}
-            lp = run.logprobs(o, t0, t1, offset)
-            if not delta and lp is None and not o.finish_reason:
-                continue  # a token that completes no character yet
-            body = {"delta": {"content": delta}} if run.chat else {"text": delta}
-            await send(run.env.wrap(obj, [{"index": idx, **body, "logprobs": lp, **fin}], **extra()))
-            cur.done = o.finish_reason is not None
+    try:
+        async for i, out in _merged(gens):
+            for o in out.outputs:
+                idx = run.choice_index(i, o.index)
+                cur = cursors.setdefault(idx, _Cursor(holdback))
+                if cur.done or (cur.tokens == len(o.token_ids) and not o.finish_reason):
+                    continue  # finished earlier, or another sequence of this request moved
+                offset = cur.text
+                delta, t0, t1 = cur.advance(o)
+                produced += t1 - t0
+                fin = _finish(o) if o.finish_reason else {"finish_reason": None}
+                lp = run.logprobs(o, t0, t1, offset)
+                if not delta and lp is None and not o.finish_reason:
+                    continue  # a token that completes no character yet
+                body = {"delta": {"content": delta}} if run.chat else {"text": delta}
+                await send(run.env.wrap(obj, [{"index": idx, **body, "logprobs": lp, **fin}], **extra()))
+                cur.done = o.finish_reason is not None
+    except EngineStepError as e:  # the stream has begun: the error goes in an event, then [DONE]
+        await send(_engine_failed(e).body())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
     if opts.include_usage:
         await send(run.env.wrap(obj, [], usage=usage(run.prompt_tokens(), produced)))
     await resp.write(b"data: [DONE]\n\n")

@@ -1,7 +1,9 @@
 """The engine behind the server: ``LLMEngine`` steps in its own thread; the event loop submits
 requests and aborts through a queue and receives each request's outputs on an asyncio queue, so
 it never blocks on model work. Tokenization runs on a separate one-thread executor with its own
-tokenizer instance (fast tokenizers must not be shared across threads)."""
+tokenizer instance (fast tokenizers must not be shared across threads). A failed iteration fails
+only its own requests; ``MAX_CONSECUTIVE_STEP_FAILURES`` in a row make the engine fatal
+(``fatal_error``), and the server then reports 503 and exits non-zero for a supervisor to restart."""
 
 from __future__ import annotations
 
@@ -16,13 +18,17 @@ from typing import Any
 
 from neo_rs.config import EngineArgs
 from neo_rs.engine import LLMEngine
-from neo_rs.errors import InvalidArgumentError, NeoRsError
+from neo_rs.errors import EngineStepError, InvalidArgumentError, NeoRsError
 from neo_rs.sampling import SamplingParams
 from neo_rs.sequence import RequestOutput
 from neo_rs.stats import IterationStats
 from neo_rs.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
+
+# Failed iterations in a row after which the engine is deemed broken (a bad device, corrupt
+# weights) rather than unlucky: isolated failures cost only their own requests.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
 class QueueFull(Exception):
@@ -51,6 +57,9 @@ class AsyncEngine:
         self.engine: LLMEngine | None = None
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
+        self.fatal_error: EngineStepError | None = None
+        self.on_fatal: Callable[[], object] | None = None  # called from the engine thread
+        self._consecutive_failures = 0
         self._inbox: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
         self._streams: dict[str, _Add] = {}
         self._num_pending = 0  # submitted, not yet finished (read from the event loop)
@@ -79,7 +88,8 @@ class AsyncEngine:
 
     def _loop(self, engine: LLMEngine) -> None:
         while not self._stopping.is_set():
-            cmds = self._take_commands(block=not engine.has_unfinished())
+            idle = self.fatal_error is not None or not engine.has_unfinished()
+            cmds = self._take_commands(block=idle)
             if cmds is None:
                 continue
             outputs: list[RequestOutput] = []
@@ -90,13 +100,43 @@ class AsyncEngine:
                     out = engine.abort(cmd.request_id)
                     outputs += [out] if out is not None else []
             stats = None
-            if engine.has_unfinished():
-                outputs += engine.step()
+            if self.fatal_error is None and engine.has_unfinished():
+                try:
+                    outputs += engine.step()
+                    self._consecutive_failures = 0
+                except Exception as e:
+                    outputs += self._step_failed(engine, e)  # for the metrics; streams get the error
                 stats = engine.last_stats
             for out in outputs:
                 self._deliver(out)
             if self.on_step is not None:
                 self.on_step(engine, stats, outputs)
+
+    def _step_failed(self, engine: LLMEngine, error: Exception) -> list[RequestOutput]:
+        """Fail the requests of the iteration that raised (every open one if the engine could not
+        say which); after too many failures in a row, every request, and the engine for good.
+        Returns the failed requests' final (aborted) outputs."""
+        log.error("an engine iteration failed", exc_info=error)
+        if not isinstance(error, EngineStepError):
+            error = EngineStepError(
+                f"the engine failed ({type(error).__name__}: {error})", list(self._streams)
+            )
+        self._consecutive_failures += 1
+        request_ids = error.request_ids
+        if self._consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            log.critical("%d engine iterations failed in a row: giving up", self._consecutive_failures)
+            self.fatal_error = error
+            request_ids = list(self._streams)
+        outputs = []
+        for request_id in request_ids:
+            out = engine.abort(request_id)
+            outputs += [out] if out is not None else []
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, error)
+        if self.fatal_error is not None and self.on_fatal is not None:
+            self.on_fatal()
+        return outputs
 
     def _take_commands(self, block: bool) -> list[_Add | _Abort] | None:
         """Every queued command; when idle, wait for one (None after a quiet half second)."""
@@ -111,6 +151,9 @@ class AsyncEngine:
         return cmds if cmds or not block else None
 
     def _add(self, engine: LLMEngine, cmd: _Add) -> None:
+        if self.fatal_error is not None:  # the engine gave up: answer at once instead of queuing
+            cmd.loop.call_soon_threadsafe(cmd.outputs.put_nowait, self.fatal_error)
+            return
         try:
             engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id, prompt_ids=cmd.prompt_ids)
         except BaseException as e:

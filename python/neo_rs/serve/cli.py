@@ -108,6 +108,7 @@ async def serve(args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    engine.on_fatal = lambda: loop.call_soon_threadsafe(stop.set)
     log.info("listening on http://%s:%d (model %r); loading the engine", args.host, args.port, name)
     await loop.run_in_executor(None, engine.ready.wait)
     code = 0
@@ -117,6 +118,9 @@ async def serve(args: argparse.Namespace) -> int:
     else:
         log.info("ready: POST http://%s:%d/v1/completions", args.host, args.port)
         await stop.wait()
+        if engine.fatal_error is not None:
+            log.critical("exiting with status 1 so that a supervisor restarts the server")
+            code = 1
         log.info("shutting down: no new requests; %.0f s for running ones", args.shutdown_timeout)
         state.draining = True
         if not await engine.drain(args.shutdown_timeout):

@@ -1,13 +1,16 @@
-"""The OpenAI wire format (vLLM's flavour): request bodies checked and turned into prompts and
-``SamplingParams``, response bodies and stream chunks built from ``RequestOutput``s, and the
-OpenAI error body. Everything here is pure; the handlers in ``app.py`` do the I/O."""
+"""The OpenAI wire format (vLLM's flavour): request bodies validated against pydantic models of the
+OpenAI request types and turned into prompts and ``SamplingParams``, response bodies and stream
+chunks built from ``RequestOutput``s, and the OpenAI error body. Everything here is pure; the
+handlers in ``app.py`` do the I/O."""
 
 from __future__ import annotations
 
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from neo_rs.errors import InvalidArgumentError
 from neo_rs.sampling import MAX_LOGPROBS, SamplingParams
@@ -33,38 +36,105 @@ def bad(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, "invalid_request_error", param)
 
 
-# Body field -> (accepted Python types, SamplingParams name). Other fields OpenAI clients send
-# (user, logit_bias, response_format, ...) are accepted and ignored, as vLLM does.
-_NUM = (int, float)
-_SAMPLING: dict[str, tuple[tuple[type, ...], str]] = {
-    "n": ((int,), "n"),
-    "temperature": (_NUM, "temperature"),
-    "top_p": (_NUM, "top_p"),
-    "top_k": ((int,), "top_k"),
-    "min_p": (_NUM, "min_p"),
-    "presence_penalty": (_NUM, "presence_penalty"),
-    "frequency_penalty": (_NUM, "frequency_penalty"),
-    "repetition_penalty": (_NUM, "repetition_penalty"),
-    "seed": ((int,), "seed"),
-    "min_tokens": ((int,), "min_tokens"),
-    "stop_token_ids": ((list,), "stop_token_ids"),
-    "ignore_eos": ((bool,), "ignore_eos"),
-    "include_stop_str_in_output": ((bool,), "include_stop_str_in_output"),
-    "skip_special_tokens": ((bool,), "skip_special_tokens"),
+class _Strict(BaseModel):
+    """JSON types exactly (no "5" for 5, no true for 1), finite numbers, and no field we do not
+    implement: an unknown field is a 400 that names it, never silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class _StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(_Strict):
+    """Fields both endpoints share; their ranges are ``SamplingParams``' to check."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: _StreamOptions | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    logit_bias: dict[str, float] | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    user: str | None = None  # an end-user id for the caller's own logs; no effect here
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        names = set(_Sampling.model_fields) - {"model", "stream", "stream_options", "user", "logit_bias"}
+        kw = {k: v for k, v in self.model_dump(include=names).items() if v is not None}
+        if self.logit_bias is not None:
+            try:
+                kw["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
+            except ValueError as e:
+                raise bad("'logit_bias' keys must be token ids", "logit_bias") from e
+        return kw
+
+
+class _CompletionBody(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class _TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class _Message(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[_TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class _ChatBody(_Sampling):
+    messages: list[_Message]
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+# What a type error on these fields says (pydantic's own words name the union's branches).
+_SHAPES = {
+    "prompt": "'prompt' must be a non-empty string, list of strings, or token ids",
+    "messages": "each message needs a 'role' of system, user or assistant and a string (or text parts) "
+    "'content'",
 }
 
 
-def _typed(body: dict[str, Any], name: str, types: tuple[type, ...]) -> Any:
-    value = body[name]
-    ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
-    if not ok:
-        want = " or ".join(t.__name__ for t in types)
-        raise bad(f"'{name}' must be {want}, got {type(value).__name__}", name)
-    return value
+_B = TypeVar("_B", bound=_Strict)
 
 
-def _opt(body: dict[str, Any], name: str, types: tuple[type, ...]) -> Any:
-    return None if body.get(name) is None else _typed(body, name, types)
+def _validated(model: type[_B], body: Any) -> _B:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        field = str(err["loc"][0]) if err["loc"] else None
+        if err["type"] == "extra_forbidden" and len(err["loc"]) == 1:
+            raise bad(f"'{field}' is not supported", field) from e
+        if field in _SHAPES and err["type"] != "missing":
+            raise bad(_SHAPES[field], field) from e
+        where = ".".join(str(x) for x in err["loc"])
+        raise bad(f"'{where}': {err['msg']}", field) from e
 
 
 @dataclass
@@ -87,42 +157,13 @@ class ParsedRequest:
     messages: list[dict[str, str]] = field(default_factory=list)
 
 
-def _common(body: Any, served: str, chat: bool) -> tuple[dict[str, Any], str, bool, StreamOptions]:
-    if not isinstance(body, dict):
-        raise bad("the request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad("'model' must be a string", "model")
-    if model is not None and model != served:
-        raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
-    stream = bool(_opt(body, "stream", (bool,)) or False)
-    opts = _opt(body, "stream_options", (dict,)) or {}
-    if opts and not stream:
+def _common(req: _Sampling, served: str) -> tuple[dict[str, Any], StreamOptions]:
+    if req.model is not None and req.model != served:
+        raise ApiError(404, f"The model `{req.model}` does not exist.", "NotFoundError", "model")
+    if req.stream_options is not None and not req.stream:
         raise bad("'stream_options' is only allowed with 'stream': true", "stream_options")
-    so = StreamOptions(
-        include_usage=bool(opts.get("include_usage", False)),
-        continuous_usage_stats=bool(opts.get("continuous_usage_stats", False)),
-    )
-    kw: dict[str, Any] = {}
-    for name, (types, target) in _SAMPLING.items():
-        if body.get(name) is not None:
-            kw[target] = _typed(body, name, types)
-    stop = body.get("stop")
-    if stop is not None:
-        if isinstance(stop, str):
-            kw["stop"] = [stop]
-        elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-            kw["stop"] = stop
-        else:
-            raise bad("'stop' must be a string or a list of strings", "stop")
-    max_tokens = _opt(body, "max_tokens", (int,))
-    if chat:
-        completion_tokens = _opt(body, "max_completion_tokens", (int,))
-        max_tokens = completion_tokens if completion_tokens is not None else max_tokens
-    elif max_tokens is None:
-        max_tokens = 16  # the completions API's default
-    kw["max_tokens"] = max_tokens
-    return kw, served, stream, so
+    opts = req.stream_options or _StreamOptions()
+    return req.sampling_kwargs(), StreamOptions(opts.include_usage, opts.continuous_usage_stats)
 
 
 def _params(kw: dict[str, Any]) -> SamplingParams:
@@ -133,62 +174,46 @@ def _params(kw: dict[str, Any]) -> SamplingParams:
 
 
 def parse_completion(body: Any, served: str) -> ParsedRequest:
-    kw, model, stream, so = _common(body, served, chat=False)
-    prompt = body.get("prompt")
+    req = _validated(_CompletionBody, body)
+    kw, so = _common(req, served)
+    if req.max_tokens is None:
+        kw["max_tokens"] = 16  # the completions API's default
+    prompt = req.prompt
     prompts: list[str | list[int]]
     if isinstance(prompt, str):
         prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        prompts = list(prompt)
-    elif (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
-        prompts = [list(prompt)]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
-        if not all(p and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in prompt):
-            raise bad("token-id prompts must be non-empty lists of integers", "prompt")
-        prompts = [list(p) for p in prompt]
+    elif prompt and all(isinstance(p, str) for p in prompt):
+        prompts = [p for p in prompt if isinstance(p, str)]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        prompts = [[t for t in prompt if isinstance(t, int)]]
     else:
-        raise bad("'prompt' must be a non-empty string, list of strings, or token ids", "prompt")
-    if any(isinstance(p, str) and not p for p in prompts):
+        prompts = [p for p in prompt if isinstance(p, list)]
+    if not prompts or any(not p for p in prompts):
         raise bad("the prompt is empty", "prompt")
-    logprobs = _opt(body, "logprobs", (int,))
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise bad(f"'logprobs' must be in [0, {MAX_LOGPROBS}]", "logprobs")
-    echo = bool(_opt(body, "echo", (bool,)) or False)
-    if logprobs is not None:
-        kw["logprobs"] = logprobs
-    return ParsedRequest(model, prompts, _params(kw), stream, so, echo=echo, logprobs=logprobs)
+    if req.logprobs is not None:
+        if not 0 <= req.logprobs <= MAX_LOGPROBS:
+            raise bad(f"'logprobs' must be in [0, {MAX_LOGPROBS}]", "logprobs")
+        kw["logprobs"] = req.logprobs
+    return ParsedRequest(served, prompts, _params(kw), req.stream, so, echo=req.echo, logprobs=req.logprobs)
 
 
 def parse_chat(body: Any, served: str) -> ParsedRequest:
-    kw, model, stream, so = _common(body, served, chat=True)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
+    req = _validated(_ChatBody, body)
+    kw, so = _common(req, served)
+    if not req.messages:
         raise bad("'messages' must be a non-empty list", "messages")
-    clean = []
-    for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
-            raise bad("each message needs a 'role' of system, user or assistant", "messages")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: keep the text ones
-            content = "".join(
-                p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
-            )
-        if not isinstance(content, str):
-            raise bad("each message needs a string 'content'", "messages")
-        clean.append({"role": m["role"], "content": content})
+    if req.max_completion_tokens is not None:
+        kw["max_tokens"] = req.max_completion_tokens
     logprobs = None
-    if _opt(body, "logprobs", (bool,)):
-        logprobs = _opt(body, "top_logprobs", (int,)) or 0
+    if req.logprobs:
+        logprobs = req.top_logprobs or 0
         if not 0 <= logprobs <= MAX_LOGPROBS:
             raise bad(f"'top_logprobs' must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
         kw["logprobs"] = logprobs
-    elif body.get("top_logprobs") is not None:
+    elif req.top_logprobs is not None:
         raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    return ParsedRequest(model, [], _params(kw), stream, so, logprobs=logprobs, messages=clean)
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    return ParsedRequest(served, [], _params(kw), req.stream, so, logprobs=logprobs, messages=messages)
 
 
 def new_id(prefix: str) -> str:

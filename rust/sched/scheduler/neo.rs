@@ -286,6 +286,7 @@ impl Scheduler {
             let moved = self.cpu.swap_to(&mut self.gpu, id, &mut step.swap_in);
             let grown = self.gpu.allocate_slots(id, req.num_computed_tokens + 1);
             debug_assert!(moved && grown);
+            step.moved.push(id);
             self.requests.get_mut(&id).expect("running request exists").device = Device::Gpu;
             self.stats.num_swapped_in += 1;
             step.push(self.scheduled(id, 1));
