@@ -27,8 +27,15 @@ test-rust:
 	cargo test --release
 	NEO_RS_SIMD=scalar cargo test --release --test attn_cpu
 
+# Second pass: the tests that move KV and activations between the pools, with every device->host
+# copy deferred to its wait and its destination poisoned until then, as on CUDA (transfer.py).
+EMULATED_COPY_TESTS := tests/python/test_model_parity.py tests/python/test_offload.py \
+	tests/python/test_engine.py tests/python/test_faults.py tests/python/test_transfer.py \
+	"tests/python/test_smollm2.py::test_greedy_tokens_match_transformers_gguf_loading"
+
 test-python: build
 	$(VPY) -m pytest -q
+	NEO_RS_EMULATE_ASYNC_COPIES=1 $(VPY) -m pytest -q $(EMULATED_COPY_TESTS)
 
 test: test-rust test-python
 

@@ -160,6 +160,12 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def emulate_async_copies() -> bool:
+    """``NEO_RS_EMULATE_ASYNC_COPIES=1``: on a CPU device, device->host copies land only when
+    waited on, as on CUDA (``transfer.py``)."""
+    return os.environ.get("NEO_RS_EMULATE_ASYNC_COPIES", "") not in ("", "0")
+
+
 def fail_steps() -> str:
     """``NEO_RS_FAIL_STEPS``: model runs that raise, for fault-injection tests (``faults.py``)."""
     return os.environ.get("NEO_RS_FAIL_STEPS", "")

@@ -61,16 +61,3 @@ def block_pairs(pairs: np.ndarray, src: KvPool, dst: KvPool) -> tuple[torch.Tens
     """Source and destination block indices of ``[n, 2]`` pairs, each on its pool's device."""
     idx = torch.from_numpy(np.ascontiguousarray(pairs))
     return idx[:, 0].to(src.device), idx[:, 1].to(dst.device)
-
-
-def copy_blocks(
-    src: KvPool, dst: KvPool, src_idx: torch.Tensor, dst_idx: torch.Tensor, layer: int | None = None
-) -> None:
-    """Copy K and V of blocks ``src_idx`` into ``dst_idx``: one layer, or every layer when None."""
-    if len(src_idx) == 0:
-        return
-    for s, d in ((src.k, dst.k), (src.v, dst.v)):
-        if layer is None:
-            d[:, dst_idx] = s[:, src_idx].to(dst.device, non_blocking=True)
-        else:
-            d[layer][dst_idx] = s[layer][src_idx].to(dst.device, non_blocking=True)

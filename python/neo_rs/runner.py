@@ -13,16 +13,14 @@ import torch
 
 from neo_rs._core import CpuAttention, SchedulerOutput
 from neo_rs.attention import Attention, AttentionBatch, PendingCpuAttention
-from neo_rs.config import EngineArgs, ModelConfig
+from neo_rs.config import EngineArgs, ModelConfig, emulate_async_copies
 from neo_rs.errors import InvalidArgumentError
-from neo_rs.kv_cache import KvLayout, KvPool, block_pairs, copy_blocks
+from neo_rs.kv_cache import KvLayout, KvPool, block_pairs
 from neo_rs.model import load_model
 from neo_rs.timing import MeasuredTimes, StageClock
-from neo_rs.transfer import HostTransfer
+from neo_rs.transfer import HostTransfer, Pairs, Staged
 
 log = logging.getLogger(__name__)
-
-Pairs = tuple[torch.Tensor, torch.Tensor]  # (source, destination) block indices
 
 # Device pool budget when the "device" is the CPU and no block count is given.
 _CPU_DEVICE_KV_BYTES = 2 << 30
@@ -69,10 +67,14 @@ class ModelRunner:
             num_cpu * per_block / (1 << 30),
             args.block_size,
         )
+        self.transfer = HostTransfer(device, emulate_async=emulate_async_copies())
         self.attention = Attention(
-            cfg.head_dim**-0.5, CpuAttention(num_threads=args.cpu_threads), HostTransfer(device)
+            cfg.head_dim**-0.5, CpuAttention(num_threads=args.cpu_threads), self.transfer
         )
         self.last_times = MeasuredTimes()
+        # This iteration's copies into the host pool not yet waited on (host-bound prefill rows,
+        # staged blocks): nothing reads those host blocks before the next iteration.
+        self._landing: list[Staged] = []
 
     def _device_blocks(self, args: EngineArgs, max_model_len: int) -> int:
         per_block = self.layout.bytes_per_block()
@@ -109,10 +111,17 @@ class ModelRunner:
         return self.host_pool.num_blocks
 
     def apply_swaps(self, plan: SchedulerOutput) -> None:
-        """Whole-request moves between the pools, swap-outs first (their blocks may be reused)."""
+        """Whole-request moves between the pools. Swap-outs are gathered first (the plan may hand
+        their device blocks to others) and waited for last, before this iteration's CPU
+        attention can read them (under ``neo`` a swapped-out request decodes on the CPU at once)."""
         dev, host = self.device_pool, self.host_pool
-        copy_blocks(dev, host, *block_pairs(plan.swap_out, dev, host))
-        copy_blocks(host, dev, *block_pairs(plan.swap_in, host, dev))
+        swapped_out = None
+        if len(plan.swap_out):
+            swapped_out = self.transfer.blocks_to_host(dev, host, block_pairs(plan.swap_out, dev, host))
+        if len(plan.swap_in):
+            self.transfer.blocks_to_device(host, dev, block_pairs(plan.swap_in, host, dev))
+        if swapped_out is not None:
+            swapped_out.ready()
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> torch.Tensor:
@@ -124,7 +133,9 @@ class ModelRunner:
         batches = AttentionBatch.from_plan(plan, dev, self.layout.block_size)
         # Finishing prefills bound for the host pool (all in sub-batch 0) leave each layer's
         # blocks right after that layer writes them.
-        to_host = block_pairs(plan.prefill_to_host, self.device_pool, self.host_pool)
+        to_host = None
+        if len(plan.prefill_to_host):
+            to_host = block_pairs(plan.prefill_to_host, self.device_pool, self.host_pool)
         self.last_times = MeasuredTimes()
         x = self.model.embed_tokens(ids)
         if len(batches) == 1:
@@ -136,7 +147,11 @@ class ModelRunner:
             num_cpu * self.transfer_bytes_per_decode() * len(self.model.decoder_layers)
         )
         sample_rows = torch.from_numpy(np.ascontiguousarray(plan.sample_rows)).to(dev)
-        return self.model.compute_logits(x[sample_rows])
+        logits = self.model.compute_logits(x[sample_rows])
+        for staged in self._landing:  # the host pool is whole again before the next plan
+            staged.ready()
+        self._landing.clear()
+        return logits
 
     def _pre(
         self, i: int, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, to_host: Pairs | None
@@ -149,10 +164,9 @@ class ModelRunner:
             pool.write(i, slots, k[r], v[r])
         if batch.host_writes is not None:
             h, slots = batch.host_writes
-            cpu = torch.device("cpu")
-            self.host_pool.write(i, slots, k[h].to(cpu), v[h].to(cpu))
+            self._landing.append(self.transfer.rows_to_host(self.host_pool, i, slots, k[h], v[h]))
         if to_host is not None:
-            copy_blocks(pool, self.host_pool, *to_host, layer=i)
+            self._landing.append(self.transfer.blocks_to_host(pool, self.host_pool, to_host, layer=i))
         return q, k, v
 
     def _cpu_result(self, pending: PendingCpuAttention) -> torch.Tensor:
@@ -161,7 +175,7 @@ class ModelRunner:
         return out
 
     def _sequential(
-        self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, to_host: Pairs
+        self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, to_host: Pairs | None
     ) -> torch.Tensor:
         """Layer by layer; CPU decodes (if any) run while the device attention is issued."""
         attn, clock = self.attention, StageClock(self.device)
@@ -187,7 +201,12 @@ class ModelRunner:
         return x
 
     def _pipelined(
-        self, x: torch.Tensor, positions: torch.Tensor, b0: AttentionBatch, b1: AttentionBatch, to_host: Pairs
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        b0: AttentionBatch,
+        b1: AttentionBatch,
+        to_host: Pairs | None,
     ) -> torch.Tensor:
         """NEO's asymmetric pipeline: sub-batch 0 runs half a layer ahead of sub-batch 1 (CPU
         decodes only). B1's CPU attention of layer i runs while the device does B0's post-

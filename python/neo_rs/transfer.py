@@ -1,60 +1,160 @@
-"""Device<->host copies of CPU decodes' q/k/v and attention outputs, behind one interface. On
-CUDA: pinned staging buffers and a copy stream with events, so copies overlap compute and the
-host waits only for the copy it needs; on a CPU device the "copies" are plain contiguous views
-(the same code path, exercised by the tests)."""
+"""Every device<->host copy of the engine goes through ``HostTransfer``: CPU decodes' q/k/v and
+attention outputs, whole-request swaps between the KV pools, host-bound prefill rows and
+staged blocks. On CUDA it uses pinned host buffers and a copy stream with events, so copies
+overlap compute and the host waits only for the copy it needs. On a CPU device copies are plain
+and synchronous, unless ``NEO_RS_EMULATE_ASYNC_COPIES=1``: then each device->host copy is
+deferred until the host waits on it, and until then its destination holds poison (NaN, or a
+sentinel for integers), as a CUDA destination would hold stale bytes. Reading a destination
+before its wait is the bug class this makes visible to the CPU-only tests."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
+from neo_rs.kv_cache import KvPool, Slots
+
 CPU = torch.device("cpu")
+INT_POISON = -0x5A5A5A5A  # what an integer destination holds until its copy lands
+
+Pairs = tuple[torch.Tensor, torch.Tensor]  # (source, destination) block indices
+Landing = Callable[[list[torch.Tensor]], None]  # host work that needs the landed tensors
 
 
 @dataclass
 class Staged:
-    """Host tensors being filled; ``ready()`` blocks until the copies have landed."""
+    """Host tensors being filled. ``ready()`` waits until the copies have landed, then runs the
+    host work that needed them (``then``, e.g. a scatter into the host pool) once."""
 
     tensors: list[torch.Tensor]
-    event: torch.cuda.Event | None = None
+    wait: Callable[[], None] | None = None
+    then: Landing | None = None
+    _done: bool = field(default=False, repr=False)
 
     def ready(self) -> list[torch.Tensor]:
-        if self.event is not None:
-            self.event.synchronize()
+        if not self._done:
+            if self.wait is not None:
+                self.wait()
+            if self.then is not None:
+                self.then(self.tensors)
+            self._done = True
         return self.tensors
 
     @property
     def immediate(self) -> bool:
-        return self.event is None
+        """Whether the bytes are already on the host (no copy in flight)."""
+        return self.wait is None
+
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    """``t`` filled with what an unlanded copy leaves behind."""
+    return t.fill_(float("nan") if t.is_floating_point() else INT_POISON)
+
+
+class _EmulatedCopyStream:
+    """CUDA's copy stream, played on the CPU: copies run in order, each when a wait reaches it."""
+
+    def __init__(self) -> None:
+        self._queue: deque[tuple[int, Callable[[], None]]] = deque()
+        self._issued = 0
+
+    def enqueue(self, copy: Callable[[], None]) -> int:
+        self._issued += 1
+        self._queue.append((self._issued, copy))
+        return self._issued
+
+    def run_until(self, ticket: int) -> None:
+        while self._queue and self._queue[0][0] <= ticket:
+            self._queue.popleft()[1]()
 
 
 class HostTransfer:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, emulate_async: bool = False) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.emulated = _EmulatedCopyStream() if emulate_async and self.stream is None else None
 
-    def to_host(self, *tensors: torch.Tensor) -> Staged:
-        """Start copying device tensors into contiguous host memory (model dtype)."""
-        if self.stream is None:
-            return Staged([t.to(CPU).contiguous() for t in tensors])
-        produced = torch.cuda.Event()
-        produced.record()
-        outs = []
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(produced)
-            for t in tensors:
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                host.copy_(t, non_blocking=True)
-                t.record_stream(self.stream)
-                outs.append(host)
-        done = torch.cuda.Event()
-        done.record(self.stream)
-        return Staged(outs, done)
+    @property
+    def pinned(self) -> bool:
+        return self.stream is not None
+
+    def to_host(self, *tensors: torch.Tensor, then: Landing | None = None) -> Staged:
+        """Start copying device tensors into fresh host buffers (same dtype). The device work that
+        produced them is ordered before the copies; ``then`` runs at ``ready()``."""
+        if self.stream is not None:
+            produced = torch.cuda.Event()
+            produced.record()
+            outs = []
+            with torch.cuda.stream(self.stream):
+                self.stream.wait_event(produced)
+                for t in tensors:
+                    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                    host.copy_(t, non_blocking=True)
+                    t.record_stream(self.stream)
+                    outs.append(host)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+            return Staged(outs, done.synchronize, then)
+        if self.emulated is not None:
+            outs = [poison(torch.empty(t.shape, dtype=t.dtype)) for t in tensors]
+            srcs = list(tensors)
+
+            def copy() -> None:
+                for dst, src in zip(outs, srcs, strict=True):
+                    dst.copy_(src)
+
+            ticket, stream = self.emulated.enqueue(copy), self.emulated
+            return Staged(outs, lambda: stream.run_until(ticket), then)
+        return Staged([t.to(CPU).contiguous() for t in tensors], None, then)
 
     def host_buffer(self, like: torch.Tensor) -> torch.Tensor:
         """An output buffer the CPU kernel writes and ``to_device`` can copy asynchronously."""
-        return torch.empty(like.shape, dtype=like.dtype, pin_memory=self.stream is not None)
+        return torch.empty(like.shape, dtype=like.dtype, pin_memory=self.pinned)
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.device, non_blocking=self.stream is not None)
+        """A host tensor onto the device, queued on the device's own stream (so ordered before
+        every later kernel that reads it; pinned sources make it asynchronous)."""
+        return t.to(self.device, non_blocking=self.pinned)
+
+    def blocks_to_host(self, src: KvPool, dst: KvPool, pairs: Pairs, layer: int | None = None) -> Staged:
+        """Copy K and V of device blocks ``pairs[0]`` into host blocks ``pairs[1]``: one layer, or
+        every layer when None. The gather runs now, in the device's order, so writes that reuse
+        the source blocks later in the iteration cannot race it; the bytes reach the host pool at
+        ``ready()``, which the caller must reach before anything reads those host blocks."""
+        src_idx, dst_idx = pairs
+        at = (slice(None), src_idx) if layer is None else (layer, src_idx)
+        into = (slice(None), dst_idx) if layer is None else (layer, dst_idx)
+
+        def scatter(landed: list[torch.Tensor]) -> None:
+            dst.k[into], dst.v[into] = landed
+
+        if self.emulated is not None:  # the host blocks are not whole until ready()
+            dst.k[into] = float("nan")
+            dst.v[into] = float("nan")
+        return self.to_host(src.k[at], src.v[at], then=scatter)
+
+    def rows_to_host(self, dst: KvPool, layer: int, slots: Slots, k: torch.Tensor, v: torch.Tensor) -> Staged:
+        """Copy device rows of K and V (``[tokens, kv_heads, head_dim]``) into host-pool slots of
+        one layer; they are there at ``ready()``."""
+
+        def write(landed: list[torch.Tensor]) -> None:
+            dst.write(layer, slots, landed[0], landed[1])
+
+        if self.emulated is not None:
+            dst.write(
+                layer, slots, poison(torch.empty_like(k, device=CPU)), poison(torch.empty_like(v, device=CPU))
+            )
+        return self.to_host(k, v, then=write)
+
+    def blocks_to_device(self, src: KvPool, dst: KvPool, pairs: Pairs) -> None:
+        """Copy K and V (every layer) of host blocks ``pairs[0]`` into device blocks ``pairs[1]``:
+        gathered on the host now, copied on the device's stream."""
+        src_idx, dst_idx = pairs
+        for s, d in ((src.k, dst.k), (src.v, dst.v)):
+            shape = (s.shape[0], len(src_idx), *s.shape[2:])
+            gathered = torch.empty(shape, dtype=s.dtype, pin_memory=self.pinned)
+            torch.index_select(s, 1, src_idx, out=gathered)
+            d[:, dst_idx] = self.to_device(gathered)

@@ -148,14 +148,26 @@ def test_all_mode_with_a_full_host_pool_recomputes(checkpoints) -> None:
     assert_all_blocks_free(engine)
 
 
-def test_chunked_prefill_keeps_outputs_identical(checkpoints) -> None:
-    tokens, engine = run(checkpoints["qwen2"], num_gpu_blocks=64, max_num_batched_tokens=5)
+# Pools per offload mode, small enough that requests swap (none), decode from the host pool in
+# the forced pipeline (neo) or move there after prefill (all).
+MODES = {
+    "none": dict(num_gpu_blocks=8, num_cpu_blocks=64, block_size=8),
+    "neo": dict(num_gpu_blocks=10, num_cpu_blocks=64, block_size=8, neo_force_pipeline=True),
+    "all": dict(num_gpu_blocks=16, num_cpu_blocks=64, block_size=8),
+}
+
+
+@pytest.mark.parametrize("offload", list(MODES))
+def test_chunked_prefill_keeps_outputs_identical(checkpoints, offload: str) -> None:
+    tokens, engine = run(checkpoints["qwen2"], offload=offload, max_num_batched_tokens=5, **MODES[offload])
     assert tokens == [hf_greedy(checkpoints["qwen2"], "qwen2", p) for p in PROMPTS]
     assert_all_blocks_free(engine)
 
 
-def test_requests_arriving_mid_run(checkpoints) -> None:
-    engine = LLMEngine(EngineArgs(model=str(checkpoints["mistral"]), dtype="float32", num_gpu_blocks=64))
+@pytest.mark.parametrize("offload", list(MODES))
+def test_requests_arriving_mid_run_and_aborts(checkpoints, offload: str) -> None:
+    args = EngineArgs(model=str(checkpoints["mistral"]), dtype="float32", offload=offload, **MODES[offload])
+    engine = LLMEngine(args)
     got: dict[str, list[int]] = {}
     pending = list(enumerate(PROMPTS))
     steps = 0
@@ -163,11 +175,15 @@ def test_requests_arriving_mid_run(checkpoints) -> None:
         if pending and steps % 3 == 0:
             i, p = pending.pop(0)
             engine.add_request(p, GREEDY, request_id=str(i))
+        if steps == 7:
+            assert engine.abort("1") is not None  # mid-generation, its blocks in either pool
         for out in engine.step():
             if out.finished:
                 got[out.request_id] = out.outputs[0].token_ids
         steps += 1
-    assert [got[str(i)] for i in range(len(PROMPTS))] == [
-        hf_greedy(checkpoints["mistral"], "mistral", p) for p in PROMPTS
+    assert "1" not in got
+    kept = [i for i in range(len(PROMPTS)) if i != 1]
+    assert [got[str(i)] for i in kept] == [
+        hf_greedy(checkpoints["mistral"], "mistral", PROMPTS[i]) for i in kept
     ]
     assert_all_blocks_free(engine)
