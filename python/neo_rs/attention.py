@@ -1,10 +1,12 @@
 """Attention over the paged KV pools for one iteration: prefill chunks with torch SDPA (causal,
-per sequence); device decodes with the Rust CPU kernel when the device pool is in CPU memory, else
-a torch gather fallback (CUDA until a CUDA kernel lands); CPU decodes (NEO's offloaded requests)
-with the Rust kernel over the host pool, appending their new K/V there."""
+per sequence); device decodes with the Rust CPU kernel when the device pool is in CPU memory, our
+Triton kernel on CUDA (``neo_rs.cuda``), else a torch gather fallback; CPU decodes (NEO's
+offloaded requests) with the Rust kernel over the host pool, appending their new K/V there."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +15,8 @@ import torch.nn.functional as F
 from neo_rs._core import AttentionHandle, CpuAttention, SchedulerOutput
 from neo_rs.kv_cache import KvPool, Slots, split_slots
 from neo_rs.transfer import HostTransfer, Staged
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,6 +38,7 @@ class DecodeRows:
     end: int
     block_tables: torch.Tensor  # [rows, max_blocks] int32
     seq_lens: torch.Tensor  # [rows] int32
+    max_seq_len: int  # known on the host, so kernels plan their splits without a device sync
 
     def __len__(self) -> int:
         return self.end - self.start
@@ -99,8 +104,12 @@ class AttentionBatch:
             host_writes=(host_rows, split_slots(slots[host_rows], block_size, torch.device("cpu")))
             if host_rows.stop > host_rows.start
             else None,
-            gpu_decodes=DecodeRows(0, ngd, tables[:ngd].to(device), seq_lens[:ngd].to(device)),
-            cpu_decodes=DecodeRows(ngd, nd, tables[ngd:nd], seq_lens[ngd:nd]),
+            gpu_decodes=DecodeRows(
+                0, ngd, tables[:ngd].to(device), seq_lens[:ngd].to(device), int(lens[:ngd].max(initial=0))
+            ),
+            cpu_decodes=DecodeRows(
+                ngd, nd, tables[ngd:nd], seq_lens[ngd:nd], int(lens[ngd:nd].max(initial=0))
+            ),
             prefills=prefills,
         )
 
@@ -143,6 +152,28 @@ class PendingCpuAttention:
         return self.transfer.to_device(self.out)
 
 
+DeviceDecode = Callable[[torch.Tensor, KvPool, int, DecodeRows, float, torch.Tensor], None]
+
+
+def _triton_decode() -> DeviceDecode | None:
+    """Our Triton kernel, when Triton can be imported (it ships with CUDA builds of torch)."""
+    try:
+        from neo_rs.cuda.paged_decode import SplitPlan, paged_decode
+    except ImportError as e:
+        log.warning("Triton is unavailable (%s): device decodes use the torch fallback", e)
+        return None
+
+    def decode(
+        q: torch.Tensor, pool: KvPool, layer: int, rows: DecodeRows, scale: float, out: torch.Tensor
+    ) -> None:
+        plan = SplitPlan.for_lengths(rows.max_seq_len, pool.layout.block_size)
+        paged_decode(
+            q.contiguous(), pool.k[layer], pool.v[layer], rows.block_tables, rows.seq_lens, scale, out, plan
+        )
+
+    return decode
+
+
 class Attention:
     """One layer's attention for one sub-batch. ``cpu_attention`` serves CPU decodes, and device
     decodes too when the device pool lives in CPU memory."""
@@ -151,6 +182,7 @@ class Attention:
         self.scale = scale
         self.cpu_attention = cpu_attention
         self.transfer = transfer
+        self.device_decode = _triton_decode() if transfer.device.type == "cuda" else None
 
     def decode(self, q: torch.Tensor, pool: KvPool, layer: int, rows: DecodeRows, out: torch.Tensor) -> None:
         """Device-pool decodes (their K/V already written), into ``out``."""
@@ -158,6 +190,8 @@ class Attention:
             self.cpu_attention.forward(
                 q.contiguous(), pool.k, pool.v, layer, rows.block_tables, rows.seq_lens, self.scale, out
             )
+        elif self.device_decode is not None:
+            self.device_decode(q, pool, layer, rows, self.scale, out)
         else:
             out.copy_(paged_decode_torch(q, pool, layer, rows.block_tables, rows.seq_lens, self.scale))
 

@@ -1,0 +1,139 @@
+"""Paged decode attention in Triton, reading the per-layer KV pools in place
+(``[num_blocks, num_kv_heads, block_size, head_dim]``, no gather copies): one program per
+(sequence, KV head, split) attends every query head of the GQA group over its share of the
+sequence's blocks with an online softmax in float32; long sequences are split (FlashDecoding) and
+the splits merged by their log-sum-exp. vLLM's Triton decode kernel is the model. bfloat16 is read
+as raw 16-bit words and widened by a shift, which is exact and also runs under Triton's CPU
+interpreter (``TRITON_INTERPRET=1``), where CI tests this kernel against the Rust one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# Blocks one program walks before the sequence is split further; at most MAX_SPLITS splits.
+BLOCKS_PER_SPLIT = 32
+MAX_SPLITS = 16
+_EMPTY = -1e30  # the running max before any token (finite: exp(m - m) never sees inf - inf)
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """How many pieces each sequence's blocks are cut into; the same for every layer of one
+    iteration's sub-batch, so it is built once from the host-side lengths (no device sync)."""
+
+    num_splits: int
+    blocks_per_split: int
+
+    @staticmethod
+    def for_lengths(max_seq_len: int, block_size: int) -> SplitPlan:
+        max_blocks = max(1, triton.cdiv(max_seq_len, block_size))
+        splits = min(MAX_SPLITS, triton.cdiv(max_blocks, BLOCKS_PER_SPLIT))
+        return SplitPlan(splits, triton.cdiv(max_blocks, splits))
+
+
+@triton.jit
+def _widen(x, IS_BF16: tl.constexpr):
+    if IS_BF16:
+        return (x.to(tl.uint16).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _paged_decode_split(
+    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr,
+    scale, max_blocks, blocks_per_split,
+    stride_qs, stride_qh,
+    stride_kb, stride_kh, stride_kt,
+    stride_as, stride_ah, stride_ap,
+    stride_ms, stride_mh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, IS_BF16: tl.constexpr,
+):  # fmt: skip
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    t = tl.arange(0, BLOCK_SIZE)
+    g_ok, d_ok = g < GROUP, d < HEAD_DIM
+    heads = kv_head * GROUP + g
+    q = tl.load(
+        q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :], g_ok[:, None] & d_ok[None, :], 0
+    )
+    q = _widen(q, IS_BF16) * scale
+    seq_len = tl.load(lens_ptr + seq)
+    first = split * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, tl.cdiv(seq_len, BLOCK_SIZE))
+    m = tl.full([BLOCK_G], _EMPTY, tl.float32)
+    lsum = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for j in range(first, last):
+        block = tl.load(tables_ptr + seq * max_blocks + j).to(tl.int64)
+        pos = j * BLOCK_SIZE + t
+        t_ok = pos < seq_len  # slots past the length hold whatever the pool held: never load them
+        kv_at = block * stride_kb + kv_head * stride_kh + t[:, None] * stride_kt + d[None, :]
+        kv_ok = t_ok[:, None] & d_ok[None, :]
+        k = _widen(tl.load(k_ptr + kv_at, kv_ok, 0), IS_BF16)
+        v = _widen(tl.load(v_ptr + kv_at, kv_ok, 0), IS_BF16)
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, BLOCK_SIZE]
+        s = tl.where(t_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        lsum = lsum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m = m_new
+    out_at = seq * stride_as + heads[:, None] * stride_ah + split * stride_ap + d[None, :]
+    tl.store(acc_ptr + out_at, acc, g_ok[:, None] & d_ok[None, :])
+    ml_at = seq * stride_ms + heads * stride_mh + split
+    tl.store(m_ptr + ml_at, m, g_ok)
+    tl.store(l_ptr + ml_at, lsum, g_ok)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """bfloat16 as its 16-bit words (the kernel widens them); other dtypes as they are."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    plan: SplitPlan,
+) -> None:
+    """Decode attention of ``q`` ``[seqs, q_heads, head_dim]`` over one layer's pools into ``out``;
+    ``block_tables`` ``[seqs, max_blocks]`` and ``seq_lens`` ``[seqs]`` are int32 on the pools'
+    device. A sequence of length 0 gets zeros."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    if num_seqs == 0:
+        return
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and q.stride(-1) == 1
+    splits = plan.num_splits
+    # Per split: the unnormalised output, and (running max, sum of exponentials).
+    acc = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    m = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
+    lsum = torch.empty_like(m)
+    group = num_heads // num_kv_heads
+    _paged_decode_split[(num_seqs, num_kv_heads, splits)](
+        _bits(q), _bits(k_cache), _bits(v_cache), block_tables, seq_lens, acc, m, lsum,
+        scale, block_tables.shape[1], plan.blocks_per_split,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        acc.stride(0), acc.stride(1), acc.stride(2),
+        m.stride(0), m.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_G=triton.next_power_of_2(group), BLOCK_D=triton.next_power_of_2(head_dim),
+        IS_BF16=q.dtype == torch.bfloat16,
+    )  # fmt: skip
+    # Merge the splits by their log-sum-exp; empty splits (and empty sequences) weigh nothing.
+    weight = torch.exp(m - m.max(dim=2, keepdim=True).values) * (lsum > 0)
+    total = (weight * lsum).sum(dim=2, keepdim=True)
+    merged = (weight[..., None] * acc).sum(dim=2) / total.clamp_min(torch.finfo(torch.float32).tiny)
+    out.copy_(merged)
