@@ -57,14 +57,14 @@ class AttentionBatch:
     prefills: list[Prefill]
 
     @staticmethod
-    def from_plan(plan: SchedulerOutput, device: torch.device, block_size: int) -> list[AttentionBatch]:
+    def from_plan(plan: SchedulerOutput, transfer: HostTransfer, block_size: int) -> list[AttentionBatch]:
         """One batch per sub-batch of the plan (two when it is pipelined); each batch's rows
         count from its own first token."""
         n, s1 = len(plan.req_ids), plan.sub_batch1_start
         nd, ncd, nhp = plan.num_decodes, plan.num_cpu_decodes, plan.num_host_prefills
-        batches = [AttentionBatch._rows(plan, 0, s1, (nd, ncd, nhp), device, block_size)]
+        batches = [AttentionBatch._rows(plan, 0, s1, (nd, ncd, nhp), transfer, block_size)]
         if s1 < n:
-            batches.append(AttentionBatch._rows(plan, s1, n, (n - s1, n - s1, 0), device, block_size))
+            batches.append(AttentionBatch._rows(plan, s1, n, (n - s1, n - s1, 0), transfer, block_size))
         return batches
 
     @staticmethod
@@ -73,10 +73,17 @@ class AttentionBatch:
         lo: int,
         hi: int,
         counts: tuple[int, int, int],
-        device: torch.device,
+        transfer: HostTransfer,
         block_size: int,
     ) -> AttentionBatch:
-        """Requests ``lo:hi``; ``counts``: their decodes, CPU decodes among them, host prefills."""
+        """Requests ``lo:hi``; ``counts``: their decodes, CPU decodes among them, host prefills.
+        Everything the device reads is uploaded here, once per iteration, not per layer."""
+        up = transfer.upload
+
+        def up_slots(rows: slice) -> Slots:
+            block, offset = split_slots(slots[rows], block_size)
+            return up(block), up(offset)
+
         nd, ncd, nhp = counts
         ngd = nd - ncd
         qsl = plan.query_start_loc[lo : hi + 1] - plan.query_start_loc[lo]
@@ -89,7 +96,7 @@ class AttentionBatch:
             start, end = int(qsl[i]), int(qsl[i + 1])
             seq_len = int(lens[i])
             prefills.append(
-                Prefill(start, end, seq_len - (end - start), seq_len, tables[i, :nblocks].long().to(device))
+                Prefill(start, end, seq_len - (end - start), seq_len, up(tables[i, :nblocks].long()))
             )
         t0, t1 = int(plan.query_start_loc[lo]), int(plan.query_start_loc[hi])
         slots = plan.slot_mapping[t0:t1]
@@ -100,12 +107,12 @@ class AttentionBatch:
         host_rows = slice(host, t1 - t0)
         return AttentionBatch(
             tokens=slice(t0, t1),
-            device_writes=[(r, split_slots(slots[r], block_size, device)) for r in to_device],
-            host_writes=(host_rows, split_slots(slots[host_rows], block_size, torch.device("cpu")))
+            device_writes=[(r, up_slots(r)) for r in to_device],
+            host_writes=(host_rows, split_slots(slots[host_rows], block_size))
             if host_rows.stop > host_rows.start
             else None,
             gpu_decodes=DecodeRows(
-                0, ngd, tables[:ngd].to(device), seq_lens[:ngd].to(device), int(lens[:ngd].max(initial=0))
+                0, ngd, up(tables[:ngd]), up(seq_lens[:ngd]), int(lens[:ngd].max(initial=0))
             ),
             cpu_decodes=DecodeRows(
                 ngd, nd, tables[ngd:nd], seq_lens[ngd:nd], int(lens[ngd:nd].max(initial=0))

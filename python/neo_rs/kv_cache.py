@@ -51,10 +51,10 @@ class KvPool:
         self.v[layer][block, :, offset] = v
 
 
-def split_slots(slot_mapping: np.ndarray, block_size: int, device: torch.device) -> Slots:
-    """Flat slots ``block * block_size + offset`` as (block, offset) index tensors on ``device``."""
+def split_slots(slot_mapping: np.ndarray, block_size: int) -> Slots:
+    """Flat slots ``block * block_size + offset`` as (block, offset) index tensors (host)."""
     flat = torch.from_numpy(np.ascontiguousarray(slot_mapping))
-    return (flat // block_size).to(device), (flat % block_size).to(device)
+    return flat // block_size, flat % block_size
 
 
 def block_pairs(pairs: np.ndarray, src: KvPool, dst: KvPool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -72,8 +72,10 @@ class ModelRunner:
             cfg.head_dim**-0.5, CpuAttention(num_threads=args.cpu_threads), self.transfer
         )
         self.last_times = MeasuredTimes()
-        # This iteration's copies into the host pool not yet waited on (host-bound prefill rows,
-        # staged blocks): nothing reads those host blocks before the next iteration.
+        # Copies into the host pool not yet waited on: this iteration's swap-outs (waited for
+        # before the forward: CPU attention may read them), host-bound prefill rows and staged
+        # blocks (waited for after it: nothing reads those host blocks before the next plan).
+        self._swapped_out: Staged | None = None
         self._landing: list[Staged] = []
 
     def _device_blocks(self, args: EngineArgs, max_model_len: int) -> int:
@@ -112,45 +114,55 @@ class ModelRunner:
 
     def apply_swaps(self, plan: SchedulerOutput) -> None:
         """Whole-request moves between the pools. Swap-outs are gathered first (the plan may hand
-        their device blocks to others) and waited for last, before this iteration's CPU
-        attention can read them (under ``neo`` a swapped-out request decodes on the CPU at once)."""
+        their device blocks to others); ``execute`` waits for them before its CPU attention can
+        read them (under ``neo`` a swapped-out request decodes on the CPU at once)."""
         dev, host = self.device_pool, self.host_pool
-        swapped_out = None
         if len(plan.swap_out):
-            swapped_out = self.transfer.blocks_to_host(dev, host, block_pairs(plan.swap_out, dev, host))
+            self._swapped_out = self.transfer.blocks_to_host(dev, host, block_pairs(plan.swap_out, dev, host))
         if len(plan.swap_in):
             self.transfer.blocks_to_device(host, dev, block_pairs(plan.swap_in, host, dev))
-        if swapped_out is not None:
-            swapped_out.ready()
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> torch.Tensor:
         """Run the plan's tokens through the model; float32 logits of its sampled rows. Stage
         times are left in ``last_times``."""
-        dev = self.device
-        ids = torch.from_numpy(plan.input_ids).to(dev)
-        positions = torch.from_numpy(plan.positions).to(dev)
-        batches = AttentionBatch.from_plan(plan, dev, self.layout.block_size)
+        self.last_times = MeasuredTimes()
+        self.transfer.waits = self.last_times.waits
+        up = self.transfer.upload
+        ids, positions = up(torch.from_numpy(plan.input_ids)), up(torch.from_numpy(plan.positions))
+        sample_rows = up(torch.from_numpy(np.ascontiguousarray(plan.sample_rows)))
+        batches = AttentionBatch.from_plan(plan, self.transfer, self.layout.block_size)
+        if self._swapped_out is not None:
+            self._swapped_out.ready()
+            self._swapped_out = None
         # Finishing prefills bound for the host pool (all in sub-batch 0) leave each layer's
         # blocks right after that layer writes them.
         to_host = None
         if len(plan.prefill_to_host):
             to_host = block_pairs(plan.prefill_to_host, self.device_pool, self.host_pool)
-        self.last_times = MeasuredTimes()
         x = self.model.embed_tokens(ids)
+        clock = StageClock(self.device, self.last_times.waits)
         if len(batches) == 1:
-            x = self._sequential(x, positions, batches[0], to_host)
+            x, spans = self._sequential(x, positions, batches[0], to_host, clock)
         else:
-            x = self._pipelined(x, positions, batches[0], batches[1], to_host)
+            x, spans = (
+                self._pipelined(x, positions, batches[0], batches[1], to_host),
+                [],
+            )  # overlapped: untimed
         num_cpu = sum(len(b.cpu_decodes) for b in batches)
         self.last_times.transfer_bytes = (
             num_cpu * self.transfer_bytes_per_decode() * len(self.model.decoder_layers)
         )
-        sample_rows = torch.from_numpy(np.ascontiguousarray(plan.sample_rows)).to(dev)
         logits = self.model.compute_logits(x[sample_rows])
         for staged in self._landing:  # the host pool is whole again before the next plan
             staged.ready()
         self._landing.clear()
+        if spans:  # read the stage timers once the whole forward is queued, with one wait
+            clock.settle()
+            n = len(spans)
+            linear = sum(clock.span_ms(a, b) + clock.span_ms(d, e) for a, b, _, d, e in spans)
+            self.last_times.linear_ms = linear / n
+            self.last_times.device_attn_ms = sum(clock.span_ms(b, c) for _, b, c, _, _ in spans) / n
         return logits
 
     def _pre(
@@ -175,10 +187,16 @@ class ModelRunner:
         return out
 
     def _sequential(
-        self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, to_host: Pairs | None
-    ) -> torch.Tensor:
-        """Layer by layer; CPU decodes (if any) run while the device attention is issued."""
-        attn, clock = self.attention, StageClock(self.device)
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        to_host: Pairs | None,
+        clock: StageClock,
+    ) -> tuple[torch.Tensor, list[tuple[int, int, int, int, int]]]:
+        """Layer by layer; CPU decodes (if any) run while the device attention is issued. Also
+        returns each layer's clock marks (pre, attention issued, CPU attention in, post)."""
+        attn = self.attention
         spans = []
         for i, layer in enumerate(self.model.decoder_layers):
             t0 = clock.mark()
@@ -193,12 +211,7 @@ class ModelRunner:
             t3 = clock.mark()
             x = layer.post_attention(out, x)
             spans.append((t0, t1, t2, t3, clock.mark()))
-        n = len(spans)
-        self.last_times.linear_ms = (
-            sum(clock.span_ms(a, b) + clock.span_ms(d, e) for a, b, _, d, e in spans) / n
-        )
-        self.last_times.device_attn_ms = sum(clock.span_ms(b, c) for _, b, c, _, _ in spans) / n
-        return x
+        return x, spans
 
     def _pipelined(
         self,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from neo_rs.kv_cache import KvPool, Slots
+from neo_rs.timing import HostWaits
 
 CPU = torch.device("cpu")
 INT_POISON = -0x5A5A5A5A  # what an integer destination holds until its copy lands
@@ -76,6 +77,7 @@ class HostTransfer:
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.emulated = _EmulatedCopyStream() if emulate_async and self.stream is None else None
+        self.waits = HostWaits()  # the runner hands each iteration its own
 
     @property
     def pinned(self) -> bool:
@@ -97,7 +99,7 @@ class HostTransfer:
                     outs.append(host)
             done = torch.cuda.Event()
             done.record(self.stream)
-            return Staged(outs, done.synchronize, then)
+            return Staged(outs, lambda: self.waits.for_copy(done.synchronize), then)
         if self.emulated is not None:
             outs = [poison(torch.empty(t.shape, dtype=t.dtype)) for t in tensors]
             srcs = list(tensors)
@@ -107,8 +109,16 @@ class HostTransfer:
                     dst.copy_(src)
 
             ticket, stream = self.emulated.enqueue(copy), self.emulated
-            return Staged(outs, lambda: stream.run_until(ticket), then)
+            return Staged(outs, lambda: self.waits.for_copy(lambda: stream.run_until(ticket)), then)
         return Staged([t.to(CPU).contiguous() for t in tensors], None, then)
+
+    def upload(self, t: torch.Tensor) -> torch.Tensor:
+        """Per-iteration metadata (token ids, block tables, slots) onto the device without making
+        the host wait: from pinned memory, queued on the device's stream. A plain ``.to(cuda)``
+        of pageable memory synchronises the stream."""
+        if self.stream is None:
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def host_buffer(self, like: torch.Tensor) -> torch.Tensor:
         """An output buffer the CPU kernel writes and ``to_device`` can copy asynchronously."""

@@ -87,7 +87,7 @@ def test_torch_decode_fallback_matches_the_rust_kernel(checkpoints) -> None:
     plan = engine.scheduler.schedule()
     assert plan.num_decodes == 3
     runner = engine.runner
-    (batch,) = AttentionBatch.from_plan(plan, runner.device, runner.layout.block_size)
+    (batch,) = AttentionBatch.from_plan(plan, runner.transfer, runner.layout.block_size)
     layout = runner.layout
     q = torch.randn(3, 4, layout.head_dim, device=runner.device)
     want = torch.empty_like(q)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from conftest import assert_all_blocks_free
 from neo_rs import LLM, CpuAttention, SamplingParams
@@ -81,3 +82,33 @@ def test_attention_handle_reports_kernel_time() -> None:
     h = attn.submit(q, k, v, 0, tables, lens, 0.125, out)
     h.wait()
     assert h.done() and h.run_ms is not None and h.run_ms > 0
+
+
+@pytest.mark.parametrize("model", ["llama", "demo"])  # 2 and 4 layers
+def test_the_host_waits_for_the_device_a_constant_number_of_times(checkpoints, model: str) -> None:
+    path = str(checkpoints["llama"]) if model == "llama" else "demo"
+    llm = LLM(
+        path,
+        dtype="float32",
+        offload="neo",
+        num_gpu_blocks=10,
+        num_cpu_blocks=64,
+        block_size=8,
+        neo_force_pipeline=True,
+    )
+    engine = llm.engine
+    for i in range(6):
+        engine.add_request(
+            list(range(3, 30 + i)), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        )
+    modes = set()
+    while engine.has_unfinished():
+        engine.step()
+        stats, waits = engine.last_stats, engine.runner.last_times.waits
+        assert stats is not None
+        modes.add(stats.mode)
+        # One wait, for the stage timers, after the whole forward is queued; none in the
+        # pipeline, whose stages overlap. Never one per layer.
+        assert waits.device == (0 if stats.mode == "pipelined" else 1), (stats.mode, waits)
+    assert "pipelined" in modes and len(modes) > 1, modes
+    assert_all_blocks_free(engine)
