@@ -1,15 +1,20 @@
 """The GPU half of ``benches/gpu_check.sh``: a Llama-3-8B-shaped model with random bf16
-weights, the device KV pool cut to ~4 GiB, a synthetic workload (input 1000 +- 10%, output
-200 +- 10%, all requests at once), ``--offload neo`` against ``none``: throughput and median
-per-token latency (request latency / output tokens), one table.
+weights, the device KV pool cut so that ``none`` must queue, a synthetic workload (input
+1000 +- 10%, output 200 +- 10%, all requests at once), ``--offload neo`` against ``none``:
+throughput, median per-token latency (request latency / output tokens), the iteration mix, and
+the share of CPU attention hidden under device work. Writes ``gpu_check.json``, the start-up
+perf profile (``profile.json``) and the model's ``config.json`` (together the input of
+``python -m neo_rs.sim --calibrate``) under ``--out``.
 
-    python benches/gpu_check.py [--requests 96] [--kv-gib 4] [--layers 32]
+    python benches/gpu_check.py --out DIR [--requests 96] [--kv-gib 4] [--layers 32]
+    python benches/gpu_check.py --out DIR --smoke     # a tiny shape, one layer, on any device
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -17,7 +22,8 @@ from pathlib import Path
 
 import torch
 from neo_rs import LLMEngine, SamplingParams
-from neo_rs.config import EngineArgs
+from neo_rs.config import EngineArgs, cache_dir
+from neo_rs.profiler import profile_key
 from safetensors.torch import save_file
 
 LLAMA3_8B = {
@@ -34,11 +40,20 @@ LLAMA3_8B = {
     "rope_theta": 500000.0,
     "torch_dtype": "bfloat16",
 }
+# --smoke: the same code paths at a size any CPU runs in seconds.
+TINY = dict(
+    LLAMA3_8B,
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+)
 
 
-def make_model(root: Path, layers: int) -> Path:
+def make_model(root: Path, shape: dict, layers: int) -> Path:
     """Random weights written shard per layer (no transformers init: it is slow at this size)."""
-    cfg = dict(LLAMA3_8B, num_hidden_layers=layers)
+    cfg = dict(shape, num_hidden_layers=layers)
     path = root / "llama3-8b-random"
     path.mkdir()
     (path / "config.json").write_text(json.dumps(cfg))
@@ -78,21 +93,23 @@ def make_model(root: Path, layers: int) -> Path:
     return path
 
 
-def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
+def workload(
+    n: int, input_len: int, output_len: int, vocab: int, seed: int = 0
+) -> list[tuple[list[int], int]]:
+    """``n`` prompts of ``input_len`` +- 10% random tokens, each asking ``output_len`` +- 10%."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
-        lin = int(torch.randint(900, 1101, (1,), generator=g))
-        lout = int(torch.randint(180, 221, (1,), generator=g))
-        out.append((torch.randint(10, 128000, (lin,), generator=g).tolist(), lout))
+        lin = int(torch.randint(input_len * 9 // 10, input_len * 11 // 10 + 1, (1,), generator=g))
+        lout = int(torch.randint(output_len * 9 // 10, output_len * 11 // 10 + 1, (1,), generator=g))
+        out.append((torch.randint(10, vocab, (lin,), generator=g).tolist(), lout))
     return out
 
 
-def run(
-    path: Path, mode: str, reqs: list[tuple[list[int], int]], args: argparse.Namespace
-) -> dict[str, float]:
-    block_bytes = 2 * LLAMA3_8B["num_key_value_heads"] * 128 * 16 * 2  # per layer
-    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+def run(path: Path, mode: str, reqs: list[tuple[list[int], int]], args: argparse.Namespace) -> dict:
+    cfg = json.loads((path / "config.json").read_text())
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    block_bytes = 2 * cfg["num_key_value_heads"] * head_dim * 16 * 2 * cfg["num_hidden_layers"]
     engine = LLMEngine(
         EngineArgs(
             model=str(path),
@@ -100,7 +117,7 @@ def run(
             offload=mode,
             max_num_seqs=256,
             max_num_batched_tokens=args.budget,
-            num_gpu_blocks=int(args.kv_gib * (1 << 30)) // (block_bytes * layers),
+            num_gpu_blocks=max(1, int(args.kv_gib * (1 << 30)) // block_bytes),
             cpu_kv_gib=args.cpu_gib,
             skip_tokenizer_init=True,
         )
@@ -109,45 +126,81 @@ def run(
     for prompt, n in reqs:
         engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     per_token, tokens, modes = [], 0, {"gpu-only": 0, "sequential": 0, "pipelined": 0}
+    cpu_attn_ms = cpu_wait_ms = 0.0
     while engine.has_unfinished():
         for o in engine.step():
             if o.finished:
                 n = len(o.outputs[0].token_ids)
                 tokens += n
                 per_token.append((time.perf_counter() - start) / n * 1e3)
-        assert engine.last_stats is not None
-        modes[engine.last_stats.mode] += 1
+        stats = engine.last_stats
+        assert stats is not None
+        modes[stats.mode] += 1
+        if stats.mode == "pipelined":
+            times = engine.runner.last_times
+            cpu_attn_ms += sum(times.cpu_attn_ms)
+            cpu_wait_ms += times.cpu_wait_ms
     elapsed = time.perf_counter() - start
-    return {"tok_s": tokens / elapsed, "ms_per_token": statistics.median(per_token), **modes}
+    hidden = 1 - cpu_wait_ms / cpu_attn_ms if cpu_attn_ms else None
+    result = {
+        "tok_s": tokens / elapsed,
+        "ms_per_token": statistics.median(per_token),
+        "hidden": hidden,
+        **modes,
+    }
+    if mode == "neo":
+        profile = cache_dir() / "profiles" / f"{profile_key(engine.runner, args.budget)}.json"
+        result["profile"] = str(profile)
+    return result
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True, help="where the JSON, profile and config go")
+    ap.add_argument("--smoke", action="store_true", help="a tiny one-layer shape (checks the script)")
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--kv-gib", type=float, default=4.0)
     ap.add_argument("--cpu-gib", type=float, default=48.0)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--budget", type=int, default=4096, help="max_num_batched_tokens")
     args = ap.parse_args()
-    reqs = workload(args.requests)
+    shape, input_len, output_len = LLAMA3_8B, 1000, 200
+    if args.smoke:
+        shape, input_len, output_len = TINY, 64, 16
+        # 16 device blocks: room for 3 of the 8 requests, so none queues and neo offloads.
+        args.requests, args.layers, args.kv_gib, args.cpu_gib, args.budget = 8, 1, 2**-14, 0.05, 256
+    reqs = workload(args.requests, input_len, output_len, shape["vocab_size"])
+    args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
         t = time.perf_counter()
-        path = make_model(Path(tmp), args.layers)
-        print(
-            f"random Llama-3-8B-shaped checkpoint ({args.layers} layers) in {time.perf_counter() - t:.0f} s",
-            flush=True,
-        )
+        path = make_model(Path(tmp), shape, args.layers)
+        print(f"random checkpoint ({args.layers} layers) in {time.perf_counter() - t:.0f} s", flush=True)
         results = {mode: run(path, mode, reqs, args) for mode in ("none", "neo")}
+        (args.out / "model").mkdir(exist_ok=True)
+        shutil.copy(path / "config.json", args.out / "model" / "config.json")
+    shutil.copy(results["neo"].pop("profile"), args.out / "profile.json")
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    summary = {
+        "device": name,
+        "requests": args.requests,
+        "kv_gib": args.kv_gib,
+        "layers": args.layers,
+        **results,
+    }
+    (args.out / "gpu_check.json").write_text(json.dumps(summary, indent=2))
     base = results["none"]["tok_s"]
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (smoke run)"
-    print(f"{name}, {args.requests} requests, device KV {args.kv_gib} GiB")
-    print(
-        f"{'mode':<6}{'tok/s':>9}{'vs none':>9}{'median ms/token':>17}"
-        "  iterations gpu-only/sequential/pipelined"
-    )
+    print(f"{name}, {args.requests} requests, device KV {args.kv_gib:.3g} GiB, {args.layers} layers")
+    columns = f"{'mode':<6}{'tok/s':>9}{'vs none':>9}{'p50 ms/token':>14}{'CPU attn hidden':>17}"
+    print(columns + "  iterations gpu-only/sequential/pipelined")
     for mode, r in results.items():
-        mix = f"{r['gpu-only']:.0f}/{r['sequential']:.0f}/{r['pipelined']:.0f}"
-        print(f"{mode:<6}{r['tok_s']:>9.1f}{r['tok_s'] / base:>8.2f}x{r['ms_per_token']:>17.1f}  {mix}")
+        mix = f"{r['gpu-only']}/{r['sequential']}/{r['pipelined']}"
+        hidden = "-" if r["hidden"] is None else f"{r['hidden']:.0%}"
+        speed = f"{r['tok_s']:>9.1f}{r['tok_s'] / base:>8.2f}x{r['ms_per_token']:>14.1f}"
+        print(f"{mode:<6}{speed}{hidden:>17}  {mix}")
+    print(
+        f"calibrate the simulator: python -m neo_rs.sim --calibrate {args.out}/profile.json "
+        f"--model-dir {args.out}/model --dtype bfloat16"
+    )
 
 
 if __name__ == "__main__":

@@ -1,16 +1,52 @@
 #!/usr/bin/env bash
-# The one prepared script for a lent GPU machine (no network there; torch and transformers are
-# in its image, Rust is not). Build the wheel here first and carry it:
-#     maturin build --release -o .whl      # .whl/ is ignored by git
-# then on the device, in the repo root, with .whl carried:
+# The one prepared script for a lent GPU machine: unattended, about 8 minutes, everything it
+# writes under $OUT (a temporary folder when unset). That machine has no network and no Rust
+# toolchain; its Python 3.12 has torch, Triton, transformers, safetensors, aiohttp, numpy and
+# pytest. So first, here:
+#     bash benches/gpu_bundle.sh        # .whl/: our abi3 wheel and the wheels that image lacks
+# then carry .whl/ (ignored by git) and, on the device, from the repository root:
 #     bash benches/gpu_check.sh
-# Steps (about 8 minutes): install the wheel, run the parity and offload tests on CUDA, then
-# the Llama-3-8B-shaped neo vs none comparison. Prints one table at the end.
+# Steps: (1) the parity, offload and kernel tests on CUDA, with our Triton decode kernel and
+# again with the torch fallback; (2) a Llama-3-8B-shaped bf16 model, neo vs none at equal load
+# (benches/gpu_check.py); (3) the start-up perf profile and model config, the input of
+# `python -m neo_rs.sim --calibrate`. One table at the end; JSON and logs in $OUT.
+# `--cpu-smoke` runs the same steps in this repository's .venv on the CPU, with a tiny one-layer
+# model and one small test file, so that CI keeps the script from rotting.
 set -euo pipefail
+cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/neo_rs-*.whl
-export PYTHONPATH=/tmp/site
-export NEO_RS_CACHE_DIR=/tmp/neo_rs_cache
-python3 -c "import torch, neo_rs; assert torch.cuda.is_available(); print(neo_rs.__version__, torch.cuda.get_device_name())"
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/python/test_model_parity.py tests/python/test_offload.py tests/python/test_engine.py
-timeout 300 python3 benches/gpu_check.py
+OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
+export NEO_RS_CACHE_DIR="$OUT/cache"
+status=0
+
+if [ "${1:-}" = "--cpu-smoke" ]; then
+    PY=.venv/bin/python
+    TESTS="tests/python/test_transfer.py"
+    FALLBACK_TESTS="tests/python/test_transfer.py"
+    SMOKE=--smoke
+else
+    PY=python3
+    "$PY" -m pip install -q --no-index --no-deps --target /tmp/neo_rs_site .whl/*.whl
+    export PYTHONPATH=/tmp/neo_rs_site${PYTHONPATH:+:$PYTHONPATH}
+    "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'"
+    TESTS="tests/python/test_model_parity.py tests/python/test_offload.py tests/python/test_engine.py
+        tests/python/test_transfer.py tests/python/test_triton_decode.py"
+    FALLBACK_TESTS="tests/python/test_model_parity.py tests/python/test_offload.py"
+    SMOKE=
+fi
+"$PY" -c "import torch, neo_rs; print('neo_rs', neo_rs.__version__, 'torch', torch.__version__,
+    torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU')" | tee "$OUT/versions.txt"
+
+# shellcheck disable=SC2086  # the test lists are word lists
+timeout 240 "$PY" -m pytest -q -p no:cacheprovider $TESTS 2>&1 | tee "$OUT/tests_triton.log" || status=1
+# shellcheck disable=SC2086
+NEO_RS_DEVICE_ATTENTION=torch timeout 150 "$PY" -m pytest -q -p no:cacheprovider $FALLBACK_TESTS 2>&1 \
+    | tee "$OUT/tests_torch_fallback.log" || status=1
+timeout 300 "$PY" benches/gpu_check.py --out "$OUT" $SMOKE 2>&1 | tee "$OUT/gpu_check.log" || status=1
+
+echo "== summary ($OUT)"
+tail -n 1 "$OUT/tests_triton.log" | sed 's/^/tests, Triton decode:  /'
+tail -n 1 "$OUT/tests_torch_fallback.log" | sed 's/^/tests, torch fallback: /'
+grep -A 3 "^mode " "$OUT/gpu_check.log" || true
+exit $status

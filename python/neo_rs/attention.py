@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from neo_rs._core import AttentionHandle, CpuAttention, SchedulerOutput
+from neo_rs.config import device_attention
 from neo_rs.kv_cache import KvPool, Slots, split_slots
 from neo_rs.transfer import HostTransfer, Staged
 
@@ -189,7 +190,8 @@ class Attention:
         self.scale = scale
         self.cpu_attention = cpu_attention
         self.transfer = transfer
-        self.device_decode = _triton_decode() if transfer.device.type == "cuda" else None
+        use_triton = transfer.device.type == "cuda" and device_attention() != "torch"
+        self.device_decode = _triton_decode() if use_triton else None
 
     def decode(self, q: torch.Tensor, pool: KvPool, layer: int, rows: DecodeRows, out: torch.Tensor) -> None:
         """Device-pool decodes (their K/V already written), into ``out``."""

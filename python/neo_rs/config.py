@@ -166,6 +166,12 @@ def emulate_async_copies() -> bool:
     return os.environ.get("NEO_RS_EMULATE_ASYNC_COPIES", "") not in ("", "0")
 
 
+def device_attention() -> str:
+    """``NEO_RS_DEVICE_ATTENTION``: ``torch`` forces the gather fallback for device decodes on
+    CUDA (``benches/gpu_check.sh`` checks both); default: our Triton kernel."""
+    return os.environ.get("NEO_RS_DEVICE_ATTENTION", "triton")
+
+
 def fail_steps() -> str:
     """``NEO_RS_FAIL_STEPS``: model runs that raise, for fault-injection tests (``faults.py``)."""
     return os.environ.get("NEO_RS_FAIL_STEPS", "")

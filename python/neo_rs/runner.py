@@ -6,6 +6,7 @@ up to the logits of the sampled rows."""
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -182,7 +183,9 @@ class ModelRunner:
         return q, k, v
 
     def _cpu_result(self, pending: PendingCpuAttention) -> torch.Tensor:
+        t = time.perf_counter()
         out = pending.result()
+        self.last_times.cpu_wait_ms += (time.perf_counter() - t) * 1e3
         self.last_times.cpu_attn_ms.append(pending.handle.run_ms or 0.0)
         return out
 

@@ -69,6 +69,7 @@ class MeasuredTimes:
     linear_ms: float | None = None
     device_attn_ms: float | None = None
     cpu_attn_ms: list[float] = field(default_factory=list)  # kernel run time, per layer and sub-batch
+    cpu_wait_ms: float = 0.0  # of that, how long the host sat waiting for it (not hidden)
     transfer_bytes: int = 0
     waits: HostWaits = field(default_factory=HostWaits)
 

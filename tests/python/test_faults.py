@@ -118,7 +118,7 @@ def test_server_fault_with_32_streams_open() -> None:
             )
             time.sleep(0.1)
         assert used == 0
-        status, body = post(server.url, {"prompt": "after", "max_tokens": 4})
+        status, body = post(server.url, {"prompt": "after", "max_tokens": 4, "ignore_eos": True})
         assert status == 200 and body["choices"][0]["finish_reason"] == "length"
     finally:
         assert server.stop() == 0
@@ -127,9 +127,9 @@ def test_server_fault_with_32_streams_open() -> None:
 def test_server_fault_non_streaming_is_a_500_with_an_openai_body() -> None:
     server = Server(env={"NEO_RS_FAIL_STEPS": "1"})
     try:
-        status, body = post(server.url, {"prompt": "x", "max_tokens": 4})
+        status, body = post(server.url, {"prompt": "x", "max_tokens": 4, "ignore_eos": True})
         assert status == 500 and body["error"]["type"] == "InternalServerError"
-        assert post(server.url, {"prompt": "x", "max_tokens": 4})[0] == 200
+        assert post(server.url, {"prompt": "x", "max_tokens": 4, "ignore_eos": True})[0] == 200
     finally:
         assert server.stop() == 0
 
@@ -137,6 +137,6 @@ def test_server_fault_non_streaming_is_a_500_with_an_openai_body() -> None:
 def test_repeated_failures_make_the_server_exit_non_zero() -> None:
     server = Server(env={"NEO_RS_FAIL_STEPS": "1-1000"})
     for _ in range(3):
-        assert post(server.url, {"prompt": "x", "max_tokens": 4})[0] == 500
+        assert post(server.url, {"prompt": "x", "max_tokens": 4, "ignore_eos": True})[0] == 500
     assert server.proc.wait(60) == 1
     assert "exiting with status 1" in server.log.read_text()
