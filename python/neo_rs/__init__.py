@@ -10,13 +10,14 @@ from neo_rs.engine import LLMEngine
 from neo_rs.errors import (
     BackendError,
     DTypeError,
+    EngineStepError,
     InvalidArgumentError,
     ModelLoadError,
     NeoRsError,
     ShapeError,
 )
 from neo_rs.llm import LLM
-from neo_rs.sampling import SamplingParams
+from neo_rs.sampling import RequestOutputKind, SamplingParams
 from neo_rs.sequence import CompletionOutput, RequestOutput
 
 __version__ = "0.1.0"
@@ -29,11 +30,13 @@ __all__ = [
     "CpuAttention",
     "DTypeError",
     "EngineArgs",
+    "EngineStepError",
     "InvalidArgumentError",
     "LLMEngine",
     "ModelLoadError",
     "NeoRsError",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "Scheduler",
     "SchedulerOutput",

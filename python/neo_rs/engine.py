@@ -19,7 +19,7 @@ from neo_rs.faults import failing, parse_calls
 from neo_rs.model.registry import DEMO_MODEL, resolve_model
 from neo_rs.profiler import load_or_profile
 from neo_rs.runner import ModelRunner, resolve_device
-from neo_rs.sampling import SamplingParams, sample
+from neo_rs.sampling import RequestOutputKind, SamplingParams, sample
 from neo_rs.sequence import RequestMetrics, RequestOutput, Sequence
 from neo_rs.stats import IterationStats, calibrate
 from neo_rs.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
@@ -37,15 +37,22 @@ class _Request:
     seqs: list[Sequence]
     metrics: RequestMetrics
 
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+    def finish(self, now: float) -> None:
+        self.metrics.finished_time = now
+        self.metrics.num_generation_tokens = sum(len(s.output_ids) for s in self.seqs)
+
+    @property
+    def kind(self) -> RequestOutputKind:
+        return self.seqs[0].params.output_kind
+
     def output(self) -> RequestOutput:
-        finished = all(s.finished for s in self.seqs)
+        outputs = [s.output(self.kind) for s in self.seqs]
         return RequestOutput(
-            self.request_id,
-            self.prompt,
-            self.prompt_ids,
-            [s.output() for s in self.seqs],
-            finished,
-            self.metrics,
+            self.request_id, self.prompt, self.prompt_ids, outputs, self.finished, self.metrics
         )
 
 
@@ -175,7 +182,7 @@ class LLMEngine:
             if not seq.finished:
                 self.scheduler.abort(seq.seq_id)
                 seq.finish_reason = "abort"
-        req.metrics.finished_time = time.monotonic()
+        req.finish(time.monotonic())
         return req.output()
 
     def has_unfinished(self) -> bool:
@@ -226,11 +233,12 @@ class LLMEngine:
             touched[req.request_id] = req
         outputs = []
         for req in touched.values():
-            out = req.output()
-            if out.finished:
-                req.metrics.finished_time = now
+            if req.finished:
+                req.finish(now)
                 del self._requests[req.request_id]
-            outputs.append(out)
+            elif req.kind is RequestOutputKind.FINAL_ONLY:
+                continue
+            outputs.append(req.output())
         return outputs
 
     def _fail_step(self, cause: BaseException) -> EngineStepError:

@@ -5,6 +5,7 @@ seeded request gets the same tokens whatever else is in the batch."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,16 @@ from neo_rs.errors import InvalidArgumentError
 
 MAX_LOGPROBS = 20
 SEED_RANGE = (-(2**63), 2**63 - 1)  # torch.Generator's; vLLM bounds the API's seed the same way
+
+
+class RequestOutputKind(enum.Enum):
+    """What each ``RequestOutput`` of a request carries (vLLM's names): everything so far, only
+    what is new since the previous one (a stream's cost then does not grow with its length), or
+    nothing until the request finishes."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -37,6 +48,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

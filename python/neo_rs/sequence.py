@@ -9,12 +9,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from neo_rs.sampling import SampleRow, SamplingParams
+from neo_rs.sampling import RequestOutputKind, SampleRow, SamplingParams
 from neo_rs.tokenizer import IncrementalDetokenizer
 
 
 @dataclass
 class CompletionOutput:
+    """One sequence's output: all of it, or (``RequestOutputKind.DELTA``) what is new since the
+    request's previous output."""
+
     index: int
     text: str
     token_ids: list[int]
@@ -26,12 +29,13 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Monotonic-clock times of a request's life."""
+    """Monotonic-clock times of a request's life, and how many tokens it generated."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    num_generation_tokens: int = 0  # all its sequences' tokens, set when it finishes
 
 
 @dataclass
@@ -60,6 +64,9 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     first_token_time: float | None = None
+    # How much of the text and tokens DELTA outputs have handed out.
+    sent_chars: int = 0
+    sent_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -106,13 +113,27 @@ class Sequence:
         self.stop_reason = stop
         return True
 
-    def output(self) -> CompletionOutput:
+    def output(self, kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> CompletionOutput:
+        if kind is not RequestOutputKind.DELTA:
+            return self._output(self.text, list(self.output_ids), self.logprobs)
+        # Text that may still turn out to start a stop string is held back until it cannot (a
+        # stop cuts the text there, never before what was held back).
+        holdback = max((len(s) for s in self.params.stop), default=1) - 1
+        upto = len(self.text) if self.finished else max(self.sent_chars, len(self.text) - holdback)
+        text, self.sent_chars = self.text[self.sent_chars : upto], upto
+        first, self.sent_tokens = self.sent_tokens, len(self.output_ids)
+        logprobs = self.logprobs[first:] if self.logprobs is not None else None
+        return self._output(text, self.output_ids[first:], logprobs)
+
+    def _output(
+        self, text: str, token_ids: list[int], logprobs: list[dict[int, float]] | None
+    ) -> CompletionOutput:
         return CompletionOutput(
             index=self.index,
-            text=self.text,
-            token_ids=list(self.output_ids),
+            text=text,
+            token_ids=token_ids,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
-            logprobs=self.logprobs,
+            logprobs=logprobs,
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
         )

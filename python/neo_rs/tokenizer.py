@@ -14,6 +14,10 @@ log = logging.getLogger(__name__)
 
 # Prompt tokens kept as left context so the first output token decodes with the right spacing.
 _CONTEXT_TOKENS = 5
+# Tokens held back at most while they decode to nothing new or to half a character. A UTF-8
+# character spans at most 4 bytes (so at most 4 byte tokens); a longer run is invalid bytes or
+# skipped special tokens, and waiting on would make each token's decode cost grow with the run.
+MAX_PENDING_TOKENS = 6
 
 
 def load_tokenizer(model_dir: str | Path) -> Any:
@@ -63,7 +67,8 @@ class IncrementalDetokenizer:
         self.tokens.append(token_id)
         prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
         full = self._decode(self.tokens[self.prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        overdue = len(self.tokens) - self.read_offset >= MAX_PENDING_TOKENS
+        if overdue or (len(full) > len(prefix) and not full.endswith("\ufffd")):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
             return full[len(prefix) :]
         return ""

@@ -15,7 +15,7 @@ from neo_rs import LLM, LLMEngine, ModelLoadError, SamplingParams
 from neo_rs.attention import AttentionBatch, paged_decode_torch
 from neo_rs.config import EngineArgs
 from neo_rs.demo import demo_model_dir
-from neo_rs.tokenizer import IncrementalDetokenizer, load_tokenizer
+from neo_rs.tokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer, load_tokenizer
 
 
 def test_load_errors_name_the_problem(checkpoints, tmp_path) -> None:
@@ -147,6 +147,17 @@ def test_incremental_detokenizer_never_splits_a_character() -> None:
     deltas = [detok.add(t) for t in ids]
     assert "".join(deltas) == text
     assert not any("\ufffd" in d for d in deltas)
+
+
+def test_incremental_detokenizer_window_stays_bounded_on_invalid_bytes() -> None:
+    tok = load_tokenizer(demo_model_dir())
+    detok = IncrementalDetokenizer(tok, [256], skip_special_tokens=True)
+    # 0xFF never starts a UTF-8 character: waiting for one to complete would never end.
+    deltas = [detok.add(0xFF) for _ in range(1000)]
+    assert len(detok.tokens) - detok.prefix_offset <= 2 * MAX_PENDING_TOKENS
+    assert "".join(deltas) == "\ufffd" * (1000 // MAX_PENDING_TOKENS * MAX_PENDING_TOKENS)
+    # A valid character comes out at once, after the invalid bytes still held back.
+    assert detok.add(ord("a")) == "\ufffd" * (1000 % MAX_PENDING_TOKENS) + "a"
 
 
 def test_demo_model_runs_and_says_its_weights_are_random(caplog) -> None:

@@ -4,6 +4,8 @@ requests arriving mid-run; first-step logits within 1e-4."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from conftest import ARCHS, assert_all_blocks_free
@@ -39,16 +41,29 @@ def hf_greedy(path, kind: str, prompt: list[int], n: int = MAX_TOKENS) -> list[i
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-def run(path, **kwargs) -> tuple[list[list[int]], LLMEngine]:  # noqa: ANN001
+def run(path, **kwargs) -> tuple[list[list[int]], LLMEngine, Counter]:  # noqa: ANN001
+    """Greedy tokens per prompt, the engine, and what its iterations did: CPU decodes run, and
+    iterations per mode (gpu-only, sequential, pipelined)."""
     llm = LLM(str(path), dtype="float32", **kwargs)
+    engine, seen = llm.engine, Counter()
+    step = engine.step
+
+    def counting_step() -> list:
+        outs = step()
+        if engine.last_stats is not None:
+            seen["cpu_decodes"] += engine.last_stats.num_cpu_decodes
+            seen[engine.last_stats.mode] += 1
+        return outs
+
+    engine.step = counting_step  # type: ignore[method-assign]
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
-    return [o.outputs[0].token_ids for o in outs], llm.engine
+    return [o.outputs[0].token_ids for o in outs], engine, seen
 
 
 @pytest.mark.parametrize("kind", ARCHS)
 def test_greedy_matches_transformers(checkpoints, kind: str) -> None:
-    tokens, engine = run(checkpoints[kind], num_gpu_blocks=64)
+    tokens, engine, seen = run(checkpoints[kind], num_gpu_blocks=64)
     assert tokens == [hf_greedy(checkpoints[kind], kind, p) for p in PROMPTS]
     assert_all_blocks_free(engine)
 
@@ -76,7 +91,7 @@ def test_first_step_logits_match_transformers(checkpoints, kind: str) -> None:
 
 
 def test_sharded_checkpoint_loads_the_same_weights(checkpoints) -> None:
-    tokens, engine = run(checkpoints["llama-sharded"], num_gpu_blocks=64)
+    tokens, engine, seen = run(checkpoints["llama-sharded"], num_gpu_blocks=64)
     assert_all_blocks_free(engine)
     assert tokens == [hf_greedy(checkpoints["llama"], "llama", p) for p in PROMPTS]
 
@@ -84,7 +99,9 @@ def test_sharded_checkpoint_loads_the_same_weights(checkpoints) -> None:
 @pytest.mark.parametrize(("num_cpu_blocks", "stat"), [(64, "num_swapped_out"), (0, "num_recomputed")])
 def test_preemption_keeps_outputs_identical(checkpoints, num_cpu_blocks: int, stat: str) -> None:
     # 8-token blocks; the longest prompt + outputs needs 7 of them, the batch ~20.
-    tokens, engine = run(checkpoints["llama3"], num_gpu_blocks=8, block_size=8, num_cpu_blocks=num_cpu_blocks)
+    tokens, engine, seen = run(
+        checkpoints["llama3"], num_gpu_blocks=8, block_size=8, num_cpu_blocks=num_cpu_blocks
+    )
     assert tokens == [hf_greedy(checkpoints["llama3"], "llama3", p) for p in PROMPTS]
     assert engine.scheduler.stats()[stat] > 0
     if stat == "num_swapped_out":
@@ -96,7 +113,7 @@ def test_preemption_keeps_outputs_identical(checkpoints, num_cpu_blocks: int, st
 def test_all_decodes_on_the_cpu_keep_outputs_identical(checkpoints, kind: str) -> None:
     # offload="all": every finished prefill moves to the host pool layer by layer, every decode
     # runs the Rust kernel over the host pool with the fused append. Chunked prefill too.
-    tokens, engine = run(
+    tokens, engine, seen = run(
         checkpoints[kind],
         offload="all",
         num_gpu_blocks=16,
@@ -106,6 +123,7 @@ def test_all_decodes_on_the_cpu_keep_outputs_identical(checkpoints, kind: str) -
     )
     assert tokens == [hf_greedy(checkpoints[kind], kind, p) for p in PROMPTS]
     assert engine.scheduler.stats()["num_prefills_to_host"] == len(PROMPTS)
+    assert seen["cpu_decodes"] >= len(PROMPTS) * (MAX_TOKENS - 1) and seen["gpu-only"] <= len(PROMPTS), seen
     assert_all_blocks_free(engine)
 
 
@@ -114,7 +132,7 @@ def test_neo_pipeline_keeps_outputs_identical(checkpoints, kind: str) -> None:
     # A device pool too small for the batch and a small token budget: whole prompts land in the
     # host pool, chunked ones on the device, requests swap out and back in mid-generation, and
     # (forced here) iterations run as the two-sub-batch pipeline.
-    tokens, engine = run(
+    tokens, engine, seen = run(
         checkpoints[kind],
         offload="neo",
         num_gpu_blocks=10,
@@ -126,13 +144,14 @@ def test_neo_pipeline_keeps_outputs_identical(checkpoints, kind: str) -> None:
     assert tokens == [hf_greedy(checkpoints[kind], kind, p) for p in PROMPTS]
     st = engine.scheduler.stats()
     assert st["num_pipelined_steps"] > 0 and st["num_prefills_to_host"] > 0, st
+    assert seen["pipelined"] == st["num_pipelined_steps"] and seen["cpu_decodes"] > 0, seen
     assert st["num_swapped_out"] > 0 and st["num_swapped_in"] > 0, st
     assert_all_blocks_free(engine)
 
 
 def test_neo_with_profiled_estimates_keeps_outputs_identical(checkpoints) -> None:
     # Whatever mix the profiled predictor picks on this machine, the tokens do not change.
-    tokens, engine = run(
+    tokens, engine, seen = run(
         checkpoints["qwen2"], offload="neo", num_gpu_blocks=10, num_cpu_blocks=64, block_size=8
     )
     assert tokens == [hf_greedy(checkpoints["qwen2"], "qwen2", p) for p in PROMPTS]
@@ -140,7 +159,7 @@ def test_neo_with_profiled_estimates_keeps_outputs_identical(checkpoints) -> Non
 
 
 def test_all_mode_with_a_full_host_pool_recomputes(checkpoints) -> None:
-    tokens, engine = run(
+    tokens, engine, seen = run(
         checkpoints["llama3"], offload="all", num_gpu_blocks=16, num_cpu_blocks=8, block_size=8
     )
     assert tokens == [hf_greedy(checkpoints["llama3"], "llama3", p) for p in PROMPTS]
@@ -152,15 +171,18 @@ def test_all_mode_with_a_full_host_pool_recomputes(checkpoints) -> None:
 # the forced pipeline (neo) or move there after prefill (all).
 MODES = {
     "none": dict(num_gpu_blocks=8, num_cpu_blocks=64, block_size=8),
-    "neo": dict(num_gpu_blocks=10, num_cpu_blocks=64, block_size=8, neo_force_pipeline=True),
+    "neo": dict(num_gpu_blocks=7, num_cpu_blocks=64, block_size=8, neo_force_pipeline=True),
     "all": dict(num_gpu_blocks=16, num_cpu_blocks=64, block_size=8),
 }
 
 
 @pytest.mark.parametrize("offload", list(MODES))
 def test_chunked_prefill_keeps_outputs_identical(checkpoints, offload: str) -> None:
-    tokens, engine = run(checkpoints["qwen2"], offload=offload, max_num_batched_tokens=5, **MODES[offload])
+    tokens, engine, seen = run(
+        checkpoints["qwen2"], offload=offload, max_num_batched_tokens=5, **MODES[offload]
+    )
     assert tokens == [hf_greedy(checkpoints["qwen2"], "qwen2", p) for p in PROMPTS]
+    assert (seen["cpu_decodes"] > 0) == (offload != "none"), seen
     assert_all_blocks_free(engine)
 
 
@@ -170,7 +192,7 @@ def test_requests_arriving_mid_run_and_aborts(checkpoints, offload: str) -> None
     engine = LLMEngine(args)
     got: dict[str, list[int]] = {}
     pending = list(enumerate(PROMPTS))
-    steps = 0
+    steps = cpu_decodes = 0
     while pending or engine.has_unfinished():
         if pending and steps % 3 == 0:
             i, p = pending.pop(0)
@@ -180,7 +202,9 @@ def test_requests_arriving_mid_run_and_aborts(checkpoints, offload: str) -> None
         for out in engine.step():
             if out.finished:
                 got[out.request_id] = out.outputs[0].token_ids
+        cpu_decodes += engine.last_stats.num_cpu_decodes if engine.last_stats else 0
         steps += 1
+    assert (cpu_decodes > 0) == (offload != "none"), cpu_decodes
     assert "1" not in got
     kept = [i for i in range(len(PROMPTS)) if i != 1]
     assert [got[str(i)] for i in kept] == [

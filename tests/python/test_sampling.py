@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import assert_all_blocks_free
-from neo_rs import LLM, InvalidArgumentError, SamplingParams
+from neo_rs import LLM, InvalidArgumentError, RequestOutput, RequestOutputKind, SamplingParams
 from neo_rs.sampling import SampleRow, sample
 
 
@@ -231,3 +231,26 @@ def test_random_draws_follow_the_distribution() -> None:
         counts[sample(logits, [_row(temperature=1.0)], g).token_ids[0]] += 1
     assert counts[4] == 0
     torch.testing.assert_close(counts / 4000, logits.softmax(-1)[0], atol=0.02, rtol=0)
+
+
+@pytest.mark.parametrize("stop", [[], ["e", "xyz"]])
+def test_delta_outputs_add_up_to_the_cumulative_ones(llm: LLM, stop: list[str]) -> None:
+    def run(kind: RequestOutputKind) -> list[list[RequestOutput]]:
+        engine = llm.engine
+        params = SamplingParams(n=2, seed=7, max_tokens=24, logprobs=1, stop=stop, output_kind=kind)
+        rid = engine.add_request("The quick brown fox", params)
+        outs = []
+        while engine.has_unfinished():
+            outs += [o for o in engine.step() if o.request_id == rid]
+        return outs
+
+    cumulative, delta, final = (run(k) for k in RequestOutputKind)
+    assert len(final) == 1 and final[0].finished
+    for i in range(2):
+        whole = cumulative[-1].outputs[i]
+        parts = [o.outputs[i] for o in delta]
+        assert "".join(p.text for p in parts) == whole.text == final[0].outputs[i].text
+        assert [t for p in parts for t in p.token_ids] == whole.token_ids
+        assert [lp for p in parts for lp in (p.logprobs or [])] == whole.logprobs
+        assert all(len(p.token_ids) <= 1 for p in parts)  # each output carries only what is new
+    assert_all_blocks_free(llm.engine)

@@ -169,7 +169,7 @@ def _bad_cases() -> list[tuple[str, str, object, int]]:
         ("POST", c, {"prompt": "a", "max_tokens": 0}, 400),
         ("POST", c, {"prompt": "a", "max_tokens": "5"}, 400),
         ("POST", c, {"prompt": "a", "max_tokens": 10**9}, 400),
-        ("POST", c, {"prompt": "a" * 3000}, 400),
+        ("POST", c, {"prompt": "a" * 5000}, 400),
         ("POST", c, {"prompt": "a", "temperature": -1}, 400),
         ("POST", c, {"prompt": "a", "temperature": "hot"}, 400),
         ("POST", c, {"prompt": "a", "top_p": 0}, 400),

@@ -175,21 +175,6 @@ async def _prompt_ids(
     return ids
 
 
-class _Cursor:
-    """How much of one sequence's text and tokens a stream has sent. Text that could still turn
-    out to be the start of a stop string is held back until it cannot."""
-
-    def __init__(self, holdback: int) -> None:
-        self.text, self.tokens, self.holdback = 0, 0, holdback
-        self.done = False
-
-    def advance(self, out: CompletionOutput) -> tuple[str, int, int]:
-        upto = len(out.text) if out.finish_reason else max(self.text, len(out.text) - self.holdback)
-        delta, self.text = out.text[self.text : upto], upto
-        t0, self.tokens = self.tokens, len(out.token_ids)
-        return delta, t0, self.tokens
-
-
 async def _merged(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of several requests as they come, tagged with the request's index."""
     if len(gens) == 1:
@@ -300,8 +285,9 @@ async def _stream(run: _Run, gens: list[AsyncIterator[RequestOutput]]) -> web.St
     await resp.prepare(run.request)
     obj = "chat.completion.chunk" if run.chat else "text_completion"
     opts = run.parsed.stream_options
-    holdback = max((len(s) for s in run.parsed.params.stop), default=1) - 1
-    cursors: dict[int, _Cursor] = {}
+    # The engine hands out deltas (text it holds back while it may still start a stop string).
+    sent_chars: dict[int, int] = {}
+    finished: set[int] = set()
     produced = 0
 
     async def send(payload: dict[str, Any]) -> None:
@@ -338,19 +324,19 @@ async def _stream(run: _Run, gens: list[AsyncIterator[RequestOutput]]) -> web.St
         async for i, out in _merged(gens):
             for o in out.outputs:
                 idx = run.choice_index(i, o.index)
-                cur = cursors.setdefault(idx, _Cursor(holdback))
-                if cur.done or (cur.tokens == len(o.token_ids) and not o.finish_reason):
+                if idx in finished or not (o.token_ids or o.text or o.finish_reason):
                     continue  # finished earlier, or another sequence of this request moved
-                offset = cur.text
-                delta, t0, t1 = cur.advance(o)
-                produced += t1 - t0
+                offset = sent_chars.get(idx, 0)
+                sent_chars[idx] = offset + len(o.text)
+                produced += len(o.token_ids)
                 fin = _finish(o) if o.finish_reason else {"finish_reason": None}
-                lp = run.logprobs(o, t0, t1, offset)
-                if not delta and lp is None and not o.finish_reason:
+                lp = run.logprobs(o, 0, len(o.token_ids), offset)
+                if not o.text and lp is None and not o.finish_reason:
                     continue  # a token that completes no character yet
-                body = {"delta": {"content": delta}} if run.chat else {"text": delta}
+                body = {"delta": {"content": o.text}} if run.chat else {"text": o.text}
                 await send(run.env.wrap(obj, [{"index": idx, **body, "logprobs": lp, **fin}], **extra()))
-                cur.done = o.finish_reason is not None
+                if o.finish_reason:
+                    finished.add(idx)
     except EngineStepError as e:  # the stream has begun: the error goes in an event, then [DONE]
         await send(_engine_failed(e).body())
         await resp.write(b"data: [DONE]\n\n")

@@ -97,9 +97,9 @@ class Metrics:
         m, t = self.model, out.metrics
         for o in out.outputs:
             self.requests.labels(m, o.finish_reason or "abort").inc()
-        n = sum(len(o.token_ids) for o in out.outputs)
         self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
-        self.generation_tokens.labels(m).inc(n)
+        # From the request's metrics: a DELTA output holds only its last tokens.
+        self.generation_tokens.labels(m).inc(t.num_generation_tokens)
         if t.first_token_time is not None:
             self.ttft.labels(m).observe(t.first_token_time - t.arrival_time)
         if t.first_scheduled_time is not None:

@@ -13,7 +13,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from neo_rs.errors import InvalidArgumentError
-from neo_rs.sampling import MAX_LOGPROBS, SamplingParams
+from neo_rs.sampling import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 from neo_rs.sequence import CompletionOutput, RequestOutput
 
 
@@ -163,7 +163,11 @@ def _common(req: _Sampling, served: str) -> tuple[dict[str, Any], StreamOptions]
     if req.stream_options is not None and not req.stream:
         raise bad("'stream_options' is only allowed with 'stream': true", "stream_options")
     opts = req.stream_options or _StreamOptions()
-    return req.sampling_kwargs(), StreamOptions(opts.include_usage, opts.continuous_usage_stats)
+    kw = req.sampling_kwargs()
+    # A stream takes what is new at each step (its cost does not grow with its length); a
+    # plain response takes the final output only.
+    kw["output_kind"] = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+    return kw, StreamOptions(opts.include_usage, opts.continuous_usage_stats)
 
 
 def _params(kw: dict[str, Any]) -> SamplingParams:
