@@ -301,7 +301,8 @@ fn full_device_pool_swaps_out_then_back_in() {
     assert!(plans[out + 1..].iter().any(|p| !p.swap_in.pairs.is_empty()));
     assert!(plans.iter().all(|p| p.recomputed.is_empty()));
     let st = s.stats();
-    assert_eq!((st.num_swapped_out, st.num_swapped_in), (st.num_swapped_in, st.num_swapped_out));
+    assert!(st.num_swapped_out > 0);
+    assert_eq!(st.num_swapped_in, st.num_swapped_out, "every swapped-out request came back");
 }
 
 #[test]

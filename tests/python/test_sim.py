@@ -1,12 +1,14 @@
-"""The offload simulator: deterministic, monotonic in the hardware it is given, and with the
-paper's shape on A10G + Llama-3-8B (gains grow with host bandwidth, peak at intermediate output
-lengths, ``neo`` never clearly below ``none``)."""
+"""The offload simulator: deterministic and monotonic in the hardware it is given. The shape
+tests are characterisation against NEO's published findings, not the simulator's own numbers:
+on A10G + Llama-3-8B the gain grows with host bandwidth and peaks at intermediate output lengths.
+They assert orderings only (no margins fitted to today's output); whether ``neo`` stays above
+``none`` is not asserted, since the simulated policy prices its choices with the same cost model
+and would hold it by construction."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import time
 
 import pytest
 from neo_rs.bench import workloads
@@ -24,10 +26,8 @@ def run(gpu: str, host: str, model: str, mode: str, out: int, n: int = 200, **gp
     return simulate(cost, mode, reqs, arrival_times(n, float("inf"), 1.0, 0))
 
 
-def test_deterministic_and_fast() -> None:
-    t = time.perf_counter()
+def test_deterministic() -> None:
     a = run("A10G", "g5.8xlarge", "llama-3-8b", "neo", 200, n=2000)
-    assert time.perf_counter() - t < 60  # a 2,000-request simulation takes seconds
     b = run("A10G", "g5.8xlarge", "llama-3-8b", "neo", 200, n=2000)
     assert a == dataclasses.replace(b, scheduler_us_per_iteration=a.scheduler_us_per_iteration)
     assert a.completed == 2000 and a.rejected == 0
@@ -54,9 +54,8 @@ def test_paper_shape_on_a10g_llama3_8b() -> None:
                 run("A10G", host, "llama-3-8b", "neo", out).output_throughput
                 / run("A10G", host, "llama-3-8b", "none", out).output_throughput
             )
-    assert all(g >= 0.98 for g in gains.values()), gains  # the greedy fallback
-    assert gains["g5.16xlarge", 200] > gains["g5.2xlarge", 200] + 0.05  # bandwidth pays
-    assert gains["g5.16xlarge", 200] > gains["g5.16xlarge", 50]  # short outputs gain little
+    assert gains["g5.16xlarge", 200] > gains["g5.2xlarge", 200], gains  # host bandwidth pays
+    assert gains["g5.16xlarge", 200] > gains["g5.16xlarge", 50], gains  # short outputs gain little
 
 
 def test_gain_peaks_at_intermediate_outputs() -> None:
@@ -67,7 +66,7 @@ def test_gain_peaks_at_intermediate_outputs() -> None:
         / run("A10G", "g5.8xlarge", "llama-3-8b", "none", out, n=1000).output_throughput
         for out in (50, 200, 800)
     }
-    assert gains[200] > gains[50] + 0.05 and gains[200] > gains[800] + 0.03, gains
+    assert gains[200] > gains[50] and gains[200] > gains[800], gains
 
 
 def test_cli_prints_a_verdict(capsys) -> None:  # noqa: ANN001
@@ -128,19 +127,20 @@ def test_keep_up_separates_sustained_from_overloaded_rates() -> None:
 
 
 @pytest.mark.parametrize(
-    ("gpu", "host", "model", "reqs", "slo_ms", "min_gain"),
+    ("gpu", "host", "model", "reqs", "slo_ms"),
     [
-        # The device pool holds ~1,700 tokens: offloading is what scales.
-        ("T4", "g4dn.4xlarge", "llama-2-7b", workloads.osc(300, seed=0), 1000, 2.0),
-        # A wide host: the CPU tier carries part of the decode load at the same latency.
-        ("A10G", "g5.16xlarge", "llama-3-8b", workloads.synthetic(1000, 1000, 300, 0), 300, 1.08),
+        # The device pool holds ~1,700 tokens: offloading is what scales (the paper: up to 7.5x).
+        ("T4", "g4dn.4xlarge", "llama-2-7b", workloads.osc(300, seed=0), 1000),
+        # A wide host: the CPU tier carries part of the decode load at the same latency (the
+        # paper: up to 1.79x).
+        ("A10G", "g5.16xlarge", "llama-3-8b", workloads.synthetic(1000, 1000, 300, 0), 300),
     ],
 )
-def test_equal_latency_capacity(gpu, host, model, reqs, slo_ms, min_gain) -> None:  # noqa: ANN001
+def test_equal_latency_capacity(gpu, host, model, reqs, slo_ms) -> None:  # noqa: ANN001
     cost = CostModel(GPUS[gpu], HOSTS[host], MODELS[model])
     neo, run_neo = capacity_at_slo(cost, "neo", reqs, slo_ms)
     none, run_none = capacity_at_slo(cost, "none", reqs, slo_ms)
     assert run_neo is not None and run_none is not None
     assert run_neo.per_token_latency_ms <= slo_ms and run_none.per_token_latency_ms <= slo_ms
     assert run_neo.keep_up >= 0.95 and run_none.keep_up >= 0.95
-    assert neo > min_gain * none
+    assert neo > none
