@@ -107,6 +107,10 @@ fn check_plan(s: &Scheduler, out: &SchedulerOutput) -> Result<(), TestCaseError>
             prop_assert!(sr.num_new_tokens == 1 && sr.device == Device::Cpu);
         }
         prop_assert!(sr.num_new_tokens >= 1);
+        if sr.device == Device::Cpu && sr.num_new_tokens == 1 {
+            // A CPU decode is a real decode: its prompt is done (no prefill crawls on the CPU).
+            prop_assert!(sr.sample, "request {} decodes on the CPU before its prefill is done", sr.id);
+        }
         prop_assert_eq!(sr.sample, sr.num_computed_tokens + sr.num_new_tokens == req.num_tokens());
         let table = s.kv(sr.device).table(sr.id);
         let row = &m.block_tables[i * m.max_blocks..(i + 1) * m.max_blocks];
@@ -133,6 +137,11 @@ fn check_plan(s: &Scheduler, out: &SchedulerOutput) -> Result<(), TestCaseError>
             prop_assert_eq!(host.len(), table.len());
             staged.extend(table.iter().copied().zip(host.iter().copied()));
         }
+    }
+    if c.offload == OffloadMode::Neo && out.num_host_prefills > 0 {
+        // Host-bound prefills leave the host room to swap out everything the device holds.
+        let (gpu, cpu) = (s.kv(Device::Gpu), s.kv(Device::Cpu));
+        prop_assert!(cpu.num_free_blocks() >= gpu.num_total_blocks() - gpu.num_free_blocks());
     }
     let mut planned = out.prefill_to_host.pairs.clone();
     planned.sort();
@@ -406,4 +415,27 @@ fn a_failed_step_aborts_what_it_ran_and_swapped() {
     assert_eq!((s.kv(Device::Gpu).num_free_blocks(), s.kv(Device::Cpu).num_free_blocks()), (6, 16));
     s.add_request(RequestId(9), vec![1; 4], 2).unwrap();
     assert_eq!(drain(&mut s).len(), 2, "the scheduler serves new requests after a failed step");
+}
+
+#[test]
+fn neo_keeps_host_room_for_swap_outs() {
+    // Host-bound prefills may not take the host blocks that device requests would need when the
+    // device fills up and they are preempted (before this rule, this workload swapped nothing
+    // out and recomputed instead).
+    let cfg = SchedulerConfig { offload: OffloadMode::Neo, force_pipeline: true, ..config(8, 16, 64) };
+    let mut s = Scheduler::new(cfg).unwrap();
+    for id in 0..8 {
+        s.add_request(RequestId(id), vec![3; 12], 10).unwrap();
+    }
+    while s.has_unfinished() {
+        let out = s.schedule().unwrap();
+        if out.num_host_prefills > 0 {
+            let (gpu, cpu) = (s.kv(Device::Gpu), s.kv(Device::Cpu));
+            assert!(cpu.num_free_blocks() >= gpu.num_total_blocks() - gpu.num_free_blocks());
+        }
+        let sampled: Vec<u32> = out.inputs.sample_ids.iter().map(|_| 7).collect();
+        s.update(&sampled, &[]).unwrap();
+    }
+    let st = s.stats();
+    assert!(st.num_prefills_to_host > 0 && st.num_swapped_out > 0, "{st:?}");
 }

@@ -426,13 +426,21 @@ impl Scheduler {
 
     /// Take running request `id` off its pool. A device request moves to the host pool if it
     /// has room: in GPU-only mode it waits there (`true` is never returned), under `neo` it stays
-    /// running as a CPU request (returns `true`, the caller keeps it in `running`). Otherwise its
-    /// KV is dropped and it is recomputed from the front of the waiting queue. The caller takes
-    /// it out of `running` unless this returns `true`.
+    /// running as a CPU request (returns `true`, the caller keeps it in `running`) if its prompt
+    /// is done. Otherwise its KV is dropped and it is recomputed from the front of the waiting
+    /// queue. The caller takes it out of `running` unless this returns `true`.
     fn preempt(&mut self, id: RequestId, step: &mut Step) -> bool {
         let before = step.swap_out.pairs.len();
         let req = self.requests.get_mut(&id).expect("preempted request exists");
-        let may_swap = self.config.offload != OffloadMode::AllCpu && req.device == Device::Gpu;
+        // Under `neo` a swapped-out request decodes on the CPU, one token per iteration: one
+        // stopped halfway through its prompt would crawl through the rest that way, so it is
+        // recomputed instead.
+        let prefill_done = req.num_pending_tokens() <= 1;
+        let may_swap = match self.config.offload {
+            OffloadMode::AllCpu => false,
+            OffloadMode::Neo => req.device == Device::Gpu && prefill_done,
+            OffloadMode::GpuOnly => req.device == Device::Gpu,
+        };
         if may_swap && self.gpu.swap_to(&mut self.cpu, id, &mut step.swap_out) {
             step.moved.push(id);
             req.device = Device::Cpu;

@@ -310,7 +310,8 @@ impl Scheduler {
 
     /// Prefill chunks from the head of the waiting queue: on the device while it keeps headroom
     /// for the running requests' growth, else (a whole prompt in one chunk) with its KV written
-    /// straight to the host pool, layer by layer. Stops at the first that fits nowhere.
+    /// straight to the host pool, layer by layer, as long as the host keeps room to swap out
+    /// what the device holds. Stops at the first that fits nowhere.
     fn tentative_prefills(&self, mut budget: usize, mut seats: usize) -> Vec<Tentative> {
         let mut free_gpu = self.gpu.num_free_blocks();
         let mut free_cpu = self.cpu.num_free_blocks();
@@ -327,9 +328,13 @@ impl Scheduler {
             let n = req.num_pending_tokens().min(budget);
             let target = req.num_computed_tokens + n;
             let blocks = self.gpu.blocks_for(target);
+            // Host room stays for swapping out every block the device holds (counting the
+            // device prefills placed above): a preempted device request must find it, or it
+            // is recomputed. NEO's reference caps host-bound prefills at cpu_blocks - gpu_blocks.
+            let swap_reserve = self.gpu.num_total_blocks() - free_gpu;
             let to_host = if !host_bound && blocks + max_headroom.min(on_device) <= free_gpu {
                 false
-            } else if n == req.num_pending_tokens() && self.cpu.blocks_for(target) <= free_cpu {
+            } else if n == req.num_pending_tokens() && self.cpu.blocks_for(target) + swap_reserve <= free_cpu {
                 true
             } else {
                 break;
