@@ -138,6 +138,18 @@ fn check_plan(s: &Scheduler, out: &SchedulerOutput) -> Result<(), TestCaseError>
             staged.extend(table.iter().copied().zip(host.iter().copied()));
         }
     }
+    let pipelined = out.sub_batch1_start < out.scheduled.len();
+    if c.offload == OffloadMode::Neo && !c.force_pipeline && pipelined && out.num_host_prefills == 0 {
+        // A pipelined plan hides each sub-batch's CPU attention (with its copies) under the other
+        // sub-batch's device work, by the predictor's own estimates: no negative slack. (Host
+        // prefills' KV copies are priced into transfer_ms[0] too; those plans are left out.)
+        let p = &out.predicted;
+        {
+            let slack0 = p.linear_ms[1] + p.prefill_attn_ms + p.gpu_decode_ms - p.cpu_attn_ms[0] - p.transfer_ms[0];
+            let slack1 = p.linear_ms[0] - p.cpu_attn_ms[1] - p.transfer_ms[1];
+            prop_assert!(slack0 >= -1e-9 && slack1 >= -1e-9, "slack {} {}: {:?}", slack0, slack1, p);
+        }
+    }
     if c.offload == OffloadMode::Neo && out.num_host_prefills > 0 {
         // Host-bound prefills leave the host room to swap out everything the device holds.
         let (gpu, cpu) = (s.kv(Device::Gpu), s.kv(Device::Cpu));
@@ -438,4 +450,40 @@ fn neo_keeps_host_room_for_swap_outs() {
     }
     let st = s.stats();
     assert!(st.num_prefills_to_host > 0 && st.num_swapped_out > 0, "{st:?}");
+}
+
+#[test]
+fn neo_never_pipelines_when_the_cpu_cannot_hide_under_the_device() {
+    // A CPU whose attention takes 100x the device's whole layer: no CPU decode fits under the
+    // other sub-batch's work, so no iteration pipelines; the requests whose prompts went to the
+    // host pool still finish (swapped in once they are owed the device, or alone).
+    let cfg = SchedulerConfig { offload: OffloadMode::Neo, ..config(8, 32, 64) };
+    let mut s = Scheduler::new(cfg).unwrap();
+    let slow = neo_rs::sched::Table2::new(vec![1.0, 1024.0], vec![0.0, 1e6], vec![100.0; 4]).unwrap();
+    s.predictor_mut().cpu_decode = slow;
+    for id in 0..8 {
+        s.add_request(RequestId(id), vec![3; 12], 10).unwrap();
+    }
+    let plans = drain(&mut s);
+    assert!(s.stats().num_prefills_to_host > 0, "the host pool was used");
+    assert!(plans.iter().all(|p| p.sub_batch1_start == p.scheduled.len()));
+    assert_eq!(s.stats().num_pipelined_steps, 0);
+}
+
+#[test]
+fn neo_sends_overflow_prompts_to_the_host_before_any_cpu_decode_exists() {
+    // The device holds 3 of the 6 prompts, enough linear work on its own. With no request on
+    // the CPU tier yet, the rest are prefilled into the host pool rather than left waiting for
+    // device room (before, neo offloaded nothing here until something was preempted).
+    let cfg = SchedulerConfig { offload: OffloadMode::Neo, ..config(40, 128, 512) };
+    let mut s = Scheduler::new(cfg).unwrap();
+    for id in 0..6 {
+        s.add_request(RequestId(id), vec![3; 48], 4).unwrap();
+    }
+    let first = s.schedule().unwrap();
+    assert!(first.num_host_prefills > 0, "{first:?}");
+    let sampled: Vec<u32> = first.inputs.sample_ids.iter().map(|_| 7).collect();
+    s.update(&sampled, &[]).unwrap();
+    drain(&mut s);
+    s.check_invariants().unwrap();
 }

@@ -137,7 +137,12 @@ impl Scheduler {
         let g_rate = g.reqs as f64 / (self.predictor.linear_ms(g.tokens) + self.gpu_attn_ms(&g)).max(1e-9);
         let p_rate = (b0.reqs + b1.reqs) as f64 / self.pipelined_ms(&b0, &b1).max(1e-9);
         let forced = self.config.force_pipeline && !cpu_reqs.is_empty();
-        if !forced && (place.placed.is_empty() || p_rate <= g_rate) {
+        // With no request on the CPU tier yet, the estimates have no CPU decode to judge, and
+        // the GPU-only plan would leave the overflow waiting for device room for good: admit
+        // the host-bound prefills. Should the CPU prove too slow for them, they are owed the
+        // device after MAX_CPU_IDLE_STEPS and swapped in (the GPU-only order).
+        let bootstrap = cpu_reqs.is_empty() && prefills.iter().any(|p| p.to_host);
+        if !forced && !bootstrap && (place.placed.is_empty() || p_rate <= g_rate) {
             self.commit_prefills(step, &g_prefills);
             self.cpu_idle_steps += u32::from(!cpu_reqs.is_empty());
             return;
