@@ -7,6 +7,9 @@ import json
 import logging
 import math
 import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -158,6 +161,22 @@ def cache_dir() -> Path:
     """``NEO_RS_CACHE_DIR``, else ``~/.cache/neo_rs``: built-in models, converted GGUFs, perf profiles."""
     root = os.environ.get("NEO_RS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "neo_rs")
     return Path(root)
+
+
+def build_atomically(target: Path, build: Callable[[Path], None]) -> None:
+    """Run ``build`` into a fresh folder beside ``target``, then rename it into place: a crash
+    leaves nothing half-written, and of two processes racing, one wins and the other's copy goes."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        build(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def emulate_async_copies() -> bool:

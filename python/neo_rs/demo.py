@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from neo_rs.config import cache_dir
+from neo_rs.config import build_atomically, cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -90,20 +88,14 @@ def demo_model_dir() -> Path:
     target = cache_dir() / f"demo-llama-v{VERSION}"
     if (target / "model.safetensors").is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=target.parent))
-    try:
-        (tmp / "config.json").write_text(json.dumps(CONFIG, indent=2))
-        (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": 256, "eos_token_id": 257}))
-        save_tokenizer(tmp)
-        save_file(_weights(CONFIG), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        try:
-            tmp.rename(target)
-        except OSError:  # another process won the race
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    def build(out: Path) -> None:
+        (out / "config.json").write_text(json.dumps(CONFIG, indent=2))
+        (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 256, "eos_token_id": 257}))
+        save_tokenizer(out)
+        save_file(_weights(CONFIG), str(out / "model.safetensors"), metadata={"format": "pt"})
+
+    build_atomically(target, build)
     log.info("created the demo model in %s", target)
     return target
 

@@ -9,14 +9,16 @@ import time
 import pytest
 import torch
 from conftest import assert_all_blocks_free
-from neo_rs import LLM, CpuAttention, SamplingParams
+from neo_rs import LLM, CpuAttention, LLMEngine, SamplingParams
 from neo_rs.config import cache_dir
 from neo_rs.profiler import PerfTables, load_or_profile, profile_key
 
 
-def test_pipelined_iterations_report_what_ran_where(checkpoints) -> None:
+def pipelined_engine(model: str) -> LLMEngine:
+    """A neo engine whose device pool is too small for its six queued requests, every CPU decode
+    forced into the pipeline."""
     llm = LLM(
-        str(checkpoints["llama3"]),
+        model,
         dtype="float32",
         offload="neo",
         num_gpu_blocks=10,
@@ -24,10 +26,14 @@ def test_pipelined_iterations_report_what_ran_where(checkpoints) -> None:
         block_size=8,
         neo_force_pipeline=True,
     )
-    engine = llm.engine
     p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     for i in range(6):
-        engine.add_request(list(range(3, 30 + i)), p)
+        llm.engine.add_request(list(range(3, 30 + i)), p)
+    return llm.engine
+
+
+def test_pipelined_iterations_report_what_ran_where(checkpoints) -> None:
+    engine = pipelined_engine(str(checkpoints["llama3"]))
     seen = []
     while engine.has_unfinished():
         engine.step()
@@ -91,21 +97,7 @@ def test_attention_handle_reports_kernel_time() -> None:
 
 @pytest.mark.parametrize("model", ["llama", "demo"])  # 2 and 4 layers
 def test_the_host_waits_for_the_device_a_constant_number_of_times(checkpoints, model: str) -> None:
-    path = str(checkpoints["llama"]) if model == "llama" else "demo"
-    llm = LLM(
-        path,
-        dtype="float32",
-        offload="neo",
-        num_gpu_blocks=10,
-        num_cpu_blocks=64,
-        block_size=8,
-        neo_force_pipeline=True,
-    )
-    engine = llm.engine
-    for i in range(6):
-        engine.add_request(
-            list(range(3, 30 + i)), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-        )
+    engine = pipelined_engine(str(checkpoints["llama"]) if model == "llama" else "demo")
     modes = set()
     while engine.has_unfinished():
         engine.step()

@@ -9,8 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from neo_rs.config import DTYPES, MODEL_TYPES, cache_dir
+from neo_rs.config import DTYPES, MODEL_TYPES, build_atomically, cache_dir
 from neo_rs.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -238,16 +236,6 @@ def converted_dir(path: str | Path, dtype: torch.dtype | None) -> Path:
     target = cache_dir() / "gguf" / f"{path.stem}-{dtype_name}-{digest}"
     if (target / "config.json").is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     log.info("converting %s (dtype %s; once, cached in %s)", path.name, dtype_name, target)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
-    try:
-        convert(path, tmp, dtype)
-        try:
-            tmp.rename(target)
-        except OSError:  # another process won the race
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    build_atomically(target, lambda out: convert(path, out, dtype))
     return target
