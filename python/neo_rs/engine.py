@@ -244,6 +244,7 @@ class LLMEngine:
     def _fail_step(self, cause: BaseException) -> EngineStepError:
         """The iteration failed between ``schedule`` and ``update``: abort every request it ran
         or swapped (their KV may be half written), freeing their blocks in both pools."""
+        self.runner.discard_pending()
         request_ids = []
         for seq_id in self.scheduler.abort_step():
             entry = self._seqs.get(seq_id)

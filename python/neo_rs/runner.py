@@ -143,13 +143,11 @@ class ModelRunner:
             to_host = block_pairs(plan.prefill_to_host, self.device_pool, self.host_pool)
         x = self.model.embed_tokens(ids)
         clock = StageClock(self.device, self.last_times.waits)
+        spans: list[tuple[int, int, int, int, int]] = []
         if len(batches) == 1:
             x, spans = self._sequential(x, positions, batches[0], to_host, clock)
-        else:
-            x, spans = (
-                self._pipelined(x, positions, batches[0], batches[1], to_host),
-                [],
-            )  # overlapped: untimed
+        else:  # stages overlap: only the CPU kernels are timed
+            x = self._pipelined(x, positions, batches[0], batches[1], to_host)
         num_cpu = sum(len(b.cpu_decodes) for b in batches)
         self.last_times.transfer_bytes = (
             num_cpu * self.transfer_bytes_per_decode() * len(self.model.decoder_layers)
@@ -165,6 +163,12 @@ class ModelRunner:
             self.last_times.linear_ms = linear / n
             self.last_times.device_attn_ms = sum(clock.span_ms(b, c) for _, b, c, _, _ in spans) / n
         return logits
+
+    def discard_pending(self) -> None:
+        """Forget the copies into the host pool of an iteration that failed: the requests whose
+        blocks they fill are aborted, and their blocks may be handed out again."""
+        self._swapped_out = None
+        self._landing.clear()
 
     def _pre(
         self, i: int, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, to_host: Pairs | None
