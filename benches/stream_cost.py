@@ -13,10 +13,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -24,7 +22,7 @@ from neo_rs import LLMEngine, RequestOutputKind, SamplingParams
 from neo_rs.config import EngineArgs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "python"))
-from server_util import free_port  # noqa: E402
+from server_util import Server  # noqa: E402
 
 
 async def stream(url: str, tokens: int) -> list[tuple[float, int]]:
@@ -86,32 +84,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=4000)
     args = ap.parse_args()
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "neo_rs.serve",
-        "--model",
-        "demo",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-    ]
-    server = subprocess.Popen(cmd)
-    url = f"http://127.0.0.1:{port}"
+    server = Server("--log-level", "warning")
     try:
-        for _ in range(600):
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.2)
-        marks = asyncio.run(stream(url, args.tokens))
+        marks = asyncio.run(stream(server.url, args.tokens))
     finally:
-        server.terminate()
-        server.wait(60)
+        server.stop()
     n = args.tokens
     early, late = mean_itl_ms(marks, 100, 200), mean_itl_ms(marks, n - 100, n)
     print(f"one stream of {marks[-1][1]} tokens, demo model")

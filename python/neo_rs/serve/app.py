@@ -339,11 +339,9 @@ async def _stream(run: _Run, gens: list[AsyncIterator[RequestOutput]]) -> web.St
                     finished.add(idx)
     except EngineStepError as e:  # the stream has begun: the error goes in an event, then [DONE]
         await send(_engine_failed(e).body())
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
-    if opts.include_usage:
-        await send(run.env.wrap(obj, [], usage=usage(run.prompt_tokens(), produced)))
+    else:
+        if opts.include_usage:
+            await send(run.env.wrap(obj, [], usage=usage(run.prompt_tokens(), produced)))
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp

@@ -74,14 +74,17 @@ class _Sampling(_Strict):
     user: str | None = None  # an end-user id for the caller's own logs; no effect here
 
     def sampling_kwargs(self) -> dict[str, Any]:
-        names = set(_Sampling.model_fields) - {"model", "stream", "stream_options", "user", "logit_bias"}
-        kw = {k: v for k, v in self.model_dump(include=names).items() if v is not None}
+        kw = {k: v for k, v in self.model_dump(include=_SAMPLING_FIELDS).items() if v is not None}
         if self.logit_bias is not None:
             try:
                 kw["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
             except ValueError as e:
                 raise bad("'logit_bias' keys must be token ids", "logit_bias") from e
         return kw
+
+
+# The fields that pass straight through to ``SamplingParams``.
+_SAMPLING_FIELDS = set(_Sampling.model_fields) - {"model", "stream", "stream_options", "user", "logit_bias"}
 
 
 class _CompletionBody(_Sampling):
