@@ -2,7 +2,7 @@
 //! stops, tiny pools) driven through schedule -> fake model -> update, with every invariant
 //! checked after every step and every request accounted for at the end.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use neo_rs::kv::Device;
 use neo_rs::sched::{FinishReason, OffloadMode, RequestId, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput};
@@ -486,4 +486,133 @@ fn neo_sends_overflow_prompts_to_the_host_before_any_cpu_decode_exists() {
     s.update(&sampled, &[]).unwrap();
     drain(&mut s);
     s.check_invariants().unwrap();
+}
+
+#[test]
+fn neo_admits_host_bound_prompts_while_the_device_is_full() {
+    // Steady state at 256 running requests (each replaced when it finishes) with a device pool
+    // for about 150 of them: the prompt at the head of the queue must not wait for the
+    // device while the host pool has room for it (and for a swap-out of everything the device
+    // holds). Before, step 5 trimmed every host-bound prefill of every iteration whose GPU
+    // decodes alone made 128 tokens of linear work, so the queue only drained into the device.
+    let cfg = SchedulerConfig {
+        offload: OffloadMode::Neo,
+        max_num_seqs: 256,
+        max_num_batched_tokens: 256 + 512,
+        block_size: 16,
+        num_gpu_blocks: 150 * 8,
+        num_cpu_blocks: 256 * 12,
+        max_model_len: 1024,
+        transfer_bytes_per_decode: 4096,
+        kv_bytes_per_token: 1024,
+        force_pipeline: true,
+    };
+    let mut s = Scheduler::new(cfg).unwrap();
+    let mut order = VecDeque::new();
+    let mut next = 0u64;
+    let mut add = |s: &mut Scheduler, order: &mut VecDeque<u64>| {
+        let h = next.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+        s.add_request(RequestId(next), vec![1; 40 + (h % 60) as usize], 32 + (h % 64) as usize).unwrap();
+        order.push_back(next);
+        next += 1;
+    };
+    for _ in 0..256 {
+        add(&mut s, &mut order);
+    }
+    let (mut stuck, mut longest) = (0, 0);
+    for _ in 0..600 {
+        order.retain(|&id| s.request(RequestId(id)).is_some_and(|r| r.status == RequestStatus::Waiting));
+        let head_fits_host = order.front().is_some_and(|&id| {
+            let (gpu, cpu) = (s.kv(Device::Gpu), s.kv(Device::Cpu));
+            let need = cpu.blocks_for(s.request(RequestId(id)).unwrap().num_prompt_tokens);
+            s.num_running() < 256 && need + gpu.num_total_blocks() - gpu.num_free_blocks() <= cpu.num_free_blocks()
+        });
+        let out = s.schedule().unwrap();
+        let admitted = out.scheduled.iter().any(|r| order.front() == Some(&r.id.0));
+        stuck = if head_fits_host && !admitted { stuck + 1 } else { 0 };
+        longest = longest.max(stuck);
+        let sampled: Vec<u32> = out.inputs.sample_ids.iter().map(|_| 7).collect();
+        for _ in s.update(&sampled, &[]).unwrap() {
+            add(&mut s, &mut order);
+        }
+        s.check_invariants().unwrap();
+    }
+    assert!(
+        longest <= neo_rs::sched::MAX_HOST_PREFILL_DEFERS as usize + 1,
+        "the queue's head waited {longest} iterations"
+    );
+}
+
+/// A steady neo load of `n` running requests, each replaced when it finishes (prompts of 40-99
+/// tokens, outputs of `min_output` + 0-199), on a device pool of `gpu_blocks` blocks of 16
+/// tokens and a host pool for the rest, with CPU attention priced at `cpu_ms` whatever its
+/// size; `each` sees every plan and the next request id.
+fn neo_steady_state(
+    n: usize,
+    gpu_blocks: u32,
+    cpu_ms: f64,
+    min_output: usize,
+    mut each: impl FnMut(&Scheduler, &SchedulerOutput, u64),
+) {
+    let cfg = SchedulerConfig {
+        offload: OffloadMode::Neo,
+        max_num_seqs: n,
+        max_num_batched_tokens: n + 512,
+        block_size: 16,
+        num_gpu_blocks: gpu_blocks,
+        num_cpu_blocks: n as u32 * 20,
+        max_model_len: 1024,
+        transfer_bytes_per_decode: 4096,
+        kv_bytes_per_token: 1024,
+        force_pipeline: false,
+    };
+    let mut s = Scheduler::new(cfg).unwrap();
+    s.predictor_mut().cpu_decode = neo_rs::sched::Table2::new(vec![1.0, 1e6], vec![0.0, 1e7], vec![cpu_ms; 4]).unwrap();
+    let add = |s: &mut Scheduler, id: u64| {
+        let h = id.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+        s.add_request(RequestId(id), vec![1; 40 + (h % 60) as usize], min_output + (h % 200) as usize).unwrap();
+    };
+    for id in 0..n as u64 {
+        add(&mut s, id);
+    }
+    let mut next = n as u64;
+    for _ in 0..600 {
+        let out = s.schedule().unwrap();
+        each(&s, &out, next);
+        let sampled: Vec<u32> = out.inputs.sample_ids.iter().map(|_| 7).collect();
+        for _ in s.update(&sampled, &[]).unwrap() {
+            add(&mut s, next);
+            next += 1;
+        }
+        s.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn neo_swaps_do_not_ping_pong() {
+    // Device pools far too small for the load, with a CPU too slow to hide any attention (its
+    // requests are owed the device) and one fast enough to pipeline. A request swapped in must
+    // not be swapped out again within the horizon (before the hysteresis, with the slow CPU,
+    // the request swapped in was the newest on the device and the next preemption's victim:
+    // 85 of 330 moves were such bounces).
+    for (gpu_blocks, cpu_ms, min_output) in [(600, 100.0, 200), (600, 0.001, 200), (1200, 100.0, 32)] {
+        let mut last_move: HashMap<u64, (Device, Option<usize>)> = HashMap::new();
+        let (mut step, mut moves, mut bounces) = (0, 0, Vec::new());
+        neo_steady_state(256, gpu_blocks, cpu_ms, min_output, |s, _, next| {
+            step += 1;
+            for id in 0..next {
+                let Some(r) = s.request(RequestId(id)).filter(|r| r.status == RequestStatus::Running) else { continue };
+                let e = last_move.entry(id).or_insert((r.device, None));
+                if e.0 != r.device {
+                    moves += 1;
+                    if r.device == Device::Cpu && e.1.is_some_and(|t| step - t < 16) {
+                        bounces.push((id, step));
+                    }
+                    *e = (r.device, Some(step));
+                }
+            }
+        });
+        assert!(moves > 50, "the load moves requests between the pools ({moves} moves)");
+        assert!(bounces.is_empty(), "swapped in, then out within the horizon: {bounces:?}");
+    }
 }

@@ -12,4 +12,4 @@ pub use config::{OffloadMode, SchedulerConfig};
 pub use output::{ModelInputs, ScheduledRequest, SchedulerOutput, StageTimes};
 pub use perf::{PerfPredictor, Table1, Table2, Term};
 pub use request::{FinishReason, Request, RequestId, RequestStatus};
-pub use scheduler::{Scheduler, SchedulerStats};
+pub use scheduler::{Scheduler, SchedulerStats, MAX_HOST_PREFILL_DEFERS};

@@ -7,6 +7,8 @@ use std::collections::{HashMap, HashSet, VecDeque};
 
 mod neo;
 
+pub use neo::MAX_HOST_PREFILL_DEFERS;
+
 use super::config::{OffloadMode, SchedulerConfig};
 use super::output::{ModelInputs, ScheduledRequest, SchedulerOutput, StageTimes};
 use super::perf::PerfPredictor;
@@ -77,6 +79,8 @@ pub struct Scheduler {
     predictor: PerfPredictor,
     /// `neo`: consecutive iterations that left CPU requests waiting.
     cpu_idle_steps: u32,
+    /// `neo`: consecutive iterations whose plan dropped every host-bound prefill.
+    host_prefill_defers: u32,
 }
 
 impl Scheduler {
@@ -98,6 +102,7 @@ impl Scheduler {
             stats: SchedulerStats::default(),
             predictor: PerfPredictor::synthetic(),
             cpu_idle_steps: 0,
+            host_prefill_defers: 0,
         })
     }
 

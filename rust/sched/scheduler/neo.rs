@@ -16,6 +16,11 @@ const MIN_LINEAR_TOKENS: usize = 128;
 /// GPU-only iterations in a row that left CPU requests waiting, after which they are owed the
 /// device (NEO falls back to the GPU-only order until they are served).
 const MAX_CPU_IDLE_STEPS: u32 = 8;
+/// Iterations in a row whose plan dropped every host-bound prefill, after which the host-bound
+/// prompts at the head of the queue are owed admission: neither trim may drop them. Trimming
+/// shortens pipelined iterations, but with the device full it would otherwise leave the queue
+/// to drain only as device requests finish.
+pub const MAX_HOST_PREFILL_DEFERS: u32 = 8;
 
 /// What the predictor prices of one sub-batch, per layer.
 #[derive(Debug, Clone, Copy, Default)]
@@ -53,6 +58,14 @@ struct Tentative {
 
 impl Scheduler {
     pub(super) fn schedule_neo(&mut self, step: &mut Step) {
+        let admitted = self.stats.num_prefills_to_host;
+        let host_bound = self.plan_neo(step);
+        let deferred = host_bound && self.stats.num_prefills_to_host == admitted;
+        self.host_prefill_defers = if deferred { self.host_prefill_defers + 1 } else { 0 };
+    }
+
+    /// One iteration's plan; whether a host-bound prefill was among its candidates.
+    fn plan_neo(&mut self, step: &mut Step) -> bool {
         // Steps 1-2: GPU requests, with swap-out on a full device; swap-in below the watermark.
         // CPU requests the estimates have left waiting too long (the CPU cannot hide their
         // attention) are owed the device first: they swap in up to a full pool, and no new
@@ -77,11 +90,13 @@ impl Scheduler {
             self.tentative_prefills(step.budget, self.config.max_num_seqs - self.running.len())
         };
         let prefill_tokens: usize = prefills.iter().map(|p| p.n).sum();
+        let host_bound = prefills.iter().any(|p| p.to_host);
+        let keep_host_bound = self.host_prefill_defers >= MAX_HOST_PREFILL_DEFERS;
 
         if gpu.reqs == 0 && prefills.is_empty() {
             // No device work to hide behind: CPU decodes run alone rather than wait.
             self.commit_cpu_decodes(step, &cpu_reqs, &vec![0; cpu_reqs.len()]);
-            return;
+            return false;
         }
         let mut b0 = gpu;
         for p in &prefills {
@@ -98,10 +113,10 @@ impl Scheduler {
             fail_ctx: usize::MAX,
         };
         self.place_cpu_decodes(&cpu_reqs, &mut place, &mut b0, &mut b1);
-        // Step 5: trim trailing host-bound prefills while sub-batch 0 keeps enough linear work;
-        // their budget goes back to the CPU decodes.
+        // Step 5: trim trailing host-bound prefills while sub-batch 0 keeps enough linear work
+        // (unless they are owed admission); their budget goes back to the CPU decodes.
         let mut trimmed_any = false;
-        while let Some(p) = prefills.last().copied() {
+        while let Some(p) = prefills.last().copied().filter(|_| !keep_host_bound) {
             let mut trimmed = b0;
             trimmed.reqs -= 1;
             trimmed.tokens -= p.n;
@@ -123,7 +138,7 @@ impl Scheduler {
         // reach the linear-work threshold; pick the plan with the higher estimated throughput.
         let mut g_prefills = prefills.clone();
         let mut g_tokens = gpu.tokens + prefills.iter().map(|p| p.n).sum::<usize>();
-        while let Some(p) = g_prefills.last().copied() {
+        while let Some(p) = g_prefills.last().copied().filter(|_| !keep_host_bound) {
             if !p.to_host || g_tokens - p.n < MIN_LINEAR_TOKENS {
                 break;
             }
@@ -141,11 +156,11 @@ impl Scheduler {
         // the GPU-only plan would leave the overflow waiting for device room for good: admit
         // the host-bound prefills. Should the CPU prove too slow for them, they are owed the
         // device after MAX_CPU_IDLE_STEPS and swapped in (the GPU-only order).
-        let bootstrap = cpu_reqs.is_empty() && prefills.iter().any(|p| p.to_host);
+        let bootstrap = cpu_reqs.is_empty() && host_bound;
         if !forced && !bootstrap && (place.placed.is_empty() || p_rate <= g_rate) {
             self.commit_prefills(step, &g_prefills);
             self.cpu_idle_steps += u32::from(!cpu_reqs.is_empty());
-            return;
+            return host_bound;
         }
         self.commit_prefills(step, &prefills);
         let (ids, subs): (Vec<RequestId>, Vec<u8>) = if place.placed.is_empty() {
@@ -155,6 +170,7 @@ impl Scheduler {
         };
         step.pipelined = subs.contains(&1);
         self.commit_cpu_decodes(step, &ids, &subs);
+        host_bound
     }
 
     /// Greedy placement of step 4: each CPU decode (in queue order) goes to the sub-batch with
@@ -270,12 +286,17 @@ impl Scheduler {
     }
 
     /// Move the oldest CPU requests to the device while it stays under `watermark` of its
-    /// blocks (never in an iteration that preempted).
+    /// blocks (never in an iteration that preempted). Hysteresis against ping-pong: a swap-in
+    /// must leave the device a block of growth for every device request (see
+    /// `device_growth`), so that for `block_size` iterations decodes cannot preempt the
+    /// request (the newest on the device, so the first victim) right after its copy.
     fn swap_in_cpu_requests(&mut self, step: &mut Step, watermark: f64) {
         if step.preempted() {
             return;
         }
         let limit = (watermark * self.gpu.num_total_blocks() as f64) as usize;
+        let mut reserve = self.device_growth();
+        let horizon = self.gpu.block_size();
         let mut i = 0;
         while i < self.running.len() && step.budget > 0 {
             let id = self.running[i];
@@ -285,9 +306,12 @@ impl Scheduler {
                 continue;
             }
             let need = self.gpu.blocks_for(req.num_computed_tokens + 1);
-            if self.gpu.pool().num_used() + need > limit {
+            let grows = self.gpu.blocks_for(req.num_tokens() + horizon) - need;
+            let used = self.gpu.pool().num_used() + need;
+            if used > limit || (reserve > 0 && used + reserve + grows > self.gpu.num_total_blocks()) {
                 break;
             }
+            reserve += grows;
             let moved = self.cpu.swap_to(&mut self.gpu, id, &mut step.swap_in);
             let grown = self.gpu.allocate_slots(id, req.num_computed_tokens + 1);
             debug_assert!(moved && grown);
@@ -297,6 +321,13 @@ impl Scheduler {
             step.push(self.scheduled(id, 1));
         }
         self.stats.num_swapped_in_blocks += step.swap_in.pairs.len() as u64;
+    }
+
+    /// Blocks the device requests will still take: the rest of their prompts and one block of
+    /// decodes each (room for `block_size` iterations). 0 with no request on the device.
+    fn device_growth(&self) -> usize {
+        let device_reqs = self.running.iter().map(|id| &self.requests[id]).filter(|r| r.device == Device::Gpu);
+        device_reqs.map(|r| self.gpu.blocks_needed(r.id, r.num_tokens() + self.gpu.block_size())).sum()
     }
 
     /// Give every CPU request the host slot of its next token now, recomputing the newest CPU
