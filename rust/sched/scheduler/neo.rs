@@ -31,6 +31,8 @@ struct Load {
     tokens: usize,
     /// Device attention of its prefill chunks.
     prefill_ms: f64,
+    /// Prompt tokens whose KV is copied to the host pool as each layer writes it.
+    host_kv_tokens: usize,
     /// Its GPU decodes and their context tokens (priced together: one kernel for the batch).
     decode_seqs: usize,
     decode_ctx: usize,
@@ -100,9 +102,7 @@ impl Scheduler {
         }
         let mut b0 = gpu;
         for p in &prefills {
-            b0.reqs += 1;
-            b0.tokens += p.n;
-            b0.prefill_ms += p.attn_ms;
+            add_prefill(&mut b0, p, 1);
         }
         // Step 4: CPU decodes into sub-batch 1 or 0 while both invariants hold.
         let mut b1 = Load::default();
@@ -118,9 +118,7 @@ impl Scheduler {
         let mut trimmed_any = false;
         while let Some(p) = prefills.last().copied().filter(|_| !keep_host_bound) {
             let mut trimmed = b0;
-            trimmed.reqs -= 1;
-            trimmed.tokens -= p.n;
-            trimmed.prefill_ms -= p.attn_ms;
+            add_prefill(&mut trimmed, &p, -1);
             if !p.to_host || trimmed.tokens < MIN_LINEAR_TOKENS || b1.reqs == 0 || self.min_remains(&trimmed, &b1) < 0.0
             {
                 break;
@@ -147,17 +145,15 @@ impl Scheduler {
         }
         let mut g = gpu;
         for p in &g_prefills {
-            self.add_gpu_work(&mut g, 0, p.n);
+            add_prefill(&mut g, p, 1);
         }
-        let g_rate = g.reqs as f64 / (self.predictor.linear_ms(g.tokens) + self.gpu_attn_ms(&g)).max(1e-9);
-        let p_rate = (b0.reqs + b1.reqs) as f64 / self.pipelined_ms(&b0, &b1).max(1e-9);
         let forced = self.config.force_pipeline && !cpu_reqs.is_empty();
         // With no request on the CPU tier yet, the estimates have no CPU decode to judge, and
         // the GPU-only plan would leave the overflow waiting for device room for good: admit
         // the host-bound prefills. Should the CPU prove too slow for them, they are owed the
         // device after MAX_CPU_IDLE_STEPS and swapped in (the GPU-only order).
         let bootstrap = cpu_reqs.is_empty() && host_bound;
-        if !forced && !bootstrap && (place.placed.is_empty() || p_rate <= g_rate) {
+        if !forced && !bootstrap && (place.placed.is_empty() || !self.pipeline_pays(&g, &b0, &b1)) {
             self.commit_prefills(step, &g_prefills);
             self.cpu_idle_steps += u32::from(!cpu_reqs.is_empty());
             return host_bound;
@@ -171,6 +167,15 @@ impl Scheduler {
         step.pipelined = subs.contains(&1);
         self.commit_cpu_decodes(step, &ids, &subs);
         host_bound
+    }
+
+    /// Step 6's test: whether the pipelined plan `b0`/`b1` has a higher estimated throughput
+    /// (requests per unit time) than the GPU-only plan `g`, each priced with its host-prefill
+    /// KV copies.
+    fn pipeline_pays(&self, g: &Load, b0: &Load, b1: &Load) -> bool {
+        let g_rate = g.reqs as f64 / self.sequential_ms(g).max(1e-9);
+        let p_rate = (b0.reqs + b1.reqs) as f64 / self.pipelined_ms(b0, b1).max(1e-9);
+        p_rate > g_rate
     }
 
     /// Greedy placement of step 4: each CPU decode (in queue order) goes to the sub-batch with
@@ -209,34 +214,26 @@ impl Scheduler {
     pub(super) fn price(&self, scheduled: &[ScheduledRequest]) -> StageTimes {
         let p = &self.predictor;
         let mut loads = [Load::default(); 2];
-        let mut host_kv_bytes = 0;
         for s in scheduled {
             let b = &mut loads[usize::from(s.sub_batch)];
             if s.device == Device::Cpu && s.num_new_tokens == 1 {
                 add_cpu_decode(b, s.num_computed_tokens + 1, 1);
             } else {
                 if s.device == Device::Cpu {
-                    host_kv_bytes += s.num_new_tokens * self.config.kv_bytes_per_token;
+                    b.host_kv_tokens += s.num_new_tokens;
                 }
                 self.add_gpu_work(b, s.num_computed_tokens, s.num_new_tokens);
             }
         }
         let [b0, b1] = loads;
         let kernel = |b: &Load| p.cpu_decode_ms(b.cpu_seqs, b.cpu_ctx);
-        let layer_ms = if b1.reqs > 0 {
-            self.pipelined_ms(&b0, &b1)
-        } else {
-            p.linear_ms(b0.tokens) + self.gpu_attn_ms(&b0).max(self.cpu_ms(&b0))
-        };
-        // Host prefills' KV leaves on the copy stream, overlapped with the layer's compute.
-        let host_kv_ms = p.transfer_ms(host_kv_bytes);
-        let layer_ms = layer_ms.max(host_kv_ms);
+        let layer_ms = if b1.reqs > 0 { self.pipelined_ms(&b0, &b1) } else { self.sequential_ms(&b0) };
         StageTimes {
             linear_ms: [p.linear_ms(b0.tokens), p.linear_ms(b1.tokens)],
             prefill_attn_ms: b0.prefill_ms,
             gpu_decode_ms: p.gpu_decode_ms(b0.decode_seqs, b0.decode_ctx),
             cpu_attn_ms: [kernel(&b0), kernel(&b1)],
-            transfer_ms: [self.cpu_ms(&b0) - kernel(&b0) + host_kv_ms, self.cpu_ms(&b1) - kernel(&b1)],
+            transfer_ms: [self.cpu_ms(&b0) - kernel(&b0) + self.host_kv_ms(&b0), self.cpu_ms(&b1) - kernel(&b1)],
             layer_ms,
         }
     }
@@ -279,10 +276,25 @@ impl Scheduler {
         r[0].min(r[1])
     }
 
-    /// Per-layer time of the pipeline: `max(T_l0, T_ca1) + max(T_l1 + T_ga0, T_ca0)`.
+    /// Per-layer time of the pipeline: `max(T_l0, T_ca1) + max(T_l1 + T_ga0, T_ca0)`, or of
+    /// sub-batch 0's host-prefill KV copies if they take longer.
     fn pipelined_ms(&self, b0: &Load, b1: &Load) -> f64 {
         let l = |b: &Load| self.predictor.linear_ms(b.tokens);
-        l(b0).max(self.cpu_ms(b1)) + (l(b1) + self.gpu_attn_ms(b0)).max(self.cpu_ms(b0))
+        let compute = l(b0).max(self.cpu_ms(b1)) + (l(b1) + self.gpu_attn_ms(b0)).max(self.cpu_ms(b0));
+        compute.max(self.host_kv_ms(b0))
+    }
+
+    /// Per-layer time of one sub-batch run alone (its CPU decodes, if any, under its device
+    /// attention), or of its host-prefill KV copies if they take longer.
+    fn sequential_ms(&self, b: &Load) -> f64 {
+        let compute = self.predictor.linear_ms(b.tokens) + self.gpu_attn_ms(b).max(self.cpu_ms(b));
+        compute.max(self.host_kv_ms(b))
+    }
+
+    /// The host-prefill KV copies of a sub-batch, per layer. They leave on the copy stream
+    /// while the layer computes, so they bound its time rather than add to it.
+    fn host_kv_ms(&self, b: &Load) -> f64 {
+        self.predictor.transfer_ms(b.host_kv_tokens * self.config.kv_bytes_per_token)
     }
 
     /// Move the oldest CPU requests to the device while it stays under `watermark` of its
@@ -417,6 +429,15 @@ impl Scheduler {
     }
 }
 
+/// Add (`sign` 1) or take back (-1) one tentative prefill.
+fn add_prefill(b: &mut Load, p: &Tentative, sign: isize) {
+    let step = |x: &mut usize, by: usize| *x = x.wrapping_add_signed(sign * by as isize);
+    step(&mut b.reqs, 1);
+    step(&mut b.tokens, p.n);
+    step(&mut b.host_kv_tokens, if p.to_host { p.n } else { 0 });
+    b.prefill_ms += sign as f64 * p.attn_ms;
+}
+
 /// Add (`sign` 1) or take back (-1) one CPU decode of context `ctx`.
 fn add_cpu_decode(b: &mut Load, ctx: usize, sign: isize) {
     let step = |x: &mut usize, by: usize| *x = x.wrapping_add_signed(sign * by as isize);
@@ -424,4 +445,49 @@ fn add_cpu_decode(b: &mut Load, ctx: usize, sign: isize) {
     step(&mut b.tokens, 1);
     step(&mut b.cpu_seqs, 1);
     step(&mut b.cpu_ctx, ctx);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scheduler(kv_bytes_per_token: usize) -> Scheduler {
+        Scheduler::new(SchedulerConfig {
+            max_num_seqs: 256,
+            max_num_batched_tokens: 4096,
+            max_model_len: 4096,
+            block_size: 16,
+            num_gpu_blocks: 64,
+            num_cpu_blocks: 64,
+            offload: OffloadMode::Neo,
+            transfer_bytes_per_decode: 0,
+            kv_bytes_per_token,
+            force_pipeline: false,
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn host_prefill_copies_are_priced_in_the_choice_of_plan() {
+        // 150 GPU decodes; the pipelined plan also carries a 20-token prompt bound for the host
+        // and 100 CPU decodes in sub-batch 1. Without copies it wins; when the prompt's KV copy
+        // (per layer) outlasts the layer, the GPU-only plan without that prompt wins.
+        let host_prompt = Tentative { id: RequestId(0), n: 20, target: 20, to_host: true, attn_ms: 0.05 };
+        for (kv_bytes_per_token, pays) in [(0, true), (4 << 20, false)] {
+            let s = scheduler(kv_bytes_per_token);
+            let mut g = Load::default();
+            for _ in 0..150 {
+                s.add_gpu_work(&mut g, 500, 1);
+            }
+            let mut b0 = g;
+            add_prefill(&mut b0, &host_prompt, 1);
+            let mut b1 = Load::default();
+            for _ in 0..100 {
+                add_cpu_decode(&mut b1, 100, 1);
+            }
+            assert_eq!(s.pipeline_pays(&g, &b0, &b1), pays, "{kv_bytes_per_token} B/token");
+            let copy = s.host_kv_ms(&b0);
+            assert!(s.pipelined_ms(&b0, &b1) >= copy && s.sequential_ms(&b0) >= copy);
+        }
+    }
 }
