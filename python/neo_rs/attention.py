@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from neo_rs._core import AttentionHandle, CpuAttention, SchedulerOutput
 from neo_rs.config import device_attention
 from neo_rs.kv_cache import KvPool, Slots, split_slots
+from neo_rs.timing import StageClock
 from neo_rs.transfer import HostTransfer, Staged
 
 log = logging.getLogger(__name__)
@@ -236,6 +237,7 @@ class Attention:
         layer: int,
         batch: AttentionBatch,
         out: torch.Tensor,
+        clock: StageClock,
     ) -> PendingCpuAttention | None:
         """Issue the batch's whole attention: device rows into ``out`` now, CPU decodes
         submitted (the caller waits on the result when it needs it). The CPU part starts first
@@ -244,7 +246,7 @@ class Attention:
         pending = None
         if staged is not None and staged.immediate:
             pending = self.submit_cpu(staged, host_pool, layer, batch)
-        self.device_part(q, k, v, device_pool, layer, batch, out)
+        self.device_part(q, k, v, device_pool, layer, batch, out, clock)
         if staged is not None and pending is None:
             pending = self.submit_cpu(staged, host_pool, layer, batch)
         return pending
@@ -288,11 +290,16 @@ class Attention:
         layer: int,
         batch: AttentionBatch,
         out: torch.Tensor,
+        clock: StageClock,
     ) -> None:
-        """GPU decodes and prefill chunks of the batch, into their rows of ``out``."""
+        """GPU decodes and prefill chunks of the batch, into their rows of ``out``, each kind
+        timed as its own stage."""
         g = batch.gpu_decodes
         if len(g):
-            self.decode(q[g.start : g.end], pool, layer, g, out[g.start : g.end])
-        for p in batch.prefills:
-            rows = slice(p.start, p.end)
-            out[rows] = self.prefill(q[rows], k[rows], v[rows], pool, layer, p)
+            with clock.span("gpu_decode"):
+                self.decode(q[g.start : g.end], pool, layer, g, out[g.start : g.end])
+        if batch.prefills:
+            with clock.span("prefill_attn"):
+                for p in batch.prefills:
+                    rows = slice(p.start, p.end)
+                    out[rows] = self.prefill(q[rows], k[rows], v[rows], pool, layer, p)

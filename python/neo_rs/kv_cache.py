@@ -29,18 +29,21 @@ class KvLayout:
 
 
 class KvPool:
-    def __init__(self, layout: KvLayout, num_blocks: int, device: torch.device, pin: bool = False) -> None:
+    def __init__(self, layout: KvLayout, num_blocks: int, device: torch.device) -> None:
         self.layout = layout
         self.num_blocks = num_blocks
         self.device = device
         shape = (layout.num_layers, num_blocks, layout.num_kv_heads, layout.block_size, layout.head_dim)
-        # torch.empty never zero-fills: an unpinned host pool costs nothing until pages are used.
-        # Pinned (when CUDA copies it), it is locked but still not filled.
-        self.k = torch.empty(shape, dtype=layout.dtype, device=device, pin_memory=pin)
-        self.v = torch.empty(shape, dtype=layout.dtype, device=device, pin_memory=pin)
-        if device.type == "cpu" and not pin:
+        # torch.empty never zero-fills: a host pool costs nothing until its pages are used. It is
+        # never pinned: every device<->host copy stages through pinned buffers from torch's
+        # caching host allocator (``transfer.py``), and the host side is a scatter or gather in
+        # host memory. Pinning tens of GiB would take minutes at start-up, lock the memory and
+        # may fail; this way start-up stays instant on any host.
+        self.k = torch.empty(shape, dtype=layout.dtype, device=device)
+        self.v = torch.empty(shape, dtype=layout.dtype, device=device)
+        if device.type == "cpu":
             # Before the first write: fewer TLB misses on the CPU kernel's scattered tiles (worth
-            # 0-10% here). Pinned memory is already faulted in, as 4 KiB pages.
+            # 0-10% here).
             advise_huge_pages(self.k)
             advise_huge_pages(self.v)
 

@@ -18,7 +18,7 @@ from neo_rs.config import EngineArgs, ModelConfig, emulate_async_copies
 from neo_rs.errors import InvalidArgumentError
 from neo_rs.kv_cache import KvLayout, KvPool, block_pairs
 from neo_rs.model import load_model
-from neo_rs.timing import MeasuredTimes, StageClock
+from neo_rs.timing import HostWaits, MeasuredTimes, StageClock
 from neo_rs.transfer import HostTransfer, Pairs, Staged
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class ModelRunner:
             else int(args.cpu_kv_gib * (1 << 30)) // per_block
         )
         self.device_pool = KvPool(self.layout, num_gpu, device)
-        self.host_pool = KvPool(self.layout, num_cpu, torch.device("cpu"), pin=device.type == "cuda")
+        self.host_pool = KvPool(self.layout, num_cpu, torch.device("cpu"))
         log.info(
             "KV pools: %d device blocks (%.2f GiB), %d host blocks (%.2f GiB), %d tokens per block",
             num_gpu,
@@ -127,8 +127,9 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> torch.Tensor:
         """Run the plan's tokens through the model; float32 logits of its sampled rows. Stage
         times are left in ``last_times``."""
-        self.last_times = MeasuredTimes()
-        self.transfer.waits = self.last_times.waits
+        clock = StageClock(self.device, HostWaits())
+        self.last_times = MeasuredTimes(clock, waits=clock.waits)
+        self.transfer.waits, self.transfer.clock = clock.waits, clock
         up = self.transfer.upload
         ids, positions = up(torch.from_numpy(plan.input_ids)), up(torch.from_numpy(plan.positions))
         sample_rows = up(torch.from_numpy(np.ascontiguousarray(plan.sample_rows)))
@@ -142,12 +143,10 @@ class ModelRunner:
         if len(plan.prefill_to_host):
             to_host = block_pairs(plan.prefill_to_host, self.device_pool, self.host_pool)
         x = self.model.embed_tokens(ids)
-        clock = StageClock(self.device, self.last_times.waits)
-        spans: list[tuple[int, int, int, int, int]] = []
         if len(batches) == 1:
-            x, spans = self._sequential(x, positions, batches[0], to_host, clock)
-        else:  # stages overlap: only the CPU kernels are timed
-            x = self._pipelined(x, positions, batches[0], batches[1], to_host)
+            x = self._sequential(x, positions, batches[0], to_host, clock)
+        else:
+            x = self._pipelined(x, positions, batches[0], batches[1], to_host, clock)
         num_cpu = sum(len(b.cpu_decodes) for b in batches)
         self.last_times.transfer_bytes = (
             num_cpu * self.transfer_bytes_per_decode() * len(self.model.decoder_layers)
@@ -156,12 +155,7 @@ class ModelRunner:
         for staged in self._landing:  # the host pool is whole again before the next plan
             staged.ready()
         self._landing.clear()
-        if spans:  # read the stage timers once the whole forward is queued, with one wait
-            clock.settle()
-            n = len(spans)
-            linear = sum(clock.span_ms(a, b) + clock.span_ms(d, e) for a, b, _, d, e in spans)
-            self.last_times.linear_ms = linear / n
-            self.last_times.device_attn_ms = sum(clock.span_ms(b, c) for _, b, c, _, _ in spans) / n
+        self.transfer.clock = None  # swaps, between iterations, are not priced by the plan
         return logits
 
     def discard_pending(self) -> None:
@@ -171,12 +165,19 @@ class ModelRunner:
         self._landing.clear()
 
     def _pre(
-        self, i: int, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, to_host: Pairs | None
+        self,
+        i: int,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        to_host: Pairs | None,
+        clock: StageClock,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Stage 1 of layer ``i`` and the KV writes: device rows to the device pool, host prefills
         to the host pool, staged prefills copied on from the device pool."""
         model, pool = self.model, self.device_pool
-        q, k, v = model.decoder_layers[i].pre_attention(x, positions, model.rotary)
+        with clock.span("linear"):
+            q, k, v = model.decoder_layers[i].pre_attention(x, positions, model.rotary)
         for r, slots in batch.device_writes:
             pool.write(i, slots, k[r], v[r])
         if batch.host_writes is not None:
@@ -185,6 +186,10 @@ class ModelRunner:
         if to_host is not None:
             self._landing.append(self.transfer.blocks_to_host(pool, self.host_pool, to_host, layer=i))
         return q, k, v
+
+    def _post(self, i: int, out: torch.Tensor, x: torch.Tensor, clock: StageClock) -> torch.Tensor:
+        with clock.span("linear"):
+            return self.model.decoder_layers[i].post_attention(out, x)
 
     def _cpu_result(self, pending: PendingCpuAttention) -> torch.Tensor:
         t = time.perf_counter()
@@ -200,25 +205,18 @@ class ModelRunner:
         batch: AttentionBatch,
         to_host: Pairs | None,
         clock: StageClock,
-    ) -> tuple[torch.Tensor, list[tuple[int, int, int, int, int]]]:
-        """Layer by layer; CPU decodes (if any) run while the device attention is issued. Also
-        returns each layer's clock marks (pre, attention issued, CPU attention in, post)."""
+    ) -> torch.Tensor:
+        """Layer by layer; CPU decodes (if any) run while the device attention is issued."""
         attn = self.attention
-        spans = []
-        for i, layer in enumerate(self.model.decoder_layers):
-            t0 = clock.mark()
-            q, k, v = self._pre(i, x, positions, batch, to_host)
-            t1 = clock.mark()
+        for i in range(len(self.model.decoder_layers)):
+            q, k, v = self._pre(i, x, positions, batch, to_host, clock)
             out = torch.empty_like(q)
-            pending = attn.run_layer(q, k, v, self.device_pool, self.host_pool, i, batch, out)
-            t2 = clock.mark()
+            pending = attn.run_layer(q, k, v, self.device_pool, self.host_pool, i, batch, out, clock)
             if pending is not None:
                 c = batch.cpu_decodes
                 out[c.start : c.end] = self._cpu_result(pending)
-            t3 = clock.mark()
-            x = layer.post_attention(out, x)
-            spans.append((t0, t1, t2, t3, clock.mark()))
-        return x, spans
+            x = self._post(i, out, x, clock)
+        return x
 
     def _pipelined(
         self,
@@ -227,6 +225,7 @@ class ModelRunner:
         b0: AttentionBatch,
         b1: AttentionBatch,
         to_host: Pairs | None,
+        clock: StageClock,
     ) -> torch.Tensor:
         """NEO's asymmetric pipeline: sub-batch 0 runs half a layer ahead of sub-batch 1 (CPU
         decodes only). B1's CPU attention of layer i runs while the device does B0's post-
@@ -239,23 +238,23 @@ class ModelRunner:
         p0, p1 = positions[b0.tokens], positions[b1.tokens]
 
         def start0(i: int, x0: torch.Tensor) -> tuple[torch.Tensor, PendingCpuAttention | None]:
-            q, k, v = self._pre(i, x0, p0, b0, to_host)
+            q, k, v = self._pre(i, x0, p0, b0, to_host, clock)
             out = torch.empty_like(q)
-            return out, attn.run_layer(q, k, v, pool, host, i, b0, out)
+            return out, attn.run_layer(q, k, v, pool, host, i, b0, out, clock)
 
         o0, h0 = start0(0, x0)
-        q1, k1, v1 = self._pre(0, x1, p1, b1, None)
-        for i, layer in enumerate(layers):
+        q1, k1, v1 = self._pre(0, x1, p1, b1, None, clock)
+        for i in range(len(layers)):
             if h0 is not None:
                 c = b0.cpu_decodes
                 o0[c.start : c.end] = self._cpu_result(h0)
             staged1 = attn.stage_cpu(q1, k1, v1, b1)
             assert staged1 is not None, "sub-batch 1 holds CPU decodes"
             h1 = attn.submit_cpu(staged1, host, i, b1)
-            x0 = layer.post_attention(o0, x0)
+            x0 = self._post(i, o0, x0, clock)
             if i + 1 < len(layers):
                 o0, h0 = start0(i + 1, x0)
-            x1 = layer.post_attention(self._cpu_result(h1), x1)
+            x1 = self._post(i, self._cpu_result(h1), x1, clock)
             if i + 1 < len(layers):
-                q1, k1, v1 = self._pre(i + 1, x1, p1, b1, None)
+                q1, k1, v1 = self._pre(i + 1, x1, p1, b1, None, clock)
         return torch.cat([x0, x1])

@@ -41,13 +41,7 @@ class IterationStats:
         n, s1 = len(plan.req_ids), plan.sub_batch1_start
         num_cpu = plan.num_cpu_decodes + (n - s1)
         mode = "pipelined" if s1 < n else ("sequential" if num_cpu else "gpu-only")
-        measured = {}
-        if times.linear_ms is not None:
-            measured["linear"] = times.linear_ms
-        if times.device_attn_ms is not None:
-            measured["device_attn"] = times.device_attn_ms
-        if times.cpu_attn_ms:
-            measured["cpu_attn"] = times.cpu_attn_per_layer(num_layers)
+        measured = dict(times.settle(num_layers))
         return IterationStats(
             mode=mode,
             num_prefills=s1 - plan.num_decodes,
@@ -70,15 +64,16 @@ class IterationStats:
 
 
 def calibrate(scheduler: Scheduler, plan: SchedulerOutput, times: MeasuredTimes, num_layers: int) -> None:
-    """Feed measured stage times back into the predictor: linear work and device attention
-    from sequential iterations (where they are not overlapped), CPU kernels from any."""
-    p = plan.predicted
-    if times.linear_ms is not None:
-        scheduler.observe("linear", p["linear0"], times.linear_ms)
-    if times.device_attn_ms is not None:
-        if p["prefill_attn"] > 0 and p["gpu_decode"] == 0:
-            scheduler.observe("prefill_attn", p["prefill_attn"], times.device_attn_ms)
-        elif p["gpu_decode"] > 0 and p["prefill_attn"] == 0:
-            scheduler.observe("gpu_decode", p["gpu_decode"], times.device_attn_ms)
-    if times.cpu_attn_ms:
-        scheduler.observe("cpu_decode", p["cpu_attn0"] + p["cpu_attn1"], times.cpu_attn_per_layer(num_layers))
+    """Feed every measured stage time back into the predictor, in every mode: each term against
+    what the plan predicted for it (the CPU kernels of both sub-batches together, the linear
+    work of both, the copies the plan priced)."""
+    p, measured = plan.predicted, times.settle(num_layers)
+    for term, key, predicted in (
+        ("linear", "linear", p["linear0"] + p["linear1"]),
+        ("prefill_attn", "prefill_attn", p["prefill_attn"]),
+        ("gpu_decode", "gpu_decode", p["gpu_decode"]),
+        ("transfer", "copy", p["copy"]),
+        ("cpu_decode", "cpu_attn", p["cpu_attn0"] + p["cpu_attn1"]),
+    ):
+        if key in measured:
+            scheduler.observe(term, predicted, measured[key])

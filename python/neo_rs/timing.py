@@ -1,11 +1,12 @@
 """Stage timing for the perf predictor's online correction and the iteration stats (wall clock
-on a CPU device, CUDA events on a GPU, read with one wait at the end of the forward), and the
+on a CPU device, CUDA events on a GPU, read once the iteration's tokens are sampled), and the
 one counted place where an iteration makes the host wait for the device."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -31,47 +32,75 @@ class HostWaits:
 
 
 class StageClock:
-    """Marks points in the issue order of device work; after ``settle()``, ``span_ms(a, b)`` is
-    the time between marks ``a`` and ``b`` as the device executed them."""
+    """Times the device work of each stage, by term: ``span(term)`` around the work as it is
+    issued, on the device's stream or another (the copy stream). After ``settle()``,
+    ``total_ms(term)`` is the summed execution time of its spans, as the device ran them."""
 
     def __init__(self, device: torch.device, waits: HostWaits) -> None:
         self.cuda = device.type == "cuda"
         self.waits = waits
-        self.marks: list[float | torch.cuda.Event] = []
+        self._events: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {}
+        self._wall_ms: dict[str, float] = {}  # on a CPU device the work runs as it is issued
+        self._last: torch.cuda.Event | None = None
 
-    def mark(self) -> int:
+    def _event(self, stream: torch.cuda.Stream | None) -> torch.cuda.Event:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record(stream)
+        if stream is None:
+            self._last = e
+        return e
+
+    @contextmanager
+    def span(self, term: str, stream: torch.cuda.Stream | None = None) -> Iterator[None]:
         if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            self.marks.append(e)
+            start = self._event(stream)
+            yield
+            self._events.setdefault(term, []).append((start, self._event(stream)))
         else:
-            self.marks.append(time.perf_counter())
-        return len(self.marks) - 1
+            t = time.perf_counter()
+            yield
+            self._wall_ms[term] = self._wall_ms.get(term, 0.0) + (time.perf_counter() - t) * 1e3
 
     def settle(self) -> None:
-        """Wait once for the device to pass the last mark (every span is readable then)."""
-        last = self.marks[-1] if self.marks else None
-        self.waits.for_device(last if isinstance(last, torch.cuda.Event) else None)
+        """Wait once for the device to pass the last mark on its stream (the engine calls this
+        after reading the sampled tokens, so the device is already there)."""
+        self.waits.for_device(self._last)
 
-    def span_ms(self, a: int, b: int) -> float:
-        start, end = self.marks[a], self.marks[b]
-        if isinstance(start, torch.cuda.Event) and isinstance(end, torch.cuda.Event):
-            return float(start.elapsed_time(end))
-        assert isinstance(start, float) and isinstance(end, float)
-        return (end - start) * 1e3
+    def total_ms(self, term: str) -> float | None:
+        """None when no span of ``term`` ran."""
+        if term in self._events:
+            return sum(float(a.elapsed_time(b)) for a, b in self._events[term])
+        return self._wall_ms.get(term)
+
+
+# The terms ``StageClock`` times, as the predictor names them: linear layers (both sub-batches),
+# device attention of prefill chunks and of decodes, and the priced host<->device copies (CPU
+# decodes' rows and outputs, host-bound prefill KV).
+TIMED_TERMS = ("linear", "prefill_attn", "gpu_decode", "copy")
 
 
 @dataclass
 class MeasuredTimes:
-    """Measured per-layer means (ms) of one iteration; None where the stage was not isolated
-    (the pipeline overlaps device stages, so only its CPU kernels are timed)."""
+    """What one iteration measured. Device stages are timed in every mode: in the pipeline they
+    overlap the CPU kernels, which is the time the predictor has to foresee there."""
 
-    linear_ms: float | None = None
-    device_attn_ms: float | None = None
+    clock: StageClock | None = None
     cpu_attn_ms: list[float] = field(default_factory=list)  # kernel run time, per layer and sub-batch
     cpu_wait_ms: float = 0.0  # of that, how long the host sat waiting for it (not hidden)
     transfer_bytes: int = 0
     waits: HostWaits = field(default_factory=HostWaits)
+    _layer_ms: dict[str, float] = field(default_factory=dict)
 
-    def cpu_attn_per_layer(self, num_layers: int) -> float:
-        return sum(self.cpu_attn_ms) / num_layers
+    def settle(self, num_layers: int) -> dict[str, float]:
+        """Per-layer means (ms) of every stage that ran (``TIMED_TERMS`` and ``cpu_attn``), read
+        from the clock once."""
+        if self.clock is not None:
+            self.clock.settle()
+            for term in TIMED_TERMS:
+                total = self.clock.total_ms(term)
+                if total is not None:
+                    self._layer_ms[term] = total / num_layers
+            self.clock = None
+        if self.cpu_attn_ms:
+            self._layer_ms["cpu_attn"] = sum(self.cpu_attn_ms) / num_layers
+        return self._layer_ms

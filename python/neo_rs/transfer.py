@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
 from neo_rs.kv_cache import KvPool, Slots
-from neo_rs.timing import HostWaits
+from neo_rs.timing import HostWaits, StageClock
 
 CPU = torch.device("cpu")
 INT_POISON = -0x5A5A5A5A  # what an integer destination holds until its copy lands
@@ -78,6 +79,12 @@ class HostTransfer:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.emulated = _EmulatedCopyStream() if emulate_async and self.stream is None else None
         self.waits = HostWaits()  # the runner hands each iteration its own
+        # The iteration's clock, which times its copies as the "copy" stage (the predictor's
+        # transfer term); None between iterations (swaps are not priced by the plan).
+        self.clock: StageClock | None = None
+
+    def _timed(self, stream: torch.cuda.Stream | None = None) -> AbstractContextManager[None]:
+        return nullcontext() if self.clock is None else self.clock.span("copy", stream)
 
     @property
     def pinned(self) -> bool:
@@ -92,25 +99,28 @@ class HostTransfer:
             outs = []
             with torch.cuda.stream(self.stream):
                 self.stream.wait_event(produced)
-                for t in tensors:
-                    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                    host.copy_(t, non_blocking=True)
-                    t.record_stream(self.stream)
-                    outs.append(host)
+                with self._timed(self.stream):
+                    for t in tensors:
+                        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                        host.copy_(t, non_blocking=True)
+                        t.record_stream(self.stream)
+                        outs.append(host)
             done = torch.cuda.Event()
             done.record(self.stream)
             return Staged(outs, lambda: self.waits.for_copy(done.synchronize), then)
         if self.emulated is not None:
             outs = [poison(torch.empty(t.shape, dtype=t.dtype)) for t in tensors]
-            srcs = list(tensors)
+            srcs, timed = list(tensors), self._timed()
 
             def copy() -> None:
-                for dst, src in zip(outs, srcs, strict=True):
-                    dst.copy_(src)
+                with timed:
+                    for dst, src in zip(outs, srcs, strict=True):
+                        dst.copy_(src)
 
             ticket, stream = self.emulated.enqueue(copy), self.emulated
             return Staged(outs, lambda: self.waits.for_copy(lambda: stream.run_until(ticket)), then)
-        return Staged([t.to(CPU).contiguous() for t in tensors], None, then)
+        with self._timed():
+            return Staged([t.to(CPU).contiguous() for t in tensors], None, then)
 
     def upload(self, t: torch.Tensor) -> torch.Tensor:
         """Per-iteration metadata (token ids, block tables, slots) onto the device without making
@@ -127,7 +137,8 @@ class HostTransfer:
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A host tensor onto the device, queued on the device's own stream (so ordered before
         every later kernel that reads it; pinned sources make it asynchronous)."""
-        return t.to(self.device, non_blocking=self.pinned)
+        with self._timed():
+            return t.to(self.device, non_blocking=self.pinned)
 
     def blocks_to_host(self, src: KvPool, dst: KvPool, pairs: Pairs, layer: int | None = None) -> Staged:
         """Copy K and V of device blocks ``pairs[0]`` into host blocks ``pairs[1]``: one layer, or

@@ -66,6 +66,7 @@ fn stage_times<'py>(py: Python<'py>, t: &StageTimes) -> PyResult<Bound<'py, PyDi
         ("cpu_attn1", t.cpu_attn_ms[1]),
         ("transfer0", t.transfer_ms[0]),
         ("transfer1", t.transfer_ms[1]),
+        ("copy", t.copy_ms),
         ("layer", t.layer_ms),
     ] {
         d.set_item(k, v)?;

@@ -79,6 +79,8 @@ pub struct StageTimes {
     pub cpu_attn_ms: [f64; 2],
     /// Q/K/V out and outputs back, with the hand-off cost.
     pub transfer_ms: [f64; 2],
+    /// The copies alone (the transfer term): CPU decodes' rows and outputs, host-prefill KV.
+    pub copy_ms: f64,
     /// The iteration per layer: the pipeline formula when pipelined, else the plain sum.
     pub layer_ms: f64,
 }

@@ -234,6 +234,10 @@ impl Scheduler {
             gpu_decode_ms: p.gpu_decode_ms(b0.decode_seqs, b0.decode_ctx),
             cpu_attn_ms: [kernel(&b0), kernel(&b1)],
             transfer_ms: [self.cpu_ms(&b0) - kernel(&b0) + self.host_kv_ms(&b0), self.cpu_ms(&b1) - kernel(&b1)],
+            copy_ms: p.transfer_ms(
+                (b0.cpu_seqs + b1.cpu_seqs) * self.config.transfer_bytes_per_decode
+                    + b0.host_kv_tokens * self.config.kv_bytes_per_token,
+            ),
             layer_ms,
         }
     }
