@@ -1,10 +1,13 @@
 """CPU paged decode attention through the Python binding, side by side in one run with
 (a) the machine's read bandwidth (a streaming read of a 1 GiB buffer on the kernel's own pool)
 and (b) torch's CPU baseline (gather the pages into a reused workspace + SDPA). Prints GB/s of K+V
-read and the ratios kernel / bandwidth and kernel / torch. Figures only; not a CI gate.
+read and the ratios kernel / bandwidth and kernel / torch, and KV tokens per second (millions of
+tokens x all KV heads, what matters across dtypes). `int8` rows: int8 pools with their f32 row
+scales (bytes counted with the scales), q and out in bfloat16; their torch baseline runs on the
+bfloat16 pages, and k/torch compares tokens per second. Figures only; not a CI gate.
 `--huge-pages` backs the pools and the read buffer with 2 MiB pages, as the engine's CPU pools are.
 
-    python benches/attn_cpu.py [--quick] [--threads 1,2] [--dtype bfloat16,float32] [--huge-pages]
+    python benches/attn_cpu.py [--quick] [--threads 1,2] [--dtype bfloat16,float32,int8] [--huge-pages]
 """
 
 import argparse
@@ -58,6 +61,12 @@ def setup(hq, hkv, batch, ctx, dtype, huge=False):
     return q, k, v, tables, torch.full((batch,), ctx, dtype=torch.int32)
 
 
+def quantize(x):
+    """Symmetric int8 per (token, KV head) row, as the host pool stores it: (int8, f32 scales)."""
+    scale = x.float().abs().amax(-1) / 127
+    return (x.float() / scale[..., None]).round().clamp(-127, 127).to(torch.int8), scale
+
+
 def torch_baseline(q, k, v, tables, scale):
     """Gather + SDPA per sequence into a reused workspace (the anchor's method a)."""
     batch, hq, d = q.shape
@@ -84,12 +93,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one model, two shapes, few reps")
     ap.add_argument("--threads", default=f"1,{os.cpu_count()}")
-    ap.add_argument("--dtype", default="bfloat16,float32")
+    ap.add_argument("--dtype", default="bfloat16,float32,int8")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--huge-pages", action="store_true", help="2 MiB pages under pools and read buffer")
     a = ap.parse_args()
     threads = sorted({int(t) for t in a.threads.split(",")})
-    dtypes = [getattr(torch, d) for d in a.dtype.split(",")]
+    dtypes = a.dtype.split(",")
     models, shapes, reps = MODELS, SHAPES, a.reps
     if a.quick:
         models, shapes, reps, dtypes = (
@@ -101,7 +110,7 @@ def main():
     print(f"neo_rs {neo_rs.__version__}: SIMD tiers {neo_rs.simd_tiers()}")
     print(
         f"{'model':10} {'dtype':9} {'BxL':>8} {'thr':>3} {'kernel GB/s':>11} {'read GB/s':>9} "
-        f"{'torch GB/s':>10} {'k/bw':>6} {'k/torch':>7}"
+        f"{'torch GB/s':>10} {'k/bw':>6} {'k/torch':>7} {'Mtok/s':>7}"
     )
     buf = empty(1 << 28, torch.float32, a.huge_pages).fill_(1.0)  # 1 GiB, touched once
     for t in threads:
@@ -109,22 +118,30 @@ def main():
         for name, (hq, hkv) in models.items():
             for dtype in dtypes:
                 for batch, ctx in shapes:
-                    q, k, v, tables, lens = setup(hq, hkv, batch, ctx, dtype, a.huge_pages)
+                    int8 = dtype == "int8"
+                    q, k, v, tables, lens = setup(
+                        hq, hkv, batch, ctx, torch.bfloat16 if int8 else getattr(torch, dtype), a.huge_pages
+                    )
                     out = torch.empty_like(q)
-                    kv_bytes = 2 * k.numel() * k.element_size()
                     scale = HEAD_DIM**-0.5
+                    call = functools.partial(attn.forward, q, k, v, 0, tables, lens, scale, out)
+                    kv_bytes = 2 * k.numel() * k.element_size()
+                    if int8:
+                        (k8, ks), (v8, vs) = quantize(k), quantize(v)
+                        call = functools.partial(
+                            attn.forward, q, k8, v8, 0, tables, lens, scale, out, k_scale=ks, v_scale=vs
+                        )
+                        base_bytes, kv_bytes = kv_bytes, 2 * (k8.numel() + 4 * ks.numel())
                     # Measured back to back so the ratios share the machine's current state.
                     bw = read_bandwidth(attn, buf, reps)
-                    kern = (
-                        kv_bytes
-                        / timed(functools.partial(attn.forward, q, k, v, 0, tables, lens, scale, out), reps)
-                        / 1e9
-                    )
+                    secs = timed(call, reps)
                     torch.set_num_threads(t)
-                    base = kv_bytes / timed(torch_baseline(q, k, v, tables, scale), max(3, reps // 3)) / 1e9
+                    base_secs = timed(torch_baseline(q, k, v, tables, scale), max(3, reps // 3))
+                    kern, base = kv_bytes / secs / 1e9, (base_bytes if int8 else kv_bytes) / base_secs / 1e9
+                    mtok = batch * ctx / secs / 1e6
                     print(
-                        f"{name:10} {str(dtype)[6:]:9} {f'{batch}x{ctx}':>8} {t:>3} {kern:11.1f} {bw:9.1f} "
-                        f"{base:10.1f} {kern / bw:6.2f} {kern / base:7.1f}",
+                        f"{name:10} {dtype:9} {f'{batch}x{ctx}':>8} {t:>3} {kern:11.1f} {bw:9.1f} "
+                        f"{base:10.1f} {kern / bw:6.2f} {base_secs / secs:7.1f} {mtok:7.1f}",
                         flush=True,
                     )
     print(f"(simd={attn.simd}, {'2 MiB' if a.huge_pages else '4 KiB'} pages)")

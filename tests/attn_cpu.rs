@@ -1,9 +1,10 @@
 //! CPU paged decode attention: every tier this host supports against an f64 reference on random,
 //! awkward shapes (ragged lengths, seq_len 1, partial last blocks, shuffled block tables, GQA
-//! ratios, every dtype, fused append on and off), plus the safe entry's rejections.
+//! ratios, every dtype, int8 pools against the reference on their dequantized values, fused
+//! append on and off), plus the safe entry's rejections.
 
 use half::{bf16, f16};
-use neo_rs::attn::{CpuAttention, DecodeBatch, DecodeParams, Element, PagedShape, Tier};
+use neo_rs::attn::{quantize_row, CpuAttention, DecodeBatch, DecodeParams, Element, PagedShape, Pools, Tier};
 use neo_rs::NeoError;
 use proptest::prelude::*;
 
@@ -204,11 +205,87 @@ fn engines(threads: usize) -> Vec<CpuAttention> {
     tiers.into_iter().map(|t| CpuAttention::new(Some(threads), Some(t)).unwrap().with_inline_below(0)).collect()
 }
 
+/// Int8 pools: `k`/`v` quantized row by row (one scale per token and KV head), the kernel run on
+/// them with q and out in `E`, and the f64 reference run on the dequantized rows (and the new
+/// rows as the fused append quantizes them), so only the kernel's arithmetic is under test.
+fn run_case_int8<E: Element>(c: &Case, attn: &CpuAttention) {
+    let inp = make_inputs::<E>(c);
+    let d = c.head_dim;
+    let quantize = |x: &[E]| {
+        let mut q = vec![0i8; x.len()];
+        let scales: Vec<f32> = x.chunks(d).zip(q.chunks_mut(d)).map(|(r, o)| quantize_row(r, o)).collect();
+        (q, scales)
+    };
+    let dequantize = |q: &[i8], scales: &[f32]| -> Vec<f32> {
+        q.chunks(d).zip(scales).flat_map(|(r, s)| r.iter().map(move |&x| f32::from(x) * s)).collect()
+    };
+    let ((mut k8, mut ks), (mut v8, mut vs)) = (quantize(&inp.k), quantize(&inp.v));
+    let ((nk8, nks), (nv8, nvs)) = (quantize(&inp.new_k), quantize(&inp.new_v));
+    let reference = Inputs::<f32> {
+        q: inp.q.iter().map(|x| x.to_f32()).collect(),
+        k: dequantize(&k8, &ks),
+        v: dequantize(&v8, &vs),
+        new_k: dequantize(&nk8, &nks),
+        new_v: dequantize(&nv8, &nvs),
+        tables: inp.tables.clone(),
+        lens: inp.lens.clone(),
+        shape: inp.shape,
+        layer: inp.layer,
+        max_blocks: inp.max_blocks,
+        scale: inp.scale,
+    };
+    let want = reference.reference(c.group, c.append);
+    let (shape, params) = (reference.shape, reference.params(c.group));
+    let (r, rows) = (reference.layer_range(), reference.layer_range().start / d..reference.layer_range().end / d);
+    let mut out = vec![E::from_f32(f32::NAN); reference.q.len()];
+    let q: Vec<E> = reference.q.iter().map(|&x| E::from_f32(x)).collect();
+    let res = if c.append {
+        let kv = neo_rs::attn::PoolsMut {
+            k: &mut k8[r.clone()],
+            v: &mut v8[r.clone()],
+            k_scale: &mut ks[rows.clone()],
+            v_scale: &mut vs[rows.clone()],
+        };
+        attn.append_and_decode_int8(&q, kv, &shape, &reference.batch(), &params, &inp.new_k, &inp.new_v, &mut out)
+    } else {
+        let kv = Pools { k: &k8[r.clone()], v: &v8[r.clone()], k_scale: &ks[rows.clone()], v_scale: &vs[rows.clone()] };
+        attn.decode_int8(&q, &kv, &shape, &reference.batch(), &params, &mut out)
+    };
+    res.unwrap();
+    let (atol, rtol) = tolerance::<E>();
+    for (i, (got, want)) in out.iter().zip(&want).enumerate() {
+        let got = got.to_f32() as f64;
+        assert!(
+            (got - want).abs() <= atol + rtol * want.abs(),
+            "tier {} int8 KV, {:?} q {c:?}: out[{i}] = {got}, reference {want}",
+            attn.tier().name(),
+            E::DTYPE
+        );
+    }
+    if c.append {
+        // The new rows landed quantized, with their scales, at position len - 1.
+        let (bs, hkv) = (shape.block_size, shape.num_kv_heads);
+        for (s, &len) in reference.lens.iter().enumerate() {
+            let pos = len as usize - 1;
+            let b = reference.tables[s * reference.max_blocks + pos / bs] as usize;
+            for h in 0..hkv {
+                let row = rows.start + (b * hkv + h) * bs + pos % bs;
+                let n = s * hkv + h;
+                assert_eq!(&k8[row * d..(row + 1) * d], &nk8[n * d..(n + 1) * d]);
+                assert_eq!(&v8[row * d..(row + 1) * d], &nv8[n * d..(n + 1) * d]);
+                assert_eq!((ks[row], vs[row]), (nks[n], nvs[n]));
+            }
+        }
+    }
+}
+
 fn run_all_dtypes(c: &Case, engines: &[CpuAttention]) {
     for e in engines {
         run_case::<f32>(c, e);
         run_case::<f16>(c, e);
         run_case::<bf16>(c, e);
+        run_case_int8::<f32>(c, e);
+        run_case_int8::<bf16>(c, e);
     }
 }
 
@@ -270,6 +347,7 @@ fn long_sequence_is_split_and_merged() {
         let c = case(128, 16, 2, 4, &[6000, 1, 2500], true);
         run_case::<f32>(&c, &e);
         run_case::<bf16>(&c, &e);
+        run_case_int8::<bf16>(&c, &e);
     }
 }
 

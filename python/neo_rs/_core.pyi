@@ -43,6 +43,8 @@ class CpuAttention:
         out: torch.Tensor,
         new_k: torch.Tensor | None = None,
         new_v: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
         """Decode attention, written into ``out``.
 
@@ -50,7 +52,10 @@ class CpuAttention:
         num_kv_heads, block_size, head_dim]``; block_tables: int32 ``[num_seqs, max_blocks]``;
         seq_lens: int32 ``[num_seqs]`` (including the new token). With ``new_k``/``new_v``
         (``[num_seqs, num_kv_heads, head_dim]``) the new token's K/V are first written at
-        position ``seq_len - 1``. All CPU, contiguous, one float dtype. Releases the GIL.
+        position ``seq_len - 1``. All CPU, contiguous, one float dtype. Int8 caches come with
+        float32 ``k_scale``/``v_scale`` ``[num_layers, num_blocks, num_kv_heads, block_size]``
+        (row ``t`` of a head holds ``scale[t] * k[t]``); new rows are then quantized as they are
+        written (symmetric, one scale per token and KV head). Releases the GIL.
         Calls reading under 256 KiB of K/V run on the calling thread (handing them to the pool
         would cost more).
         """
@@ -68,6 +73,8 @@ class CpuAttention:
         out: torch.Tensor,
         new_k: torch.Tensor | None = None,
         new_v: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> AttentionHandle:
         """Like ``forward`` but returns at once; the tensors must not be touched before ``wait()``.
         A call under 256 KiB of K/V is done on return (cheaper than the hand-off)."""

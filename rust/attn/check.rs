@@ -125,6 +125,20 @@ pub(crate) fn check_decode(
     Ok(())
 }
 
+/// Checks the row scales of int8 pools: one f32 per row of one layer, for K and for V.
+pub(crate) fn check_scales(shape: &PagedShape, k_scale_len: usize, v_scale_len: usize) -> Result<()> {
+    let rows = shape.num_blocks.checked_mul(shape.num_kv_heads).and_then(|n| n.checked_mul(shape.block_size));
+    ensure!(
+        rows.is_some_and(|n| n == k_scale_len && n == v_scale_len),
+        Shape,
+        "k_scale/v_scale layer slices hold {k_scale_len}/{v_scale_len} values, expected {}x{}x{}",
+        shape.num_blocks,
+        shape.num_kv_heads,
+        shape.block_size
+    );
+    Ok(())
+}
+
 /// Checks the fused append's new K/V rows `[num_seqs, num_kv_heads, head_dim]`; every sequence
 /// must be non-empty (the new token sits at position `seq_len - 1`). Call after `check_decode`.
 pub(crate) fn check_append(

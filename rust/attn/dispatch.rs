@@ -1,7 +1,7 @@
 //! Kernel tiers and their run-time selection: probed once per `CpuAttention`, overridable with
 //! `NEO_RS_SIMD=scalar|avx2|avx512|neon`. Never compiled for the build host (`target-cpu=native`).
 
-use crate::attn::element::Element;
+use crate::attn::element::{Element, KvElement};
 use crate::attn::kernel::{self, Geometry, Item, Scratch};
 use crate::attn::simd::{Portable, Simd};
 use crate::attn::split::Kernel;
@@ -84,23 +84,28 @@ impl Tier {
         }
     }
 
-    /// The item function of this tier for element type `E`.
-    pub(crate) fn kernel<E: Element>(self) -> Result<Kernel<E>> {
+    /// The item function of this tier for q/output type `Q` and KV pools of `K`.
+    pub(crate) fn kernel<Q: Element, K: KvElement>(self) -> Result<Kernel<Q, K>> {
         self.require()?;
         Ok(match self {
             #[cfg(target_arch = "x86_64")]
-            Tier::Avx2 => Kernel { lanes: 8, item: crate::attn::x86::avx2::attend_item::<E> },
+            Tier::Avx2 => Kernel { lanes: 8, item: crate::attn::x86::avx2::attend_item::<Q, K> },
             #[cfg(target_arch = "x86_64")]
-            Tier::Avx512 => Kernel { lanes: 16, item: crate::attn::x86::avx512::attend_item::<E> },
+            Tier::Avx512 => Kernel { lanes: 16, item: crate::attn::x86::avx512::attend_item::<Q, K> },
             #[cfg(target_arch = "aarch64")]
-            Tier::Neon => Kernel { lanes: 4, item: crate::attn::aarch64::neon::attend_item::<E> },
-            _ => Kernel { lanes: Portable::LANES, item: scalar_item::<E> },
+            Tier::Neon => Kernel { lanes: 4, item: crate::attn::aarch64::neon::attend_item::<Q, K> },
+            _ => Kernel { lanes: Portable::LANES, item: scalar_item::<Q, K> },
         })
     }
 }
 
 /// The scalar reference tier's item function.
-unsafe fn scalar_item<E: Element>(it: &Item<'_, E>, geo: &Geometry, scratch: &mut Scratch, partial: &mut [f32]) {
+unsafe fn scalar_item<Q: Element, K: KvElement>(
+    it: &Item<'_, Q, K>,
+    geo: &Geometry,
+    scratch: &mut Scratch,
+    partial: &mut [f32],
+) {
     // SAFETY: the portable tier runs on any CPU; the scratch contract is forwarded.
-    unsafe { kernel::attend_item::<Portable, E>(it, geo, scratch, partial) }
+    unsafe { kernel::attend_item::<Portable, Q, K>(it, geo, scratch, partial) }
 }

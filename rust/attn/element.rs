@@ -1,4 +1,5 @@
-//! Storage dtypes of q, output and the KV pools (f32, f16, bf16); all arithmetic is f32.
+//! Storage dtypes of q, output and the KV pools (f32, f16, bf16; the pools also int8 with a
+//! scale per token and KV head); all arithmetic is f32.
 
 use half::{bf16, f16};
 
@@ -20,7 +21,7 @@ impl DType {
         }
     }
 
-    pub fn name(self) -> &'static str {
+    pub const fn name(self) -> &'static str {
         match self {
             DType::F32 => "float32",
             DType::F16 => "float16",
@@ -44,10 +45,11 @@ mod sealed {
     impl Sealed for f32 {}
     impl Sealed for half::f16 {}
     impl Sealed for half::bf16 {}
+    impl Sealed for i8 {}
 }
 
-/// An element type the kernel reads and writes.
-pub trait Element: Copy + Send + Sync + 'static + sealed::Sealed {
+/// An element type the kernel reads and writes (q, output, and float KV pools).
+pub trait Element: KvElement {
     const DTYPE: DType;
     fn to_f32(self) -> f32;
     fn from_f32(x: f32) -> Self;
@@ -108,4 +110,65 @@ impl Element for bf16 {
         // SAFETY: bf16 is a transparent u16; forwarded caller contract.
         unsafe { S::widen_bf16(p.cast()) }
     }
+}
+
+/// An element type of the KV pools: the float types as they are, or int8 whose rows (one token of
+/// one KV head) carry an f32 scale beside the block (`x = scale * q`).
+pub trait KvElement: Copy + Send + Sync + 'static + sealed::Sealed {
+    /// Whether rows carry a scale (the kernel then applies it per token).
+    const SCALED: bool;
+    const NAME: &'static str;
+    /// One element as f32 (unscaled).
+    fn widen_one(self) -> f32;
+    /// Widens `S::LANES` elements at `p` (unscaled).
+    ///
+    /// # Safety
+    /// `p` must be valid for `S::LANES` reads and the CPU must support `S`.
+    #[doc(hidden)]
+    unsafe fn widen<S: Simd>(p: *const Self) -> S::V;
+}
+
+macro_rules! float_kv {
+    ($($t:ty),*) => {$(
+        impl KvElement for $t {
+            const SCALED: bool = false;
+            const NAME: &'static str = <$t as Element>::DTYPE.name();
+            #[inline(always)]
+            fn widen_one(self) -> f32 {
+                Element::to_f32(self)
+            }
+            #[inline(always)]
+            unsafe fn widen<S: Simd>(p: *const Self) -> S::V {
+                // SAFETY: forwarded caller contract.
+                unsafe { <$t as Element>::widen::<S>(p) }
+            }
+        }
+    )*};
+}
+float_kv!(f32, f16, bf16);
+
+impl KvElement for i8 {
+    const SCALED: bool = true;
+    const NAME: &'static str = "int8";
+    #[inline(always)]
+    fn widen_one(self) -> f32 {
+        f32::from(self)
+    }
+    #[inline(always)]
+    unsafe fn widen<S: Simd>(p: *const Self) -> S::V {
+        // SAFETY: forwarded caller contract.
+        unsafe { S::widen_i8(p) }
+    }
+}
+
+/// Symmetric int8 quantization of one row: `dst[i] = round(src[i] / scale)` with
+/// `scale = max|src| / 127`, returned (0 for an all-zero row, which stores zeros).
+pub fn quantize_row<E: Element>(src: &[E], dst: &mut [i8]) -> f32 {
+    let amax = src.iter().fold(0f32, |m, x| m.max(x.to_f32().abs()));
+    let scale = amax / 127.0;
+    let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+    for (d, x) in dst.iter_mut().zip(src) {
+        *d = (x.to_f32() * inv).round().clamp(-127.0, 127.0) as i8;
+    }
+    scale
 }

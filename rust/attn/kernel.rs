@@ -7,7 +7,7 @@
 
 use std::ops::Range;
 
-use crate::attn::element::Element;
+use crate::attn::element::{Element, KvElement};
 use crate::attn::simd::Simd;
 
 /// Blocks ahead of the current one whose K/V tiles are prefetched into L2.
@@ -32,12 +32,16 @@ impl Geometry {
 
 /// What one item reads. Slices are pre-checked by `check.rs`; indexing below still bounds-checks
 /// every row slice, so a bug can panic but never read out of bounds.
-pub(crate) struct Item<'a, E> {
+pub(crate) struct Item<'a, Q, K> {
     /// `[group, head_dim]` query rows of this KV head's group.
-    pub q: &'a [E],
+    pub q: &'a [Q],
     /// One layer of the pools, `[num_blocks, num_kv_heads, block_size, head_dim]`.
-    pub k: &'a [E],
-    pub v: &'a [E],
+    pub k: &'a [K],
+    pub v: &'a [K],
+    /// With scaled (int8) pools, one layer of their row scales, `[num_blocks, num_kv_heads,
+    /// block_size]`; empty otherwise.
+    pub k_scale: &'a [f32],
+    pub v_scale: &'a [f32],
     /// The sequence's block-table row.
     pub blocks: &'a [i32],
     pub kv_head: usize,
@@ -66,7 +70,7 @@ fn tile_range(geo: &Geometry, blocks: &[i32], kv_head: usize, b: usize) -> Range
     offset..offset + tile
 }
 
-impl<E> Item<'_, E> {
+impl<Q, K> Item<'_, Q, K> {
     /// For block index `b` of the sequence: the number of tokens in it, and the pool ranges of
     /// this head's tile and of the tile to prefetch — `PREFETCH_BLOCKS` ahead, running on into
     /// the next item, or the current one at the very end (a harmless hint that keeps the hot
@@ -126,8 +130,8 @@ impl Scratch {
 /// # Safety
 /// The CPU must support `S`; `scratch` must come from `Scratch::new(geo, S::LANES)`.
 #[inline(always)]
-pub(crate) unsafe fn attend_item<S: Simd, E: Element>(
-    it: &Item<'_, E>,
+pub(crate) unsafe fn attend_item<S: Simd, Q: Element, K: KvElement>(
+    it: &Item<'_, Q, K>,
     geo: &Geometry,
     scratch: &mut Scratch,
     partial: &mut [f32],
@@ -154,8 +158,8 @@ pub(crate) unsafe fn attend_item<S: Simd, E: Element>(
         let tile = tile_range(geo, it.blocks, it.kv_head, b);
         // SAFETY: the CPU supports S (caller); a prefetch never faults.
         unsafe {
-            prefetch_lines::<S, E>(&it.k[tile.clone()]);
-            prefetch_lines::<S, E>(&it.v[tile]);
+            prefetch_lines::<S, K>(&it.k[tile.clone()]);
+            prefetch_lines::<S, K>(&it.v[tile]);
         }
     }
     for b in first..last {
@@ -170,35 +174,47 @@ pub(crate) unsafe fn attend_item<S: Simd, E: Element>(
                 let gt = group_tile(group - g0);
                 let (q, sc) = (&scratch.q[g0 * dp..], &mut scratch.scores[g0 * sp..]);
                 match (S::LANES, gt) {
-                    (16, 4) => qk_tile::<S, E, 4, 4>(q, k, k_ahead, n, d, dp, sc, sp),
-                    (16, 2) => qk_tile::<S, E, 2, 8>(q, k, k_ahead, n, d, dp, sc, sp),
-                    (16, _) => qk_tile::<S, E, 1, 16>(q, k, k_ahead, n, d, dp, sc, sp),
-                    (8, 4) => qk_tile::<S, E, 4, 2>(q, k, k_ahead, n, d, dp, sc, sp),
-                    (8, 2) => qk_tile::<S, E, 2, 4>(q, k, k_ahead, n, d, dp, sc, sp),
-                    (8, _) => qk_tile::<S, E, 1, 8>(q, k, k_ahead, n, d, dp, sc, sp),
-                    (4, 4) => qk_tile::<S, E, 4, 1>(q, k, k_ahead, n, d, dp, sc, sp),
-                    (4, 2) => qk_tile::<S, E, 2, 2>(q, k, k_ahead, n, d, dp, sc, sp),
-                    _ => qk_tile::<S, E, 1, 4>(q, k, k_ahead, n, d, dp, sc, sp),
+                    (16, 4) => qk_tile::<S, K, 4, 4>(q, k, k_ahead, n, d, dp, sc, sp),
+                    (16, 2) => qk_tile::<S, K, 2, 8>(q, k, k_ahead, n, d, dp, sc, sp),
+                    (16, _) => qk_tile::<S, K, 1, 16>(q, k, k_ahead, n, d, dp, sc, sp),
+                    (8, 4) => qk_tile::<S, K, 4, 2>(q, k, k_ahead, n, d, dp, sc, sp),
+                    (8, 2) => qk_tile::<S, K, 2, 4>(q, k, k_ahead, n, d, dp, sc, sp),
+                    (8, _) => qk_tile::<S, K, 1, 8>(q, k, k_ahead, n, d, dp, sc, sp),
+                    (4, 4) => qk_tile::<S, K, 4, 1>(q, k, k_ahead, n, d, dp, sc, sp),
+                    (4, 2) => qk_tile::<S, K, 2, 2>(q, k, k_ahead, n, d, dp, sc, sp),
+                    _ => qk_tile::<S, K, 1, 4>(q, k, k_ahead, n, d, dp, sc, sp),
                 }
                 g0 += gt;
             }
+            // int8 rows: score_t = k_scale_t * (q . k_t), and each probability weighs its V row
+            // times v_scale_t (after the softmax sum, which is over the probabilities alone).
+            let k_scale = if K::SCALED { row_scales(it.k_scale, geo, it, b, n) } else { &[] };
             for g in 0..group {
+                let scores = &mut scratch.scores[g * sp..(g + 1) * sp];
+                for (s, ks) in scores.iter_mut().zip(k_scale) {
+                    *s *= ks;
+                }
                 online_softmax_step::<S>(
-                    &mut scratch.scores[g * sp..(g + 1) * sp],
+                    scores,
                     n,
                     &mut scratch.acc[g * dp..(g + 1) * dp],
                     &mut scratch.max[g],
                     &mut scratch.sum[g],
                 );
+                if K::SCALED {
+                    for (p, vs) in scores.iter_mut().zip(row_scales(it.v_scale, geo, it, b, n)) {
+                        *p *= vs;
+                    }
+                }
             }
             let mut g0 = 0;
             while g0 < group {
                 let gt = group_tile(group - g0);
                 let (p, acc) = (&scratch.scores[g0 * sp..], &mut scratch.acc[g0 * dp..]);
                 match gt {
-                    4 => pv_tile::<S, E, 4, 2>(p, sp, v, v_ahead, n, d, dp, acc),
-                    2 => pv_tile::<S, E, 2, 4>(p, sp, v, v_ahead, n, d, dp, acc),
-                    _ => pv_tile::<S, E, 1, 8>(p, sp, v, v_ahead, n, d, dp, acc),
+                    4 => pv_tile::<S, K, 4, 2>(p, sp, v, v_ahead, n, d, dp, acc),
+                    2 => pv_tile::<S, K, 2, 4>(p, sp, v, v_ahead, n, d, dp, acc),
+                    _ => pv_tile::<S, K, 1, 8>(p, sp, v, v_ahead, n, d, dp, acc),
                 }
                 g0 += gt;
             }
@@ -209,6 +225,13 @@ pub(crate) unsafe fn attend_item<S: Simd, E: Element>(
     }
     partial[group * d..group * (d + 1)].copy_from_slice(&scratch.max);
     partial[group * (d + 1)..].copy_from_slice(&scratch.sum);
+}
+
+/// The scales of the `n` rows of block index `b` in a row-scale pool layer (one f32 per row).
+#[inline(always)]
+fn row_scales<'a, Q, K>(scales: &'a [f32], geo: &Geometry, it: &Item<'_, Q, K>, b: usize, n: usize) -> &'a [f32] {
+    let rows = Geometry { head_dim: 1, ..*geo };
+    &scales[tile_range(&rows, it.blocks, it.kv_head, b)][..n]
 }
 
 /// Prefetches every cache line of `x` into L2.
@@ -241,7 +264,7 @@ fn group_tile(remaining: usize) -> usize {
 /// # Safety
 /// `p` must be valid for `count` reads; the CPU must support `S`.
 #[inline(always)]
-unsafe fn load_chunk<S: Simd, E: Element>(p: *const E, count: usize) -> S::V {
+unsafe fn load_chunk<S: Simd, E: KvElement>(p: *const E, count: usize) -> S::V {
     // SAFETY: forwarded caller contract; the partial path reads exactly `count` elements.
     unsafe {
         if count == S::LANES {
@@ -249,7 +272,7 @@ unsafe fn load_chunk<S: Simd, E: Element>(p: *const E, count: usize) -> S::V {
         } else {
             let mut buf = [0f32; 16];
             for (i, x) in buf.iter_mut().enumerate().take(count) {
-                *x = (*p.add(i)).to_f32();
+                *x = (*p.add(i)).widen_one();
             }
             S::load(buf.as_ptr())
         }
@@ -260,7 +283,7 @@ unsafe fn load_chunk<S: Simd, E: Element>(p: *const E, count: usize) -> S::V {
 /// accumulators, folded by one transposed reduction) for the `n` rows of a K tile.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn qk_tile<S: Simd, E: Element, const GT: usize, const TT: usize>(
+unsafe fn qk_tile<S: Simd, E: KvElement, const GT: usize, const TT: usize>(
     q: &[f32],
     k: &[E],
     k_ahead: &[E],
@@ -302,7 +325,7 @@ unsafe fn qk_tile<S: Simd, E: Element, const GT: usize, const TT: usize>(
 }
 
 #[inline(always)]
-unsafe fn qk_chunk<S: Simd, E: Element, const GT: usize, const TT: usize>(
+unsafe fn qk_chunk<S: Simd, E: KvElement, const GT: usize, const TT: usize>(
     rows: &[*const E; TT],
     ahead: &[*const E; TT],
     q: &[f32],
@@ -375,7 +398,7 @@ unsafe fn online_softmax_step<S: Simd>(scores: &mut [f32], n: usize, acc: &mut [
 /// V load serves every head and the per-row loop overhead is shared by CB chunks.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn pv_tile<S: Simd, E: Element, const GT: usize, const CB: usize>(
+unsafe fn pv_tile<S: Simd, E: KvElement, const GT: usize, const CB: usize>(
     p: &[f32],
     sp: usize,
     v: &[E],
@@ -410,7 +433,7 @@ unsafe fn pv_tile<S: Simd, E: Element, const GT: usize, const CB: usize>(
 /// (Index loops: the register tile is addressed by head and chunk at once.)
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 #[inline(always)]
-unsafe fn pv_chunks<S: Simd, E: Element, const GT: usize, const CB: usize>(
+unsafe fn pv_chunks<S: Simd, E: KvElement, const GT: usize, const CB: usize>(
     p: &[f32],
     sp: usize,
     v: &[E],

@@ -15,13 +15,15 @@ mod aarch64;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
+use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use rayon::{ThreadPool, ThreadPoolBuilder};
 
 pub use check::{DecodeBatch, DecodeParams, PagedShape};
 pub use dispatch::Tier;
-pub use element::{DType, Element};
+pub use element::{quantize_row, DType, Element, KvElement};
+pub use split::Pools;
 
 use crate::config;
 use crate::error::{NeoError, Result};
@@ -137,7 +139,48 @@ impl CpuAttention {
         out: &mut [E],
     ) -> Result<()> {
         check::check_decode(shape, batch, params, q.len(), k.len(), v.len(), out.len())?;
-        self.run(q, k, v, shape, batch, params, out)
+        self.run(q, &Pools { k, v, k_scale: &[], v_scale: &[] }, shape, batch, params, out)
+    }
+
+    /// `decode` over int8 pools whose rows (one token of one KV head) are `scale * k`, with the
+    /// row scales `k_scale`/`v_scale` of one layer, `[num_blocks, num_kv_heads, block_size]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_int8<E: Element>(
+        &self,
+        q: &[E],
+        kv: &Pools<'_, i8>,
+        shape: &PagedShape,
+        batch: &DecodeBatch<'_>,
+        params: &DecodeParams,
+        out: &mut [E],
+    ) -> Result<()> {
+        check::check_decode(shape, batch, params, q.len(), kv.k.len(), kv.v.len(), out.len())?;
+        check::check_scales(shape, kv.k_scale.len(), kv.v_scale.len())?;
+        self.run(q, kv, shape, batch, params, out)
+    }
+
+    /// `decode_int8` after quantizing each sequence's new K/V row into position `seq_len - 1`
+    /// (one scale per KV head). Nothing is written unless every input is valid.
+    #[allow(clippy::too_many_arguments)]
+    pub fn append_and_decode_int8<E: Element>(
+        &self,
+        q: &[E],
+        kv: PoolsMut<'_>,
+        shape: &PagedShape,
+        batch: &DecodeBatch<'_>,
+        params: &DecodeParams,
+        new_k: &[E],
+        new_v: &[E],
+        out: &mut [E],
+    ) -> Result<()> {
+        check::check_decode(shape, batch, params, q.len(), kv.k.len(), kv.v.len(), out.len())?;
+        check::check_scales(shape, kv.k_scale.len(), kv.v_scale.len())?;
+        check::check_append(shape, batch, new_k.len(), new_v.len())?;
+        for_each_new_row(shape, batch, |src, dst, row| {
+            kv.k_scale[row] = quantize_row(&new_k[src.clone()], &mut kv.k[dst.clone()]);
+            kv.v_scale[row] = quantize_row(&new_v[src], &mut kv.v[dst]);
+        });
+        self.run(q, &Pools { k: kv.k, v: kv.v, k_scale: kv.k_scale, v_scale: kv.v_scale }, shape, batch, params, out)
     }
 
     /// `decode` after writing each sequence's new K/V row `[num_seqs, num_kv_heads, head_dim]` at
@@ -158,46 +201,55 @@ impl CpuAttention {
     ) -> Result<()> {
         check::check_decode(shape, batch, params, q.len(), k.len(), v.len(), out.len())?;
         check::check_append(shape, batch, new_k.len(), new_v.len())?;
-        append(k, v, shape, batch, new_k, new_v);
-        self.run(q, k, v, shape, batch, params, out)
+        for_each_new_row(shape, batch, |src, dst, _| {
+            k[dst.clone()].copy_from_slice(&new_k[src.clone()]);
+            v[dst].copy_from_slice(&new_v[src]);
+        });
+        self.run(q, &Pools { k, v, k_scale: &[], v_scale: &[] }, shape, batch, params, out)
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn run<E: Element>(
+    fn run<E: Element, K: KvElement>(
         &self,
         q: &[E],
-        k: &[E],
-        v: &[E],
+        kv: &Pools<'_, K>,
         shape: &PagedShape,
         batch: &DecodeBatch<'_>,
         params: &DecodeParams,
         out: &mut [E],
     ) -> Result<()> {
-        let kernel = self.tier.kernel::<E>()?;
+        let kernel = self.tier.kernel::<E, K>()?;
         // One thread, or little work: the calling thread does it (no hand-off to wait for).
-        let pool = match self.num_threads > 1 && !self.is_small(shape, batch, size_of::<E>()) {
+        let pool = match self.num_threads > 1 && !self.is_small(shape, batch, size_of::<K>()) {
             true => Some(self.pool()?),
             false => None,
         };
         let mut ws = lock(&self.workspaces).pop().unwrap_or_default();
-        split::run(&kernel, pool.as_deref(), q, k, v, shape, batch, params, out, &mut ws);
+        split::run(&kernel, pool.as_deref(), q, kv, shape, batch, params, out, &mut ws);
         lock(&self.workspaces).push(ws);
         Ok(())
     }
 }
 
-/// Writes the new K/V rows (inputs already checked). Serial: a few KiB per sequence, and two
-/// sequences naming the same slot must not race.
-fn append<E: Element>(k: &mut [E], v: &mut [E], shape: &PagedShape, batch: &DecodeBatch<'_>, new_k: &[E], new_v: &[E]) {
+/// One layer of int8 pools and their row scales, for the fused append.
+pub struct PoolsMut<'a> {
+    pub k: &'a mut [i8],
+    pub v: &'a mut [i8],
+    pub k_scale: &'a mut [f32],
+    pub v_scale: &'a mut [f32],
+}
+
+/// For each sequence's new token and each KV head (inputs already checked): the range of its
+/// row in `new_k`/`new_v`, of its slot in one pool layer, and its index in the row scales.
+/// Serial: a few KiB per sequence, and two sequences naming the same slot must not race.
+fn for_each_new_row(shape: &PagedShape, batch: &DecodeBatch<'_>, mut f: impl FnMut(Range<usize>, Range<usize>, usize)) {
     let (bs, d, hkv) = (shape.block_size, shape.head_dim, shape.num_kv_heads);
     for s in 0..batch.num_seqs() {
         let pos = batch.len(s) - 1;
         let block = batch.row(s)[pos / bs] as usize;
         for h in 0..hkv {
-            let dst = ((block * hkv + h) * bs + pos % bs) * d;
+            let row = (block * hkv + h) * bs + pos % bs;
             let src = (s * hkv + h) * d;
-            k[dst..dst + d].copy_from_slice(&new_k[src..src + d]);
-            v[dst..dst + d].copy_from_slice(&new_v[src..src + d]);
+            f(src..src + d, row * d..(row + 1) * d, row);
         }
     }
 }

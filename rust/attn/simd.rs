@@ -33,6 +33,8 @@ pub trait Simd {
     unsafe fn widen_bf16(p: *const u16) -> Self::V;
     /// `LANES` IEEE f16 values (raw bits) widened to f32.
     unsafe fn widen_f16(p: *const u16) -> Self::V;
+    /// `LANES` signed bytes widened to f32 (int8 KV; the per-row scale is applied by the caller).
+    unsafe fn widen_i8(p: *const i8) -> Self::V;
     /// Hint that the cache line at `p` is needed soon, into L2 (see CPU-ATTN-ANCHOR.md: `prefetcht1`
     /// ahead of the 16-token paged tiles is what lets a core keep enough misses in flight).
     unsafe fn prefetch_l2(p: *const u8);
@@ -114,6 +116,12 @@ impl Simd for Portable {
         // SAFETY: the caller guarantees `p` is valid for LANES u16 reads.
         let raw = unsafe { p.cast::<[u16; PL]>().read_unaligned() };
         raw.map(|b| half::f16::from_bits(b).to_f32())
+    }
+    #[inline(always)]
+    unsafe fn widen_i8(p: *const i8) -> Self::V {
+        // SAFETY: the caller guarantees `p` is valid for LANES i8 reads.
+        let raw = unsafe { p.cast::<[i8; PL]>().read_unaligned() };
+        raw.map(f32::from)
     }
     #[inline(always)]
     unsafe fn prefetch_l2(_p: *const u8) {}

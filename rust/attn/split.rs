@@ -7,7 +7,7 @@ use rayon::prelude::*;
 use rayon::ThreadPool;
 
 use crate::attn::check::{DecodeBatch, DecodeParams, PagedShape};
-use crate::attn::element::Element;
+use crate::attn::element::{Element, KvElement};
 use crate::attn::kernel::{Geometry, Item, NextItem, Scratch};
 
 /// Items each thread should get when the batch is big enough (room for work stealing).
@@ -16,11 +16,19 @@ const ITEMS_PER_THREAD: usize = 4;
 const MIN_CHUNK_TOKENS: usize = 512;
 
 /// One tier's item function and its vector width (which sizes the scratch padding).
-pub(crate) struct Kernel<E> {
+pub(crate) struct Kernel<Q, K> {
     pub lanes: usize,
     /// # Safety
     /// Only constructed for tiers the running CPU supports.
-    pub item: unsafe fn(&Item<'_, E>, &Geometry, &mut Scratch, &mut [f32]),
+    pub item: unsafe fn(&Item<'_, Q, K>, &Geometry, &mut Scratch, &mut [f32]),
+}
+
+/// One layer of the K and V pools, with their row scales when `K` is scaled (else empty).
+pub struct Pools<'a, K> {
+    pub k: &'a [K],
+    pub v: &'a [K],
+    pub k_scale: &'a [f32],
+    pub v_scale: &'a [f32],
 }
 
 struct ItemSpec {
@@ -33,16 +41,15 @@ struct ItemSpec {
 /// Runs a checked decode call on `pool`, or on the calling thread when `pool` is `None`.
 /// `partials` is a reusable workspace.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn run<E: Element>(
-    kernel: &Kernel<E>,
+pub(crate) fn run<Q: Element, K: KvElement>(
+    kernel: &Kernel<Q, K>,
     pool: Option<&ThreadPool>,
-    q: &[E],
-    k: &[E],
-    v: &[E],
+    q: &[Q],
+    kv: &Pools<'_, K>,
     shape: &PagedShape,
     batch: &DecodeBatch<'_>,
     params: &DecodeParams,
-    out: &mut [E],
+    out: &mut [Q],
     partials: &mut Vec<f32>,
 ) {
     let geo = Geometry {
@@ -66,8 +73,10 @@ pub(crate) fn run<E: Element>(
         let q_off = (spec.seq * geo.num_kv_heads + spec.kv_head) * group_len;
         let item = Item {
             q: &q[q_off..q_off + group_len],
-            k,
-            v,
+            k: kv.k,
+            v: kv.v,
+            k_scale: kv.k_scale,
+            v_scale: kv.v_scale,
             blocks: batch.row(spec.seq),
             kv_head: spec.kv_head,
             start: spec.start,
@@ -79,13 +88,13 @@ pub(crate) fn run<E: Element>(
         // for its lane count.
         unsafe { (kernel.item)(&item, &geo, scratch, partial) };
     };
-    let merge_pair = |sh: usize, out: &mut [E], partials: &[f32]| {
+    let merge_pair = |sh: usize, out: &mut [Q], partials: &[f32]| {
         merge(&geo, &partials[first_item[sh] * pl..first_item[sh + 1] * pl], out);
     };
     if first_item.windows(2).all(|w| w[1] - w[0] <= 1) {
         // No sequence was cut into chunks: one pass, each (sequence, head) attended and
         // normalised straight into `out`, its partial never leaving the thread's cache.
-        let fused = |(scratch, partial): &mut (Scratch, Vec<f32>), (sh, out): (usize, &mut [E])| {
+        let fused = |(scratch, partial): &mut (Scratch, Vec<f32>), (sh, out): (usize, &mut [Q])| {
             let n = first_item[sh + 1] - first_item[sh];
             if n == 1 {
                 attend(scratch, first_item[sh], partial);

@@ -10,13 +10,16 @@ use std::time::{Duration, Instant};
 use half::{bf16, f16};
 use pyo3::prelude::*;
 
-use super::tensor::{overlaps, TensorRef};
-use crate::attn::{self, DType, DecodeBatch, DecodeParams, Element, PagedShape, Tier};
+use super::tensor::{overlaps, Kind, TensorRef};
+use crate::attn::{self, DType, DecodeBatch, DecodeParams, Element, PagedShape, Pools, PoolsMut, Tier};
 use crate::error::{ensure, NeoError, Result};
 
 /// A checked call: raw addresses and sizes of every tensor, valid while the tensors live.
 struct Call {
+    /// Of q, out and the new rows; of the pools too unless `scales` is set.
     dtype: DType,
+    /// With int8 pools: the addresses of this layer's K and V row scales (f32).
+    scales: Option<(usize, usize)>,
     shape: PagedShape,
     num_seqs: usize,
     max_blocks: usize,
@@ -42,16 +45,32 @@ impl Call {
         scale: f32,
         out: &TensorRef,
         new_kv: Option<(&TensorRef, &TensorRef)>,
+        scales: Option<(&TensorRef, &TensorRef)>,
     ) -> Result<Call> {
         let dtype = q.float()?;
-        let mut floats = vec![k, v, out];
+        let int8 = k.kind == Kind::Int8;
+        let mut floats = vec![out];
+        if !int8 {
+            floats.extend([k, v]);
+        }
         floats.extend(new_kv.iter().flat_map(|(a, b)| [*a, *b]));
         for t in &floats {
             ensure!(t.float()? == dtype, DType, "{} is {}, but q is {}", t.name, t.float()?.name(), dtype.name());
         }
+        ensure!(
+            (v.kind == Kind::Int8) == int8 && int8 == scales.is_some(),
+            DType,
+            "int8 k_cache and v_cache go with k_scale and v_scale; float caches without them"
+        );
         let qd = q.dims(3)?;
         let kd = k.dims(5)?;
         ensure!(v.shape == k.shape, Shape, "v_cache shape {:?} differs from k_cache {:?}", v.shape, k.shape);
+        if let Some((ks, vs)) = scales {
+            for t in [ks, vs] {
+                ensure!(t.float()? == DType::F32, DType, "{} must be float32", t.name);
+                ensure!(t.shape == kd[..4], Shape, "{} must be {:?} (the cache without head_dim)", t.name, &kd[..4]);
+            }
+        }
         ensure!(out.shape == q.shape, Shape, "out shape {:?} differs from q {:?}", out.shape, q.shape);
         tables.require_int32()?;
         lens.require_int32()?;
@@ -61,9 +80,11 @@ impl Call {
         ensure!(layer < kd[0], Value, "layer {layer} is out of range for {} layers", kd[0]);
         ensure!(qd[2] == kd[4], Shape, "q head_dim {} differs from the cache's {}", qd[2], kd[4]);
         let shape = PagedShape { num_blocks: kd[1], num_kv_heads: kd[2], block_size: kd[3], head_dim: kd[4] };
-        let layer_bytes = shape.layer_numel().unwrap_or(usize::MAX).saturating_mul(dtype.size_bytes());
+        let layer_bytes = shape.layer_numel().unwrap_or(usize::MAX).saturating_mul(k.elem_size());
         let k_layer = k.addr + layer * layer_bytes;
         let v_layer = v.addr + layer * layer_bytes;
+        let scale_bytes = shape.num_blocks * shape.num_kv_heads * shape.block_size * 4;
+        let scale_layers = scales.map(|(ks, vs)| (ks.addr + layer * scale_bytes, vs.addr + layer * scale_bytes));
         if let Some((nk, nv)) = new_kv {
             let want = [num_seqs, shape.num_kv_heads, shape.head_dim];
             ensure!(nk.shape == want && nv.shape == want, Shape, "new_k/new_v must be {want:?}");
@@ -73,6 +94,10 @@ impl Call {
         if new_kv.is_some() {
             written.push(("k_cache", k_layer..k_layer + layer_bytes));
             written.push(("v_cache", v_layer..v_layer + layer_bytes));
+            if let Some((ks, vs)) = scale_layers {
+                written.push(("k_scale", ks..ks + scale_bytes));
+                written.push(("v_scale", vs..vs + scale_bytes));
+            }
         }
         let mut all: Vec<(&str, Range<usize>)> = vec![
             (q.name, q.bytes()),
@@ -83,6 +108,9 @@ impl Call {
             (out.name, out.bytes()),
         ];
         all.extend(new_kv.iter().flat_map(|(a, b)| [(a.name, a.bytes()), (b.name, b.bytes())]));
+        if let Some((ks, vs)) = scale_layers {
+            all.extend([("k_scale", ks..ks + scale_bytes), ("v_scale", vs..vs + scale_bytes)]);
+        }
         for (wn, w) in &written {
             for (n, r) in &all {
                 ensure!(wn == n || !overlaps(w, r), Value, "{wn} overlaps {n} in memory");
@@ -90,6 +118,7 @@ impl Call {
         }
         Ok(Call {
             dtype,
+            scales: scale_layers,
             shape,
             num_seqs,
             max_blocks: td[1],
@@ -138,8 +167,9 @@ impl Call {
     /// # Safety
     /// As for `execute`.
     unsafe fn is_small(&self, engine: &attn::CpuAttention) -> bool {
+        let elem_bytes = if self.scales.is_some() { 1 } else { self.dtype.size_bytes() };
         // SAFETY: forwarded caller contract.
-        engine.is_small(&self.shape, &unsafe { self.batch() }, self.dtype.size_bytes())
+        engine.is_small(&self.shape, &unsafe { self.batch() }, elem_bytes)
     }
 
     unsafe fn run<E: Element>(&self, engine: &attn::CpuAttention) -> Result<()> {
@@ -153,17 +183,45 @@ impl Call {
             let q = std::slice::from_raw_parts(self.q as *const E, qn);
             let out = std::slice::from_raw_parts_mut(self.out as *mut E, qn);
             let batch = self.batch();
+            let new_rows = |(nk, nv): (usize, usize)| {
+                (std::slice::from_raw_parts(nk as *const E, new_n), std::slice::from_raw_parts(nv as *const E, new_n))
+            };
+            if let Some((ks, vs)) = self.scales {
+                let rows = layer / self.shape.head_dim;
+                let (k, v) = (self.k_layer as *mut i8, self.v_layer as *mut i8);
+                let (ks, vs) = (ks as *mut f32, vs as *mut f32);
+                return match self.append {
+                    None => {
+                        let kv = Pools {
+                            k: std::slice::from_raw_parts(k, layer),
+                            v: std::slice::from_raw_parts(v, layer),
+                            k_scale: std::slice::from_raw_parts(ks, rows),
+                            v_scale: std::slice::from_raw_parts(vs, rows),
+                        };
+                        engine.decode_int8(q, &kv, &self.shape, &batch, &self.params, out)
+                    }
+                    Some(new) => {
+                        let kv = PoolsMut {
+                            k: std::slice::from_raw_parts_mut(k, layer),
+                            v: std::slice::from_raw_parts_mut(v, layer),
+                            k_scale: std::slice::from_raw_parts_mut(ks, rows),
+                            v_scale: std::slice::from_raw_parts_mut(vs, rows),
+                        };
+                        let (nk, nv) = new_rows(new);
+                        engine.append_and_decode_int8(q, kv, &self.shape, &batch, &self.params, nk, nv, out)
+                    }
+                };
+            }
             match self.append {
                 None => {
                     let k = std::slice::from_raw_parts(self.k_layer as *const E, layer);
                     let v = std::slice::from_raw_parts(self.v_layer as *const E, layer);
                     engine.decode(q, k, v, &self.shape, &batch, &self.params, out)
                 }
-                Some((nk, nv)) => {
+                Some(new) => {
                     let k = std::slice::from_raw_parts_mut(self.k_layer as *mut E, layer);
                     let v = std::slice::from_raw_parts_mut(self.v_layer as *mut E, layer);
-                    let nk = std::slice::from_raw_parts(nk as *const E, new_n);
-                    let nv = std::slice::from_raw_parts(nv as *const E, new_n);
+                    let (nk, nv) = new_rows(new);
                     engine.append_and_decode(q, k, v, &self.shape, &batch, &self.params, nk, nv, out)
                 }
             }
@@ -177,24 +235,23 @@ pub(crate) struct CpuAttention {
     engine: Arc<attn::CpuAttention>,
 }
 
-type Args<'py> = (
-    Bound<'py, PyAny>,
-    Bound<'py, PyAny>,
-    Bound<'py, PyAny>,
-    Bound<'py, PyAny>,
-    Bound<'py, PyAny>,
-    Bound<'py, PyAny>,
-    Option<Bound<'py, PyAny>>,
-    Option<Bound<'py, PyAny>>,
-);
+/// The tensors of one call: q, k_cache, v_cache, block_tables, seq_lens, out, then the optional
+/// pairs (new_k, new_v) and (k_scale, v_scale).
+type Args<'py> = ([Bound<'py, PyAny>; 6], [Option<Bound<'py, PyAny>>; 2], [Option<Bound<'py, PyAny>>; 2]);
+
+/// Both tensors of an optional pair, or neither.
+fn pair(p: &[Option<Bound<'_, PyAny>>; 2], names: [&'static str; 2]) -> PyResult<Option<(TensorRef, TensorRef)>> {
+    match p {
+        [Some(a), Some(b)] => Ok(Some((TensorRef::extract(a, names[0])?, TensorRef::extract(b, names[1])?))),
+        [None, None] => Ok(None),
+        _ => Err(NeoError::Value(format!("pass both {} and {}, or neither", names[0], names[1])).into()),
+    }
+}
 
 fn prepare(args: &Args<'_>, layer: usize, scale: f32) -> PyResult<Call> {
-    let (q, k, v, tables, lens, out, new_k, new_v) = args;
-    let new_kv = match (new_k, new_v) {
-        (Some(a), Some(b)) => Some((TensorRef::extract(a, "new_k")?, TensorRef::extract(b, "new_v")?)),
-        (None, None) => None,
-        _ => return Err(NeoError::Value("pass both new_k and new_v, or neither".into()).into()),
-    };
+    let ([q, k, v, tables, lens, out], new, scales) = args;
+    let new_kv = pair(new, ["new_k", "new_v"])?;
+    let scales = pair(scales, ["k_scale", "v_scale"])?;
     Ok(Call::prepare(
         &TensorRef::extract(q, "q")?,
         &TensorRef::extract(k, "k_cache")?,
@@ -205,6 +262,7 @@ fn prepare(args: &Args<'_>, layer: usize, scale: f32) -> PyResult<Call> {
         scale,
         &TensorRef::extract(out, "out")?,
         new_kv.as_ref().map(|(a, b)| (a, b)),
+        scales.as_ref().map(|(a, b)| (a, b)),
     )?)
 }
 
@@ -256,7 +314,7 @@ impl CpuAttention {
     }
 
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (q, k_cache, v_cache, layer, block_tables, seq_lens, scale, out, new_k=None, new_v=None))]
+    #[pyo3(signature = (q, k_cache, v_cache, layer, block_tables, seq_lens, scale, out, new_k=None, new_v=None, k_scale=None, v_scale=None))]
     fn forward<'py>(
         &self,
         py: Python<'py>,
@@ -270,8 +328,10 @@ impl CpuAttention {
         out: Bound<'py, PyAny>,
         new_k: Option<Bound<'py, PyAny>>,
         new_v: Option<Bound<'py, PyAny>>,
+        k_scale: Option<Bound<'py, PyAny>>,
+        v_scale: Option<Bound<'py, PyAny>>,
     ) -> PyResult<()> {
-        let args = (q, k_cache, v_cache, block_tables, seq_lens, out, new_k, new_v);
+        let args = ([q, k_cache, v_cache, block_tables, seq_lens, out], [new_k, new_v], [k_scale, v_scale]);
         let call = prepare(&args, layer, scale)?;
         let engine = &self.engine;
         // SAFETY: `args` holds every tensor alive across the call; torch cannot resize them
@@ -281,7 +341,7 @@ impl CpuAttention {
     }
 
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (q, k_cache, v_cache, layer, block_tables, seq_lens, scale, out, new_k=None, new_v=None))]
+    #[pyo3(signature = (q, k_cache, v_cache, layer, block_tables, seq_lens, scale, out, new_k=None, new_v=None, k_scale=None, v_scale=None))]
     fn submit<'py>(
         &self,
         py: Python<'py>,
@@ -295,12 +355,14 @@ impl CpuAttention {
         out: Bound<'py, PyAny>,
         new_k: Option<Bound<'py, PyAny>>,
         new_v: Option<Bound<'py, PyAny>>,
+        k_scale: Option<Bound<'py, PyAny>>,
+        v_scale: Option<Bound<'py, PyAny>>,
     ) -> PyResult<AttentionHandle> {
-        let args = (q, k_cache, v_cache, block_tables, seq_lens, out, new_k, new_v);
+        let args = ([q, k_cache, v_cache, block_tables, seq_lens, out], [new_k, new_v], [k_scale, v_scale]);
         let call = prepare(&args, layer, scale)?;
-        let (q, k, v, t, l, o, nk, nv) = args;
-        let mut keep: Vec<Py<PyAny>> = [q, k, v, t, l, o].into_iter().map(Bound::unbind).collect();
-        keep.extend(nk.into_iter().chain(nv).map(Bound::unbind));
+        let (tensors, new, scales) = args;
+        let mut keep: Vec<Py<PyAny>> = tensors.into_iter().map(Bound::unbind).collect();
+        keep.extend(new.into_iter().chain(scales).flatten().map(Bound::unbind));
         // SAFETY: `keep` holds the tensors alive here.
         let small = unsafe { call.is_small(&self.engine) };
         let completion = Arc::new(Completion::default());

@@ -11,6 +11,8 @@ use crate::error::{ensure, NeoError, Result};
 pub(crate) enum Kind {
     Float(DType),
     Int32,
+    /// int8 KV pools (their scales are float32 tensors beside them).
+    Int8,
 }
 
 /// A CPU, contiguous tensor seen as (address, shape, element type).
@@ -35,6 +37,7 @@ impl TensorRef {
         let dtype: String = obj.getattr("dtype")?.str()?.extract()?;
         let kind = match dtype.as_str() {
             "torch.int32" => Kind::Int32,
+            "torch.int8" => Kind::Int8,
             s => Kind::Float(
                 DType::parse(s).ok_or_else(|| NeoError::DType(format!("{name} has unsupported dtype {s}")))?,
             ),
@@ -58,6 +61,7 @@ impl TensorRef {
         match self.kind {
             Kind::Float(d) => d.size_bytes(),
             Kind::Int32 => 4,
+            Kind::Int8 => 1,
         }
     }
 
@@ -81,7 +85,7 @@ impl TensorRef {
     pub fn float(&self) -> Result<DType> {
         match self.kind {
             Kind::Float(d) => Ok(d),
-            Kind::Int32 => Err(NeoError::DType(format!("{} must be a float tensor, got int32", self.name))),
+            k => Err(NeoError::DType(format!("{} must be a float tensor, got {k:?}", self.name))),
         }
     }
 

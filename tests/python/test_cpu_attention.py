@@ -78,6 +78,33 @@ def test_matches_sdpa(attn, dtype, hq, hkv, d, bs, append):
     torch.testing.assert_close(out.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+def quantize(x):
+    """Symmetric int8 per row of the last dim: (int8 rows, float32 scales)."""
+    scale = x.float().abs().amax(-1) / 127
+    q = torch.where(scale[..., None] > 0, x.float() / scale[..., None], 0).round().clamp(-127, 127)
+    return q.to(torch.int8), scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("append", [False, True])
+def test_int8_cache_matches_sdpa_on_dequantized_rows(attn, dtype, append):
+    hq, hkv, d, bs, lens = 8, 2, 128, 16, [1, 17, 70, 16, 3]
+    q, k, v, tables, seq_lens, new_k, new_v = make_case(lens, hq, hkv, d, bs, dtype, seed=5)
+    (k8, ks), (v8, vs) = quantize(k), quantize(v)
+    layer, scale = 1, d**-0.5
+    out = torch.empty_like(q)
+    extra = dict(new_k=new_k, new_v=new_v) if append else {}
+    attn.forward(q, k8, v8, layer, tables, seq_lens, scale, out, k_scale=ks, v_scale=vs, **extra)
+    deq_k, deq_v = k8.float() * ks[..., None], v8.float() * vs[..., None]
+    if append:  # the new rows were quantized into their slots, scales beside them
+        for s, n in enumerate(lens):
+            blk, pos = tables[s, (n - 1) // bs].item(), (n - 1) % bs
+            torch.testing.assert_close(deq_k[layer, blk, :, pos], new_k[s].float(), atol=0.02, rtol=0.01)
+            torch.testing.assert_close(deq_v[layer, blk, :, pos], new_v[s].float(), atol=0.02, rtol=0.01)
+    want = reference(q, deq_k, deq_v, layer, tables, seq_lens, scale)
+    torch.testing.assert_close(out.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
 def test_submit_from_many_threads():
     attn = neo_rs.CpuAttention()
     cases = [make_case([5 + i, 40, 300], 8, 2, 128, 16, torch.bfloat16, seed=i) for i in range(8)]
@@ -171,6 +198,8 @@ def _bad_calls():
     ok = dict(q=q, k_cache=k, v_cache=v, layer=0, block_tables=tables, seq_lens=seq_lens, scale=0.1, out=out)
     bad_tables = tables.clone()
     bad_tables[1, 1] = 999
+    (k8, ks), (v8, _) = quantize(k), quantize(v)
+    ks = ks.contiguous()
     return [
         ("q wrong dtype", dict(ok, q=q.double()), neo_rs.DTypeError),
         ("q bf16 vs f32 cache", dict(ok, q=q.bfloat16(), out=out.bfloat16()), neo_rs.DTypeError),
@@ -191,6 +220,22 @@ def _bad_calls():
         ("only new_k", dict(ok, new_k=nk), neo_rs.InvalidArgumentError),
         ("new_k shape", dict(ok, new_k=nk[:1], new_v=nv[:1]), neo_rs.ShapeError),
         ("not a tensor", dict(ok, q=[1, 2, 3]), TypeError),
+        ("int8 cache without scales", dict(ok, k_cache=k8, v_cache=v8), neo_rs.DTypeError),
+        ("scales for a float cache", dict(ok, k_scale=ks, v_scale=ks), neo_rs.DTypeError),
+        ("int8 k, float v", dict(ok, k_cache=k8, k_scale=ks, v_scale=ks), neo_rs.DTypeError),
+        ("only k_scale", dict(ok, k_cache=k8, v_cache=v8, k_scale=ks), neo_rs.InvalidArgumentError),
+        (
+            "scales float16",
+            dict(ok, k_cache=k8, v_cache=v8, k_scale=ks.half(), v_scale=ks.half()),
+            neo_rs.DTypeError,
+        ),
+        (
+            "scales shape",
+            dict(
+                ok, k_cache=k8, v_cache=v8, k_scale=ks[:, :-1].contiguous(), v_scale=ks[:, :-1].contiguous()
+            ),
+            neo_rs.ShapeError,
+        ),
     ]
 
 

@@ -2,7 +2,7 @@
 
 use std::arch::aarch64::*;
 
-use crate::attn::element::Element;
+use crate::attn::element::{Element, KvElement};
 use crate::attn::kernel::{self, Geometry, Item, Scratch};
 use crate::attn::simd::{exp_consts as ec, Simd};
 
@@ -105,6 +105,16 @@ impl Simd for Neon {
         unsafe { vld1q_f32(wide.as_ptr()) }
     }
     #[inline(always)]
+    unsafe fn widen_i8(p: *const i8) -> float32x4_t {
+        // SAFETY: the caller guarantees 4 readable i8 at `p` (one 32-bit load); sign-extend
+        // twice, then convert.
+        unsafe {
+            let word = p.cast::<u32>().read_unaligned();
+            let bytes = vreinterpret_s8_u32(vdup_n_u32(word));
+            vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(bytes))))
+        }
+    }
+    #[inline(always)]
     unsafe fn prefetch_l2(_p: *const u8) {}
 }
 
@@ -113,12 +123,12 @@ impl Simd for Neon {
 /// # Safety
 /// `scratch` must be made for 4 lanes.
 #[target_feature(enable = "neon")]
-pub(crate) unsafe fn attend_item<E: Element>(
-    it: &Item<'_, E>,
+pub(crate) unsafe fn attend_item<Q: Element, K: KvElement>(
+    it: &Item<'_, Q, K>,
     geo: &Geometry,
     scratch: &mut Scratch,
     partial: &mut [f32],
 ) {
     // SAFETY: forwarded caller contract.
-    unsafe { kernel::attend_item::<Neon, E>(it, geo, scratch, partial) }
+    unsafe { kernel::attend_item::<Neon, Q, K>(it, geo, scratch, partial) }
 }

@@ -2,7 +2,7 @@
 
 use std::arch::x86_64::*;
 
-use crate::attn::element::Element;
+use crate::attn::element::{Element, KvElement};
 use crate::attn::kernel::{self, Geometry, Item, Scratch};
 use crate::attn::simd::{exp_consts as ec, Simd};
 
@@ -122,6 +122,12 @@ impl Simd for Avx2 {
         unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
     }
     #[inline(always)]
+    unsafe fn widen_i8(p: *const i8) -> __m256 {
+        // SAFETY: the caller guarantees 8 readable i8 at `p` (one 64-bit load); sign-extend,
+        // then convert.
+        unsafe { _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast()))) }
+    }
+    #[inline(always)]
     unsafe fn prefetch_l2(p: *const u8) {
         // SAFETY: prefetch never faults, whatever the address.
         unsafe { _mm_prefetch::<_MM_HINT_T1>(p.cast()) }
@@ -133,12 +139,12 @@ impl Simd for Avx2 {
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C; `scratch` must be made for 8 lanes.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn attend_item<E: Element>(
-    it: &Item<'_, E>,
+pub(crate) unsafe fn attend_item<Q: Element, K: KvElement>(
+    it: &Item<'_, Q, K>,
     geo: &Geometry,
     scratch: &mut Scratch,
     partial: &mut [f32],
 ) {
     // SAFETY: forwarded caller contract.
-    unsafe { kernel::attend_item::<Avx2, E>(it, geo, scratch, partial) }
+    unsafe { kernel::attend_item::<Avx2, Q, K>(it, geo, scratch, partial) }
 }

@@ -2,7 +2,7 @@
 
 use std::arch::x86_64::*;
 
-use crate::attn::element::Element;
+use crate::attn::element::{Element, KvElement};
 use crate::attn::kernel::{self, Geometry, Item, Scratch};
 use crate::attn::simd::{exp_consts as ec, Simd};
 
@@ -125,6 +125,11 @@ impl Simd for Avx512 {
         unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
     }
     #[inline(always)]
+    unsafe fn widen_i8(p: *const i8) -> __m512 {
+        // SAFETY: the caller guarantees 16 readable i8 at `p`; sign-extend, then convert.
+        unsafe { _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast()))) }
+    }
+    #[inline(always)]
     unsafe fn prefetch_l2(p: *const u8) {
         // SAFETY: prefetch never faults, whatever the address.
         unsafe { _mm_prefetch::<_MM_HINT_T1>(p.cast()) }
@@ -143,14 +148,14 @@ unsafe fn fold_lanes(a: __m512, b: __m512) -> __m512 {
 /// # Safety
 /// The CPU must support AVX-512 F/BW/VL, AVX2, FMA and F16C; `scratch` must be made for 16 lanes.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-pub(crate) unsafe fn attend_item<E: Element>(
-    it: &Item<'_, E>,
+pub(crate) unsafe fn attend_item<Q: Element, K: KvElement>(
+    it: &Item<'_, Q, K>,
     geo: &Geometry,
     scratch: &mut Scratch,
     partial: &mut [f32],
 ) {
     // SAFETY: forwarded caller contract.
-    unsafe { kernel::attend_item::<Avx512, E>(it, geo, scratch, partial) }
+    unsafe { kernel::attend_item::<Avx512, Q, K>(it, geo, scratch, partial) }
 }
 
 #[cfg(test)]
