@@ -11,6 +11,10 @@ def advise_huge_pages(tensor: torch.Tensor) -> int:
     """Ask for 2 MiB pages under a CPU tensor not yet written (a KV pool): the bytes advised,
     0 where the OS does not support it."""
 
+def quantize_rows(src: torch.Tensor, out: torch.Tensor, scales: torch.Tensor) -> None:
+    """Symmetric int8 per row (last dim) of ``src`` into ``out``, one float32 scale per row into
+    ``scales`` (``max|row| / 127``), rounded as the CPU kernel's fused append rounds."""
+
 class AttentionHandle:
     def wait(self) -> None:
         """Block (GIL released) until the submitted call is done; raise its error, if any."""

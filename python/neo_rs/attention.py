@@ -223,7 +223,17 @@ class Attention:
         c = batch.cpu_decodes
         out = self.transfer.host_buffer(q)
         handle = self.cpu_attention.submit(
-            q, host.k, host.v, layer, c.block_tables, c.seq_lens, self.scale, out, new_k=k, new_v=v
+            q,
+            host.k,
+            host.v,
+            layer,
+            c.block_tables,
+            c.seq_lens,
+            self.scale,
+            out,
+            new_k=k,
+            new_v=v,
+            **host.scales(),
         )
         return PendingCpuAttention(handle, out, self.transfer)
 

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 ARCHITECTURES = {"LlamaForCausalLM": False, "MistralForCausalLM": False, "Qwen2ForCausalLM": True}
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 OFFLOAD_MODES = ("neo", "none", "all")
+CPU_KV_DTYPES = ("auto", "int8")
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -222,6 +223,9 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     num_cpu_blocks: int | None = None
     cpu_kv_gib: float = 4.0
+    # The host pool's storage: "auto" (the model dtype) or "int8" (a scale per token and KV
+    # head; half the bytes of bf16 for the CPU attention to read, twice the tokens per GiB).
+    cpu_kv_dtype: str = "auto"
     cpu_threads: int | None = None
     # neo: partial offload with the asymmetric pipeline; none: GPU-only (overflow swapped);
     # all: every decode on the CPU.
@@ -248,6 +252,10 @@ class EngineArgs:
         if self.offload not in OFFLOAD_MODES:
             raise InvalidArgumentError(
                 f"offload must be one of {', '.join(OFFLOAD_MODES)}, got {self.offload!r}"
+            )
+        if self.cpu_kv_dtype not in CPU_KV_DTYPES:
+            raise InvalidArgumentError(
+                f"cpu_kv_dtype must be one of {', '.join(CPU_KV_DTYPES)}, got {self.cpu_kv_dtype!r}"
             )
         if self.cpu_kv_gib < 0:
             raise InvalidArgumentError(f"cpu_kv_gib must be non-negative, got {self.cpu_kv_gib}")

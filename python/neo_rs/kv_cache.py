@@ -1,15 +1,19 @@
 """The KV pools as tensors (Python owns them; Rust owns their block ids). Both pools share one
-layout, K and V each ``[num_layers, num_blocks, num_kv_heads, block_size, head_dim]`` in the
-model dtype: the device pool on the model's device, the host pool in CPU memory."""
+layout, K and V each ``[num_layers, num_blocks, num_kv_heads, block_size, head_dim]``: the device
+pool on the model's device in the model dtype, the host pool in CPU memory in the model dtype or
+(``cpu_kv_dtype="int8"``) as int8 rows, each token of each KV head with a float32 scale beside its
+block, ``[num_layers, num_blocks, num_kv_heads, block_size]``. Every write into an int8 pool
+quantizes (``_core.quantize_rows``, the kernel's own rounding); reads for the device dequantize."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from neo_rs._core import advise_huge_pages
+from neo_rs._core import advise_huge_pages, quantize_rows
 
 Slots = tuple[torch.Tensor, torch.Tensor]  # block ids and in-block offsets, one per token
 
@@ -22,36 +26,97 @@ class KvLayout:
     head_dim: int
     dtype: torch.dtype
 
-    def bytes_per_block(self) -> int:
-        """K and V of one block, all layers."""
+    def bytes_per_block(self, quantized: bool = False) -> int:
+        """K and V of one block, all layers (int8 rows with their float32 scales if ``quantized``)."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * elem
+        row = self.head_dim + 4 if quantized else self.head_dim * elem
+        return 2 * self.num_layers * self.num_kv_heads * self.block_size * row
+
+
+INT8_POISON = -128  # never produced by quantization (rows are clamped to +-127)
 
 
 class KvPool:
-    def __init__(self, layout: KvLayout, num_blocks: int, device: torch.device) -> None:
+    def __init__(
+        self, layout: KvLayout, num_blocks: int, device: torch.device, quantized: bool = False
+    ) -> None:
         self.layout = layout
         self.num_blocks = num_blocks
         self.device = device
         shape = (layout.num_layers, num_blocks, layout.num_kv_heads, layout.block_size, layout.head_dim)
+        store = torch.int8 if quantized else layout.dtype
+        # With int8 rows, one float32 scale per (layer, block, KV head, token).
+        self.k_scale = torch.empty(shape[:-1], dtype=torch.float32, device=device) if quantized else None
+        self.v_scale = torch.empty(shape[:-1], dtype=torch.float32, device=device) if quantized else None
         # torch.empty never zero-fills: a host pool costs nothing until its pages are used. It is
         # never pinned: every device<->host copy stages through pinned buffers from torch's
         # caching host allocator (``transfer.py``), and the host side is a scatter or gather in
         # host memory. Pinning tens of GiB would take minutes at start-up, lock the memory and
         # may fail; this way start-up stays instant on any host.
-        self.k = torch.empty(shape, dtype=layout.dtype, device=device)
-        self.v = torch.empty(shape, dtype=layout.dtype, device=device)
+        self.k = torch.empty(shape, dtype=store, device=device)
+        self.v = torch.empty(shape, dtype=store, device=device)
         if device.type == "cpu":
             # Before the first write: fewer TLB misses on the CPU kernel's scattered tiles (worth
             # 0-10% here).
             advise_huge_pages(self.k)
             advise_huge_pages(self.v)
 
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+    def scales(self) -> dict[str, torch.Tensor]:
+        """The row scales as keyword arguments of a CPU attention call (none for a float pool)."""
+        if self.k_scale is None or self.v_scale is None:
+            return {}
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale}
+
     def write(self, layer: int, slots: Slots, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store each token's ``[kv_heads, head_dim]`` K/V at its (block, offset) slot."""
         block, offset = slots
-        self.k[layer][block, :, offset] = k
-        self.v[layer][block, :, offset] = v
+        self._put(lambda t: t[layer], (block, slice(None), offset), k, v)
+
+    def store_blocks(self, index: tuple, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store whole blocks: ``index`` is ``(layers, block ids)`` into ``[num_layers,
+        num_blocks]``; ``k``/``v`` hold their ``[kv_heads, block_size, head_dim]`` tiles."""
+        self._put(lambda t: t, index, k, v)
+
+    def load_blocks(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer of blocks ``block_ids`` in the model dtype (dequantized from int8)."""
+        if self.k_scale is None or self.v_scale is None:
+            return self.k[:, block_ids], self.v[:, block_ids]
+        dtype = self.layout.dtype
+        return tuple(  # type: ignore[return-value]
+            (x[:, block_ids].float() * s[:, block_ids, ..., None]).to(dtype)
+            for x, s in ((self.k, self.k_scale), (self.v, self.v_scale))
+        )
+
+    def poison_blocks(self, index: tuple) -> None:
+        """What a copy in flight leaves in whole blocks (the async-copy emulation)."""
+        self._poison(lambda t: t, index)
+
+    def poison_slots(self, layer: int, slots: Slots) -> None:
+        block, offset = slots
+        self._poison(lambda t: t[layer], (block, slice(None), offset))
+
+    def _put(
+        self, view: Callable[[torch.Tensor], torch.Tensor], index: tuple, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        if self.k_scale is None or self.v_scale is None:
+            view(self.k)[index], view(self.v)[index] = k, v
+            return
+        for pool, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            x = x.contiguous()
+            q = torch.empty(x.shape, dtype=torch.int8)
+            s = torch.empty(x.shape[:-1], dtype=torch.float32)
+            quantize_rows(x, q, s)
+            view(pool)[index], view(scales)[index] = q, s
+
+    def _poison(self, view: Callable[[torch.Tensor], torch.Tensor], index: tuple) -> None:
+        for pool, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
+            view(pool)[index] = INT8_POISON if scales is not None else float("nan")
+            if scales is not None:
+                view(scales)[index] = float("nan")
 
 
 def split_slots(slot_mapping: np.ndarray, block_size: int) -> Slots:

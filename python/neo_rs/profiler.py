@@ -84,6 +84,7 @@ def profile_key(runner: ModelRunner, max_tokens: int) -> str:
         "head_dim": cfg.head_dim,
         "qkv_bias": cfg.qkv_bias,
         "dtype": str(runner.layout.dtype),
+        "cpu_kv_dtype": str(runner.host_pool.k.dtype),
         "block_size": runner.layout.block_size,
         "device": _device_name(runner.device),
         "threads": [runner.attention.cpu_attention.num_threads, torch.get_num_threads()],
@@ -183,7 +184,9 @@ class _Profiler:
 
     def _cpu_call(self, q: torch.Tensor, rows: DecodeRows, out: torch.Tensor) -> None:
         attn, host = self.r.attention, self.r.host_pool
-        attn.cpu_attention.forward(q, host.k, host.v, 0, rows.block_tables, rows.seq_lens, attn.scale, out)
+        attn.cpu_attention.forward(
+            q, host.k, host.v, 0, rows.block_tables, rows.seq_lens, attn.scale, out, **host.scales()
+        )
 
     def gpu_decode(self, rows_grid: list[int], cols_grid: list[int]) -> Grid:
         return self._decode_table(rows_grid, cols_grid, self.dev, self._gpu_call)
@@ -209,7 +212,7 @@ class _Profiler:
         for _ in range(20):
             t = time.perf_counter()
             h = attn.cpu_attention.submit(
-                q, host.k, host.v, 0, rows.block_tables, rows.seq_lens, attn.scale, out
+                q, host.k, host.v, 0, rows.block_tables, rows.seq_lens, attn.scale, out, **host.scales()
             )
             h.wait()
             costs.append((time.perf_counter() - t) * 1e3 - (h.run_ms or 0.0))

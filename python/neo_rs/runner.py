@@ -52,20 +52,23 @@ class ModelRunner:
         self.model = load_model(model_dir, cfg, dtype, device, max_model_len)
         self.layout = KvLayout(cfg.num_layers, cfg.num_kv_heads, args.block_size, cfg.head_dim, dtype)
         per_block = self.layout.bytes_per_block()
+        int8 = args.cpu_kv_dtype == "int8"
+        host_per_block = self.layout.bytes_per_block(quantized=int8)
         num_gpu = args.num_gpu_blocks or self._device_blocks(args, max_model_len)
         num_cpu = (
             args.num_cpu_blocks
             if args.num_cpu_blocks is not None
-            else int(args.cpu_kv_gib * (1 << 30)) // per_block
+            else int(args.cpu_kv_gib * (1 << 30)) // host_per_block
         )
         self.device_pool = KvPool(self.layout, num_gpu, device)
-        self.host_pool = KvPool(self.layout, num_cpu, torch.device("cpu"))
+        self.host_pool = KvPool(self.layout, num_cpu, torch.device("cpu"), quantized=int8)
         log.info(
-            "KV pools: %d device blocks (%.2f GiB), %d host blocks (%.2f GiB), %d tokens per block",
+            "KV pools: %d device blocks (%.2f GiB), %d host blocks (%.2f GiB, %s), %d tokens per block",
             num_gpu,
             num_gpu * per_block / (1 << 30),
             num_cpu,
-            num_cpu * per_block / (1 << 30),
+            num_cpu * host_per_block / (1 << 30),
+            "int8" if int8 else "model dtype",
             args.block_size,
         )
         self.transfer = HostTransfer(device, emulate_async=emulate_async_copies())
@@ -97,8 +100,14 @@ class ModelRunner:
         return blocks
 
     def kv_bytes_per_token(self) -> int:
-        """K and V of one token in one layer."""
+        """K and V of one token in one layer, as the device holds (and copies) them."""
         return self.layout.bytes_per_block() // (self.layout.num_layers * self.layout.block_size)
+
+    def cpu_kv_bytes_per_token(self) -> int:
+        """K and V of one token in one layer as the host pool stores them (what CPU attention
+        reads: int8 rows and their scales, or the model dtype)."""
+        per_block = self.layout.bytes_per_block(quantized=self.host_pool.quantized)
+        return per_block // (self.layout.num_layers * self.layout.block_size)
 
     def transfer_bytes_per_decode(self) -> int:
         """Per layer, one CPU decode sends q, k, v to the host and its output back."""

@@ -150,11 +150,10 @@ class HostTransfer:
         into = (slice(None), dst_idx) if layer is None else (layer, dst_idx)
 
         def scatter(landed: list[torch.Tensor]) -> None:
-            dst.k[into], dst.v[into] = landed
+            dst.store_blocks(into, *landed)
 
         if self.emulated is not None:  # the host blocks are not whole until ready()
-            dst.k[into] = float("nan")
-            dst.v[into] = float("nan")
+            dst.poison_blocks(into)
         return self.to_host(src.k[at], src.v[at], then=scatter)
 
     def rows_to_host(self, dst: KvPool, layer: int, slots: Slots, k: torch.Tensor, v: torch.Tensor) -> Staged:
@@ -165,15 +164,20 @@ class HostTransfer:
             dst.write(layer, slots, landed[0], landed[1])
 
         if self.emulated is not None:
-            dst.write(
-                layer, slots, poison(torch.empty_like(k, device=CPU)), poison(torch.empty_like(v, device=CPU))
-            )
+            dst.poison_slots(layer, slots)
         return self.to_host(k, v, then=write)
 
     def blocks_to_device(self, src: KvPool, dst: KvPool, pairs: Pairs) -> None:
         """Copy K and V (every layer) of host blocks ``pairs[0]`` into device blocks ``pairs[1]``:
-        gathered on the host now, copied on the device's stream."""
+        gathered (and dequantized, from an int8 pool) on the host now, copied on the device's
+        stream."""
         src_idx, dst_idx = pairs
+        if src.quantized:
+            loaded = src.load_blocks(src_idx)
+            for x, d in zip(loaded, (dst.k, dst.v), strict=True):
+                staged = torch.empty(x.shape, dtype=x.dtype, pin_memory=self.pinned)
+                d[:, dst_idx] = self.to_device(staged.copy_(x))
+            return
         for s, d in ((src.k, dst.k), (src.v, dst.v)):
             shape = (s.shape[0], len(src_idx), *s.shape[2:])
             gathered = torch.empty(shape, dtype=s.dtype, pin_memory=self.pinned)

@@ -4,6 +4,7 @@
 //! Python, because each class also derives from the builtin it refines, e.g. `ValueError`).
 
 mod attn;
+mod quant;
 mod sched;
 mod tensor;
 
@@ -46,6 +47,7 @@ fn advise_huge_pages(tensor: &Bound<'_, PyAny>) -> PyResult<usize> {
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(simd_tiers, m)?)?;
     m.add_function(wrap_pyfunction!(advise_huge_pages, m)?)?;
+    m.add_function(wrap_pyfunction!(quant::quantize_rows, m)?)?;
     m.add_class::<attn::CpuAttention>()?;
     m.add_class::<attn::AttentionHandle>()?;
     m.add_class::<sched::Scheduler>()?;

@@ -15,7 +15,7 @@ from typing import NoReturn
 
 from aiohttp import web
 
-from neo_rs.config import OFFLOAD_MODES, EngineArgs
+from neo_rs.config import CPU_KV_DTYPES, OFFLOAD_MODES, EngineArgs
 from neo_rs.model.registry import DEFAULT_MODEL, DEMO_MODEL, served_name
 from neo_rs.serve.app import ServerState, create_app
 from neo_rs.serve.async_engine import AsyncEngine
@@ -55,6 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--num-gpu-blocks", type=_positive_int)
     p.add_argument("--cpu-kv-gib", type=float, default=4.0)
+    p.add_argument(
+        "--cpu-kv-dtype",
+        default="auto",
+        choices=list(CPU_KV_DTYPES),
+        help="host pool storage (int8: half of bf16)",
+    )
     p.add_argument("--offload", default="none", choices=list(OFFLOAD_MODES))
     p.add_argument("--cpu-threads", type=_positive_int)
     p.add_argument(
@@ -87,6 +93,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         num_gpu_blocks=args.num_gpu_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
         cpu_kv_gib=args.cpu_kv_gib,
+        cpu_kv_dtype=args.cpu_kv_dtype,
         cpu_threads=args.cpu_threads,
         offload=args.offload,
         seed=args.seed,

@@ -47,6 +47,12 @@ class Metrics:
             "neo:kv_cache_usage_perc", "Share of KV blocks in use.", [*label, "pool"], registry=r
         )
         self.kv_used = Gauge("neo:kv_blocks_used", "KV blocks in use.", [*label, "pool"], registry=r)
+        self.cpu_kv_width = Gauge(
+            "neo:cpu_kv_bytes_per_token",
+            "Bytes of K and V per token and layer in the host pool (what CPU attention reads).",
+            label,
+            registry=r,
+        )
         self.swapped = Counter(
             "neo:swapped_blocks", "Blocks moved between pools.", [*label, "direction"], registry=r
         )
@@ -69,6 +75,7 @@ class Metrics:
         sched = engine.scheduler
         self.running.labels(m).set(sched.num_running)
         self.waiting.labels(m).set(sched.num_waiting + sched.num_swapped)
+        self.cpu_kv_width.labels(m).set(engine.runner.cpu_kv_bytes_per_token())
         for pool in ("gpu", "cpu"):
             total = sched.num_total_blocks(pool)
             used = total - sched.num_free_blocks(pool)
