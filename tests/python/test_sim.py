@@ -144,3 +144,17 @@ def test_equal_latency_capacity(gpu, host, model, reqs, slo_ms) -> None:  # noqa
     assert run_neo.per_token_latency_ms <= slo_ms and run_none.per_token_latency_ms <= slo_ms
     assert run_neo.keep_up >= 0.95 and run_none.keep_up >= 0.95
     assert neo > none
+
+
+def test_int8_host_kv_is_read_at_its_width() -> None:
+    # Llama-3-8B: 8 KV heads x 128 dims; int8 stores each row in 128 bytes plus a 4-byte scale,
+    # against 256 bytes in bf16.
+    auto = CostModel(GPUS["A10G"], HOSTS["g5.8xlarge"], MODELS["llama-3-8b"])
+    int8 = dataclasses.replace(auto, cpu_kv_int8=True)
+    assert int8.host_kv_bytes_per_token_layer() == 2 * 8 * (128 + 4)
+    assert auto.host_kv_bytes_per_token_layer() == 2 * 8 * 128 * 2
+    ratio = (128 + 4) / 256
+    assert int8.num_cpu_blocks() == pytest.approx(auto.num_cpu_blocks() / ratio, rel=1e-3)
+    assert int8.num_gpu_blocks() == auto.num_gpu_blocks()
+    slope = lambda c: c.cpu_decode_ms(1, 2e6) - c.cpu_decode_ms(1, 1e6)  # noqa: E731
+    assert slope(int8) == pytest.approx(slope(auto) * ratio)

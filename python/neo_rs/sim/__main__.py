@@ -70,6 +70,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--cpu-kv-dtype",
+        default="auto",
+        choices=["auto", "int8"],
+        help="host pool storage (int8: half the bytes)",
+    )
     ap.add_argument("--efficiency", type=Path, help="efficiency factors (JSON, as --calibrate prints)")
     ap.add_argument(
         "--slo-ms-per-token",
@@ -96,7 +102,9 @@ def main(argv: list[str] | None = None) -> None:
         if name not in table:
             ap.error(f"unknown {kind} {name!r} (known: {', '.join(table)})")
     eff = Efficiency(**json.loads(args.efficiency.read_text())) if args.efficiency else Efficiency()
-    cost = CostModel(GPUS[args.gpu], HOSTS[args.host], MODELS[args.model], eff)
+    cost = CostModel(
+        GPUS[args.gpu], HOSTS[args.host], MODELS[args.model], eff, cpu_kv_int8=args.cpu_kv_dtype == "int8"
+    )
     reqs = workloads.make(args.workload, args.num_requests, args.input_len, args.output_len, args.seed)
     arrivals = arrival_times(len(reqs), args.rate, 1.0, args.seed)
     print(

@@ -37,16 +37,24 @@ class CostModel:
     gpu_mem_utilization: float = 0.9
     activation_reserve_gib: float = 1.0
     host_kv_share: float = 0.8  # of host memory given to the KV pool
+    cpu_kv_int8: bool = False  # the host pool as int8 rows with a float32 scale each
 
     def block_bytes(self) -> int:
         return self.model.num_layers * self.model.kv_bytes_per_token_layer() * self.block_size
+
+    def host_kv_bytes_per_token_layer(self) -> int:
+        """K and V of one token in one layer as the host pool stores them (and CPU attention
+        reads them)."""
+        m = self.model
+        return 2 * m.num_kv_heads * (m.head_dim + 4) if self.cpu_kv_int8 else m.kv_bytes_per_token_layer()
 
     def num_gpu_blocks(self) -> int:
         free = self.gpu.mem_gib * self.gpu_mem_utilization - self.activation_reserve_gib * self.gpu.count
         return max(0, int((free * GIB - self.model.weight_bytes()) // self.block_bytes()))
 
     def num_cpu_blocks(self) -> int:
-        return int(self.host.mem_gib * self.host_kv_share * GIB // self.block_bytes())
+        host_block = self.model.num_layers * self.host_kv_bytes_per_token_layer() * self.block_size
+        return int(self.host.mem_gib * self.host_kv_share * GIB // host_block)
 
     # -- per-layer stage times (ms) ---------------------------------------------------------
 
@@ -70,7 +78,7 @@ class CostModel:
         )
 
     def cpu_decode_ms(self, seqs: float, context_tokens: float) -> float:
-        kv = context_tokens * self.model.kv_bytes_per_token_layer()
+        kv = context_tokens * self.host_kv_bytes_per_token_layer()
         return kv / (self.host.mem_gbps * 1e9 * self.eff.cpu_mem) * 1e3 + 1e-4 * seqs
 
     def transfer_ms(self, nbytes: float) -> float:
