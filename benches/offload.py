@@ -1,6 +1,7 @@
 """Offload modes side by side: throughput of ``--offload neo``, ``none`` and ``all`` on the
 ~20M-parameter random Llama with the device KV pool cut so that ``none`` must queue (or swap),
-and the mix of iteration modes ``neo`` chose.
+the mix of iteration modes ``neo`` chose, and how many decodes ran on the CPU; ``neo`` and
+``all`` run again with the host pool in int8 (``--cpu-kv-dtype int8``).
 
 On this CPU-only machine the "device" is the CPU too, so CPU attention competes with the model
 for the same cores: these figures check the machinery, they say little about gains on a GPU
@@ -22,12 +23,15 @@ from neo_rs import LLMEngine, SamplingParams
 from neo_rs.config import EngineArgs
 
 
-def run(path: Path, mode: str, batch: list[list[int]], args: argparse.Namespace) -> dict[str, object]:
+def run(
+    path: Path, mode: str, kv: str, batch: list[list[int]], args: argparse.Namespace
+) -> dict[str, object]:
     engine = LLMEngine(
         EngineArgs(
             model=str(path),
             dtype=args.dtype,
             offload=mode,
+            cpu_kv_dtype=kv,
             max_num_seqs=len(batch),
             num_gpu_blocks=args.gpu_blocks,
             num_cpu_blocks=args.cpu_blocks,
@@ -41,12 +45,13 @@ def run(path: Path, mode: str, batch: list[list[int]], args: argparse.Namespace)
     for p in batch:
         engine.add_request(p, params)
     modes: collections.Counter[str] = collections.Counter()
-    tokens = 0
+    tokens = cpu_decodes = 0
     t = time.perf_counter()
     while engine.has_unfinished():
         tokens += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
         assert engine.last_stats is not None
         modes[engine.last_stats.mode] += 1
+        cpu_decodes += engine.last_stats.num_cpu_decodes
     elapsed = time.perf_counter() - t
     st = engine.scheduler.stats()
     return {
@@ -55,6 +60,7 @@ def run(path: Path, mode: str, batch: list[list[int]], args: argparse.Namespace)
         "modes": modes,
         "swaps": st["num_swapped_out"] + st["num_swapped_in"],
         "to_host": st["num_prefills_to_host"],
+        "cpu_decodes": cpu_decodes,
     }
 
 
@@ -74,14 +80,18 @@ def main() -> None:
     )
     with tempfile.TemporaryDirectory() as tmp:
         path = make_model(Path(tmp))
-        results = {mode: run(path, mode, batch, args) for mode in ("none", "neo", "all")}
-    base = results["none"]["tok_s"]
-    print(f"{'mode':<6}{'tok/s':>9}{'vs none':>9}{'steps':>7}{'swaps':>7}{'to host':>9}  iteration modes")
-    for mode, r in results.items():
+        runs = [("none", "auto"), ("neo", "auto"), ("all", "auto"), ("neo", "int8"), ("all", "int8")]
+        results = {f"{m} {kv}": run(path, m, kv, batch, args) for m, kv in runs}
+    base = results["none auto"]["tok_s"]
+    print(
+        f"{'mode':<10}{'tok/s':>9}{'vs none':>9}{'steps':>7}{'swaps':>7}{'to host':>9}{'CPU decodes':>13}"
+        "  iteration modes"
+    )
+    for name, r in results.items():
         mix = ", ".join(f"{k} {v}" for k, v in sorted(r["modes"].items()))  # type: ignore[attr-defined]
         print(
-            f"{mode:<6}{r['tok_s']:>9.1f}{r['tok_s'] / base:>8.2f}x"
-            f"{r['steps']:>7}{r['swaps']:>7}{r['to_host']:>9}  {mix}"
+            f"{name:<10}{r['tok_s']:>9.1f}{r['tok_s'] / base:>8.2f}x"
+            f"{r['steps']:>7}{r['swaps']:>7}{r['to_host']:>9}{r['cpu_decodes']:>13}  {mix}"
         )
 
 

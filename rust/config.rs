@@ -17,3 +17,9 @@ pub fn cpu_threads() -> Result<Option<usize>> {
 pub fn simd_tier() -> Option<String> {
     std::env::var("NEO_RS_SIMD").ok().filter(|s| !s.trim().is_empty())
 }
+
+/// `NEO_RS_INT8_DOT=0`: int8 K pools are widened to f32 for q·k even where the CPU has int8 dot
+/// products (to compare the two paths).
+pub fn int8_dot_allowed() -> bool {
+    std::env::var("NEO_RS_INT8_DOT").map_or(true, |v| v.trim() != "0")
+}

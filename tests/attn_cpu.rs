@@ -208,6 +208,8 @@ fn engines(threads: usize) -> Vec<CpuAttention> {
 /// Int8 pools: `k`/`v` quantized row by row (one scale per token and KV head), the kernel run on
 /// them with q and out in `E`, and the f64 reference run on the dequantized rows (and the new
 /// rows as the fused append quantizes them), so only the kernel's arithmetic is under test.
+/// Where the tier takes q·k as int8 dot products, the reference's q is quantized per head the
+/// same way (after the softmax scale), which is then part of what the kernel computes.
 fn run_case_int8<E: Element>(c: &Case, attn: &CpuAttention) {
     let inp = make_inputs::<E>(c);
     let d = c.head_dim;
@@ -221,8 +223,21 @@ fn run_case_int8<E: Element>(c: &Case, attn: &CpuAttention) {
     };
     let ((mut k8, mut ks), (mut v8, mut vs)) = (quantize(&inp.k), quantize(&inp.v));
     let ((nk8, nks), (nv8, nvs)) = (quantize(&inp.new_k), quantize(&inp.new_v));
+    let q_in: Vec<f32> = inp.q.iter().map(|x| x.to_f32()).collect();
+    let q_ref = if attn.int8_dot() {
+        let mut q8 = vec![0i8; d];
+        q_in.chunks(d)
+            .flat_map(|row| {
+                let scaled: Vec<f32> = row.iter().map(|x| x * inp.scale).collect();
+                let s = quantize_row(&scaled, &mut q8);
+                q8.iter().map(move |&x| f32::from(x) * s / inp.scale).collect::<Vec<_>>()
+            })
+            .collect()
+    } else {
+        q_in.clone()
+    };
     let reference = Inputs::<f32> {
-        q: inp.q.iter().map(|x| x.to_f32()).collect(),
+        q: q_ref,
         k: dequantize(&k8, &ks),
         v: dequantize(&v8, &vs),
         new_k: dequantize(&nk8, &nks),
@@ -238,7 +253,7 @@ fn run_case_int8<E: Element>(c: &Case, attn: &CpuAttention) {
     let (shape, params) = (reference.shape, reference.params(c.group));
     let (r, rows) = (reference.layer_range(), reference.layer_range().start / d..reference.layer_range().end / d);
     let mut out = vec![E::from_f32(f32::NAN); reference.q.len()];
-    let q: Vec<E> = reference.q.iter().map(|&x| E::from_f32(x)).collect();
+    let q: Vec<E> = q_in.iter().map(|&x| E::from_f32(x)).collect();
     let res = if c.append {
         let kv = neo_rs::attn::PoolsMut {
             k: &mut k8[r.clone()],

@@ -35,6 +35,10 @@ class CpuAttention:
     def simd(self) -> str: ...
     @property
     def num_threads(self) -> int: ...
+    @property
+    def int8_dot(self) -> bool:
+        """Whether int8 caches take q·k as int8 dot products (q quantized per head after the
+        softmax scale; AVX-512 VNNI, unless ``NEO_RS_INT8_DOT=0``)."""
     def forward(
         self,
         q: torch.Tensor,

@@ -84,12 +84,28 @@ impl Tier {
         }
     }
 
-    /// The item function of this tier for q/output type `Q` and KV pools of `K`.
-    pub(crate) fn kernel<Q: Element, K: KvElement>(self) -> Result<Kernel<Q, K>> {
+    /// Whether int8 K pools take q·k as int8 dot products on this tier and CPU (AVX-512 VNNI;
+    /// q is then quantized per head, so scores carry its rounding too). `NEO_RS_INT8_DOT=0`
+    /// turns it off.
+    pub fn int8_dot(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if self == Tier::Avx512 {
+            return config::int8_dot_allowed() && std::arch::is_x86_feature_detected!("avx512vnni");
+        }
+        false
+    }
+
+    /// The item function of this tier for q/output type `Q` and KV pools of `K` (int8 pools with
+    /// int8 dot products if `int8_dot`, which `int8_dot()` must allow).
+    pub(crate) fn kernel<Q: Element, K: KvElement>(self, int8_dot: bool) -> Result<Kernel<Q, K>> {
         self.require()?;
         Ok(match self {
             #[cfg(target_arch = "x86_64")]
             Tier::Avx2 => Kernel { lanes: 8, item: crate::attn::x86::avx2::attend_item::<Q, K> },
+            #[cfg(target_arch = "x86_64")]
+            Tier::Avx512 if K::SCALED && int8_dot => {
+                Kernel { lanes: 16, item: crate::attn::x86::avx512::attend_item_vnni::<Q, K> }
+            }
             #[cfg(target_arch = "x86_64")]
             Tier::Avx512 => Kernel { lanes: 16, item: crate::attn::x86::avx512::attend_item::<Q, K> },
             #[cfg(target_arch = "aarch64")]
@@ -107,5 +123,5 @@ unsafe fn scalar_item<Q: Element, K: KvElement>(
     partial: &mut [f32],
 ) {
     // SAFETY: the portable tier runs on any CPU; the scratch contract is forwarded.
-    unsafe { kernel::attend_item::<Portable, Q, K>(it, geo, scratch, partial) }
+    unsafe { kernel::attend_item::<Portable, Q, K, false>(it, geo, scratch, partial) }
 }

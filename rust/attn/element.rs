@@ -126,6 +126,11 @@ pub trait KvElement: Copy + Send + Sync + 'static + sealed::Sealed {
     /// `p` must be valid for `S::LANES` reads and the CPU must support `S`.
     #[doc(hidden)]
     unsafe fn widen<S: Simd>(p: *const Self) -> S::V;
+    /// The pool as int8 bytes, for int8 dot products (`None` for float pools).
+    fn as_i8(pool: &[Self]) -> Option<&[i8]> {
+        let _ = pool;
+        None
+    }
 }
 
 macro_rules! float_kv {
@@ -159,10 +164,14 @@ impl KvElement for i8 {
         // SAFETY: forwarded caller contract.
         unsafe { S::widen_i8(p) }
     }
+    fn as_i8(pool: &[Self]) -> Option<&[i8]> {
+        Some(pool)
+    }
 }
 
 /// Symmetric int8 quantization of one row: `dst[i] = round(src[i] / scale)` with
 /// `scale = max|src| / 127`, returned (0 for an all-zero row, which stores zeros).
+#[inline(always)]
 pub fn quantize_row<E: Element>(src: &[E], dst: &mut [i8]) -> f32 {
     let amax = src.iter().fold(0f32, |m, x| m.max(x.to_f32().abs()));
     let scale = amax / 127.0;

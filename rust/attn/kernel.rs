@@ -102,6 +102,15 @@ pub(crate) struct Scratch {
     padded_dim: usize,
     score_stride: usize,
     q: Vec<f32>,
+    /// With int8 dot products: q quantized per head (rows of `q8_dim` bytes, zero past
+    /// head_dim), each head's scale, and `128 * Σ q8` (see `Simd::dot_i8`).
+    q8_dim: usize,
+    q8: Vec<i8>,
+    q8_scale: Vec<f32>,
+    q8_offset: Vec<f32>,
+    /// With int8 pools: the current block's K and V row scales, zero-padded to the score stride.
+    k_scale: Vec<f32>,
+    v_scale: Vec<f32>,
     acc: Vec<f32>,
     scores: Vec<f32>,
     max: Vec<f32>,
@@ -113,10 +122,17 @@ impl Scratch {
         let padded_dim = geo.head_dim.next_multiple_of(lanes);
         // Scores are processed up to 16 f32 at a time, whatever the tier.
         let score_stride = geo.block_size.next_multiple_of(16);
+        let q8_dim = geo.head_dim.next_multiple_of(64);
         Scratch {
             padded_dim,
             score_stride,
             q: vec![0.0; geo.group * padded_dim],
+            q8_dim,
+            q8: vec![0; geo.group * q8_dim],
+            q8_scale: vec![0.0; geo.group],
+            q8_offset: vec![0.0; geo.group],
+            k_scale: vec![0.0; score_stride],
+            v_scale: vec![0.0; score_stride],
             acc: vec![0.0; geo.group * padded_dim],
             scores: vec![0.0; geo.group * score_stride],
             max: vec![0.0; geo.group],
@@ -125,12 +141,14 @@ impl Scratch {
     }
 }
 
-/// Computes one item into `partial` (`geo.partial_len()` values).
+/// Computes one item into `partial` (`geo.partial_len()` values). With `INT8_DOT` (and an int8
+/// pool) q·k runs as int8 dot products against q quantized per head.
 ///
 /// # Safety
-/// The CPU must support `S`; `scratch` must come from `Scratch::new(geo, S::LANES)`.
+/// The CPU must support `S` (and its int8 dot products with `INT8_DOT`); `scratch` must come
+/// from `Scratch::new(geo, S::LANES)`.
 #[inline(always)]
-pub(crate) unsafe fn attend_item<S: Simd, Q: Element, K: KvElement>(
+pub(crate) unsafe fn attend_item<S: Simd, Q: Element, K: KvElement, const INT8_DOT: bool>(
     it: &Item<'_, Q, K>,
     geo: &Geometry,
     scratch: &mut Scratch,
@@ -150,6 +168,10 @@ pub(crate) unsafe fn attend_item<S: Simd, Q: Element, K: KvElement>(
     scratch.acc.fill(0.0);
     scratch.max.fill(f32::NEG_INFINITY);
     scratch.sum.fill(0.0);
+    let k8 = if INT8_DOT { K::as_i8(it.k) } else { None };
+    if k8.is_some() {
+        quantize_q(scratch, group, d);
+    }
 
     let (first, last) = (it.start / geo.block_size, it.end.div_ceil(geo.block_size));
     // The tiles the loop below does not prefetch itself (warm already when the previous item
@@ -164,13 +186,26 @@ pub(crate) unsafe fn attend_item<S: Simd, Q: Element, K: KvElement>(
     }
     for b in first..last {
         let (n, tile, ahead) = it.block_tile(geo, b);
-        let (k, v) = (&it.k[tile.clone()], &it.v[tile]);
-        let (k_ahead, v_ahead) = (&it.k[ahead.clone()], &it.v[ahead]);
+        let (k, v) = (&it.k[tile.clone()], &it.v[tile.clone()]);
+        let (k_ahead, v_ahead) = (&it.k[ahead.clone()], &it.v[ahead.clone()]);
         // SAFETY: (whole block) the CPU supports S (caller); every slice length a helper relies
         // on is asserted inside it.
         unsafe {
             let mut g0 = 0;
-            while g0 < group {
+            while let Some(k8) = k8.filter(|_| g0 < group) {
+                let gt = group_tile(group - g0);
+                let (tile, ahead) = (&k8[tile.clone()], &k8[ahead.clone()]);
+                let s = &mut scratch.scores[g0 * sp..];
+                let (q8, dq) = (&scratch.q8[g0 * scratch.q8_dim..], scratch.q8_dim);
+                let (qs, qo) = (&scratch.q8_scale[g0..], &scratch.q8_offset[g0..]);
+                match gt {
+                    4 => qk_tile_i8::<S, 4, 4>(q8, dq, qs, qo, tile, ahead, n, d, s, sp),
+                    2 => qk_tile_i8::<S, 2, 8>(q8, dq, qs, qo, tile, ahead, n, d, s, sp),
+                    _ => qk_tile_i8::<S, 1, 16>(q8, dq, qs, qo, tile, ahead, n, d, s, sp),
+                }
+                g0 += gt;
+            }
+            while k8.is_none() && g0 < group {
                 let gt = group_tile(group - g0);
                 let (q, sc) = (&scratch.q[g0 * dp..], &mut scratch.scores[g0 * sp..]);
                 match (S::LANES, gt) {
@@ -188,11 +223,19 @@ pub(crate) unsafe fn attend_item<S: Simd, Q: Element, K: KvElement>(
             }
             // int8 rows: score_t = k_scale_t * (q . k_t), and each probability weighs its V row
             // times v_scale_t (after the softmax sum, which is over the probabilities alone).
-            let k_scale = if K::SCALED { row_scales(it.k_scale, geo, it, b, n) } else { &[] };
+            // The scales are staged zero-padded to the score stride, then applied a vector at a
+            // time (entries past n are overwritten by the softmax step, or multiplied by 0).
+            if K::SCALED {
+                let (ks, vs) = (&mut scratch.k_scale[..sp], &mut scratch.v_scale[..sp]);
+                ks[..n].copy_from_slice(row_scales(it.k_scale, geo, it, b, n));
+                vs[..n].copy_from_slice(row_scales(it.v_scale, geo, it, b, n));
+                ks[n..].fill(0.0);
+                vs[n..].fill(0.0);
+            }
             for g in 0..group {
                 let scores = &mut scratch.scores[g * sp..(g + 1) * sp];
-                for (s, ks) in scores.iter_mut().zip(k_scale) {
-                    *s *= ks;
+                if K::SCALED {
+                    scale_scores::<S>(scores, &scratch.k_scale, n);
                 }
                 online_softmax_step::<S>(
                     scores,
@@ -202,9 +245,7 @@ pub(crate) unsafe fn attend_item<S: Simd, Q: Element, K: KvElement>(
                     &mut scratch.sum[g],
                 );
                 if K::SCALED {
-                    for (p, vs) in scores.iter_mut().zip(row_scales(it.v_scale, geo, it, b, n)) {
-                        *p *= vs;
-                    }
+                    scale_scores::<S>(scores, &scratch.v_scale, n);
                 }
             }
             let mut g0 = 0;
@@ -225,6 +266,75 @@ pub(crate) unsafe fn attend_item<S: Simd, Q: Element, K: KvElement>(
     }
     partial[group * d..group * (d + 1)].copy_from_slice(&scratch.max);
     partial[group * (d + 1)..].copy_from_slice(&scratch.sum);
+}
+
+/// `scores[t] *= scales[t]` for the first `n` scores, a vector at a time (up to the next multiple
+/// of LANES, within both slices).
+#[inline(always)]
+unsafe fn scale_scores<S: Simd>(scores: &mut [f32], scales: &[f32], n: usize) {
+    let padded = n.next_multiple_of(S::LANES);
+    assert!(padded <= scores.len() && padded <= scales.len());
+    // SAFETY: every offset c + LANES <= padded, within both slices (asserted); the CPU supports S
+    // (caller).
+    unsafe {
+        for c in (0..padded).step_by(S::LANES) {
+            let p = scores.as_mut_ptr().add(c);
+            S::store(p, S::mul(S::load(p), S::load(scales.as_ptr().add(c))));
+        }
+    }
+}
+
+/// q (pre-scaled, f32) quantized per head for int8 dot products: symmetric, `max|q| / 127`.
+/// Inlined into the tier's item function, so rounding compiles to its vector instructions
+/// rather than a libm call.
+#[inline(always)]
+fn quantize_q(scratch: &mut Scratch, group: usize, d: usize) {
+    let (dp, dq) = (scratch.padded_dim, scratch.q8_dim);
+    for g in 0..group {
+        let row = &mut scratch.q8[g * dq..g * dq + d];
+        let scale = crate::attn::element::quantize_row(&scratch.q[g * dp..g * dp + d], row);
+        scratch.q8_scale[g] = scale;
+        scratch.q8_offset[g] = 128.0 * row.iter().map(|&x| f32::from(x)).sum::<f32>();
+    }
+}
+
+/// Scores of `GT` query heads x `TT` tokens of an int8 K tile by int8 dot products (see
+/// `Simd::dot_i8`): `(dot - 128 Σq8) * q_scale` (the K row scales are applied by the caller).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn qk_tile_i8<S: Simd, const GT: usize, const TT: usize>(
+    q8: &[i8],
+    dq: usize,
+    q_scale: &[f32],
+    q_offset: &[f32],
+    k: &[i8],
+    k_ahead: &[i8],
+    n: usize,
+    d: usize,
+    scores: &mut [f32],
+    sp: usize,
+) {
+    assert!(GT * TT == S::LANES && S::LANES == 16 && q8.len() >= GT * dq && q_scale.len() >= GT);
+    assert!(k.len() >= n * d && k_ahead.len() >= n * d && n >= 1 && scores.len() >= (GT - 1) * sp + n);
+    for t0 in (0..n).step_by(TT) {
+        // SAFETY: rows are clamped to n - 1, so each holds d readable bytes of `k` (or
+        // `k_ahead`); q8 rows hold dq bytes (asserted); the caller dispatched a tier with int8
+        // dot products on a CPU that has them.
+        unsafe {
+            let (mut rows, mut ahead) = ([k.as_ptr(); TT], [k_ahead.as_ptr(); TT]);
+            for i in 0..TT {
+                let off = (t0 + i).min(n - 1) * d;
+                (rows[i], ahead[i]) = (k.as_ptr().add(off), k_ahead.as_ptr().add(off));
+            }
+            let mut s = [0f32; 16];
+            S::store(s.as_mut_ptr(), S::dot_i8::<GT, TT>(q8.as_ptr(), dq, &rows, &ahead, d));
+            for g in 0..GT {
+                for i in 0..TT.min(n - t0) {
+                    scores[g * sp + t0 + i] = (s[g * TT + i] - q_offset[g]) * q_scale[g];
+                }
+            }
+        }
+    }
 }
 
 /// The scales of the `n` rows of block index `b` in a row-scale pool layer (one f32 per row).

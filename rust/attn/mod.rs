@@ -37,6 +37,8 @@ pub const INLINE_BELOW_BYTES: usize = 256 << 10;
 /// (aiohttp, torch and multiprocessing fork) gets a fresh pool on first use.
 pub struct CpuAttention {
     tier: Tier,
+    /// Whether int8 K pools take q·k as int8 dot products (`Tier::int8_dot`, read once).
+    int8_dot: bool,
     num_threads: usize,
     inline_below: usize,
     pool: Mutex<PoolSlot>,
@@ -81,6 +83,7 @@ impl CpuAttention {
         let pool = build_pool(num_threads)?;
         Ok(CpuAttention {
             tier,
+            int8_dot: tier.int8_dot(),
             num_threads,
             inline_below: INLINE_BELOW_BYTES,
             pool: Mutex::new(PoolSlot { pid: std::process::id(), pool }),
@@ -96,6 +99,11 @@ impl CpuAttention {
 
     pub fn tier(&self) -> Tier {
         self.tier
+    }
+
+    /// Whether int8 K pools take q·k as int8 dot products here (q quantized per head).
+    pub fn int8_dot(&self) -> bool {
+        self.int8_dot
     }
 
     pub fn num_threads(&self) -> usize {
@@ -217,7 +225,7 @@ impl CpuAttention {
         params: &DecodeParams,
         out: &mut [E],
     ) -> Result<()> {
-        let kernel = self.tier.kernel::<E, K>()?;
+        let kernel = self.tier.kernel::<E, K>(self.int8_dot)?;
         // One thread, or little work: the calling thread does it (no hand-off to wait for).
         let pool = match self.num_threads > 1 && !self.is_small(shape, batch, size_of::<K>()) {
             true => Some(self.pool()?),

@@ -35,6 +35,19 @@ pub trait Simd {
     unsafe fn widen_f16(p: *const u16) -> Self::V;
     /// `LANES` signed bytes widened to f32 (int8 KV; the per-row scale is applied by the caller).
     unsafe fn widen_i8(p: *const i8) -> Self::V;
+    /// Int8 dot products (VNNI tiers only; the kernel calls this only when dispatched with them):
+    /// lane `g * TT + i` of the result is `Σ_d q8[g * dq + d] * (rows[i][d] + 128)` over `d`
+    /// dims, as f32 (exact: |sum| < 2^24 for d <= 256). `q8` rows hold `dq` bytes (a multiple of
+    /// 64, zero past `d`); each row of K holds `d` readable bytes; `ahead` rows are prefetched.
+    unsafe fn dot_i8<const GT: usize, const TT: usize>(
+        _q8: *const i8,
+        _dq: usize,
+        _rows: &[*const i8; TT],
+        _ahead: &[*const i8; TT],
+        _d: usize,
+    ) -> Self::V {
+        unreachable!("this tier has no int8 dot product")
+    }
     /// Hint that the cache line at `p` is needed soon, into L2 (see CPU-ATTN-ANCHOR.md: `prefetcht1`
     /// ahead of the 16-token paged tiles is what lets a core keep enough misses in flight).
     unsafe fn prefetch_l2(p: *const u8);

@@ -313,6 +313,13 @@ impl CpuAttention {
         self.engine.num_threads()
     }
 
+    /// Whether int8 caches take q·k as int8 dot products (q quantized per head after the
+    /// softmax scale; AVX-512 VNNI, unless `NEO_RS_INT8_DOT=0`).
+    #[getter]
+    fn int8_dot(&self) -> bool {
+        self.engine.int8_dot()
+    }
+
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (q, k_cache, v_cache, layer, block_tables, seq_lens, scale, out, new_k=None, new_v=None, k_scale=None, v_scale=None))]
     fn forward<'py>(

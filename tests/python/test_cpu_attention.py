@@ -79,10 +79,12 @@ def test_matches_sdpa(attn, dtype, hq, hkv, d, bs, append):
 
 
 def quantize(x):
-    """Symmetric int8 per row of the last dim: (int8 rows, float32 scales)."""
-    scale = x.float().abs().amax(-1) / 127
-    q = torch.where(scale[..., None] > 0, x.float() / scale[..., None], 0).round().clamp(-127, 127)
-    return q.to(torch.int8), scale
+    """Symmetric int8 per row of the last dim, as the host pool stores it: (int8 rows, float32
+    scales)."""
+    x = x.contiguous()
+    q, scale = torch.empty(x.shape, dtype=torch.int8), torch.empty(x.shape[:-1], dtype=torch.float32)
+    neo_rs._core.quantize_rows(x, q, scale)
+    return q, scale
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -96,6 +98,9 @@ def test_int8_cache_matches_sdpa_on_dequantized_rows(attn, dtype, append):
     extra = dict(new_k=new_k, new_v=new_v) if append else {}
     attn.forward(q, k8, v8, layer, tables, seq_lens, scale, out, k_scale=ks, v_scale=vs, **extra)
     deq_k, deq_v = k8.float() * ks[..., None], v8.float() * vs[..., None]
+    if attn.int8_dot:  # the kernel quantizes q per head (after the softmax scale) for q·k
+        q8, qs = quantize(q.float() * scale)
+        q = q8.float() * qs[..., None] / scale
     if append:  # the new rows were quantized into their slots, scales beside them
         for s, n in enumerate(lens):
             blk, pos = tables[s, (n - 1) // bs].item(), (n - 1) % bs

@@ -1,17 +1,19 @@
 """The int8 host pool (``cpu_kv_dtype="int8"``): every write quantizes with the kernel's rounding,
 reads for the device dequantize, copies in flight poison it under the emulation; with every
 decode on the CPU, greedy tokens equal Hugging Face's with a cache that stores int8 rows the same
-way (the prompt attends to itself at full precision, as it does on the device)."""
+way (the prompt attends to itself at full precision, as it does on the device) and, where the
+kernel takes q·k as int8 dot products, an attention that quantizes each decode's q the same way."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from conftest import ARCHS, assert_all_blocks_free
-from neo_rs import LLM, InvalidArgumentError, SamplingParams
+from neo_rs import LLM, CpuAttention, InvalidArgumentError, SamplingParams
 from neo_rs._core import quantize_rows
 from neo_rs.kv_cache import INT8_POISON, KvLayout, KvPool
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 PROMPTS = [[256, 72, 105], list(range(10, 47)), [7], list(range(100, 120)), [5, 9, 200, 31] * 4]
 MAX_TOKENS = 12
@@ -85,8 +87,21 @@ class Int8HostCache(DynamicCache):
         return (key_states, value_states) if prefill else (keys, values)
 
 
+def int8_dot_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):  # noqa: ANN001, ANN003, ANN201
+    """SDPA, with each decode step's q (scaled) quantized per head as the CPU kernel's int8 dot
+    products take it."""
+    if query.shape[2] == 1:
+        s = scaling if scaling is not None else query.shape[-1] ** -0.5
+        query = round_trip(query * s) / s
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+
+AttentionInterface.register("neo_int8_dot", int8_dot_attention)
+
+
 def hf_int8_greedy(path, prompt: list[int]) -> list[int]:  # noqa: ANN001
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    attn = "neo_int8_dot" if CpuAttention(num_threads=1).int8_dot else "sdpa"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn).eval()
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(

@@ -130,5 +130,5 @@ pub(crate) unsafe fn attend_item<Q: Element, K: KvElement>(
     partial: &mut [f32],
 ) {
     // SAFETY: forwarded caller contract.
-    unsafe { kernel::attend_item::<Neon, Q, K>(it, geo, scratch, partial) }
+    unsafe { kernel::attend_item::<Neon, Q, K, false>(it, geo, scratch, partial) }
 }

@@ -146,5 +146,5 @@ pub(crate) unsafe fn attend_item<Q: Element, K: KvElement>(
     partial: &mut [f32],
 ) {
     // SAFETY: forwarded caller contract.
-    unsafe { kernel::attend_item::<Avx2, Q, K>(it, geo, scratch, partial) }
+    unsafe { kernel::attend_item::<Avx2, Q, K, false>(it, geo, scratch, partial) }
 }

@@ -134,6 +134,46 @@ impl Simd for Avx512 {
         // SAFETY: prefetch never faults, whatever the address.
         unsafe { _mm_prefetch::<_MM_HINT_T1>(p.cast()) }
     }
+    /// VNNI: `vpdpbusd` takes unsigned bytes times signed bytes, so K rows are offset by 128
+    /// (an XOR of the sign bit) and the caller subtracts `128 * Σ q8`. 64 dims per instruction;
+    /// the last chunk of a row is a masked load (masked-off bytes never fault).
+    #[inline(always)]
+    unsafe fn dot_i8<const GT: usize, const TT: usize>(
+        q8: *const i8,
+        dq: usize,
+        rows: &[*const i8; TT],
+        ahead: &[*const i8; TT],
+        d: usize,
+    ) -> __m512 {
+        assert!(GT * TT == 16 && dq >= d && dq.is_multiple_of(64));
+        // SAFETY: the caller guarantees the row and q8 extents above and dispatches this only
+        // on CPUs with AVX-512 VNNI; loads past `d` are masked off.
+        unsafe {
+            let bias = _mm512_set1_epi8(-128);
+            let mut acc = [[_mm512_setzero_si512(); TT]; GT];
+            let mut c = 0;
+            while c < d {
+                let mask: __mmask64 = if d - c >= 64 { !0 } else { (1u64 << (d - c)) - 1 };
+                let mut qv = [_mm512_setzero_si512(); GT];
+                for (g, x) in qv.iter_mut().enumerate() {
+                    *x = _mm512_loadu_si512(q8.add(g * dq + c).cast());
+                }
+                for i in 0..TT {
+                    _mm_prefetch::<_MM_HINT_T1>(ahead[i].add(c).cast());
+                    let k = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, rows[i].add(c)), bias);
+                    for g in 0..GT {
+                        acc[g][i] = _mm512_dpbusd_epi32(acc[g][i], k, qv[g]);
+                    }
+                }
+                c += 64;
+            }
+            let mut sums = [_mm512_setzero_ps(); 16];
+            for (s, a) in sums.iter_mut().zip(acc.as_flattened()) {
+                *s = _mm512_cvtepi32_ps(*a);
+            }
+            Self::transpose_sum(&sums)
+        }
+    }
 }
 
 /// `[a.L0+a.L1, a.L2+a.L3, b.L0+b.L1, b.L2+b.L3]` over 128-bit lanes.
@@ -155,7 +195,22 @@ pub(crate) unsafe fn attend_item<Q: Element, K: KvElement>(
     partial: &mut [f32],
 ) {
     // SAFETY: forwarded caller contract.
-    unsafe { kernel::attend_item::<Avx512, Q, K>(it, geo, scratch, partial) }
+    unsafe { kernel::attend_item::<Avx512, Q, K, false>(it, geo, scratch, partial) }
+}
+
+/// The kernel item for AVX-512 with VNNI: int8 K pools take q·k as int8 dot products.
+///
+/// # Safety
+/// As for `attend_item`, and the CPU must support AVX-512 VNNI.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn attend_item_vnni<Q: Element, K: KvElement>(
+    it: &Item<'_, Q, K>,
+    geo: &Geometry,
+    scratch: &mut Scratch,
+    partial: &mut [f32],
+) {
+    // SAFETY: forwarded caller contract.
+    unsafe { kernel::attend_item::<Avx512, Q, K, true>(it, geo, scratch, partial) }
 }
 
 #[cfg(test)]
