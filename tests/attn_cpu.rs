@@ -153,6 +153,15 @@ fn tolerance<E: Element>() -> (f64, f64) {
     }
 }
 
+/// Every output within `E`'s tolerance of the reference; `what` names the case on failure.
+fn assert_matches<E: Element>(out: &[E], want: &[f64], what: impl Fn() -> String) {
+    let (atol, rtol) = tolerance::<E>();
+    for (i, (got, want)) in out.iter().zip(want).enumerate() {
+        let got = got.to_f32() as f64;
+        assert!((got - want).abs() <= atol + rtol * want.abs(), "{}: out[{i}] = {got}, reference {want}", what());
+    }
+}
+
 fn run_case<E: Element>(c: &Case, attn: &CpuAttention) {
     let mut inp = make_inputs::<E>(c);
     let group = c.group;
@@ -168,16 +177,7 @@ fn run_case<E: Element>(c: &Case, attn: &CpuAttention) {
         attn.decode(&inp.q, &inp.k[r.clone()], &inp.v[r], &shape, &inp.batch(), &params, &mut out)
     };
     res.unwrap();
-    let (atol, rtol) = tolerance::<E>();
-    for (i, (got, want)) in out.iter().zip(&want).enumerate() {
-        let got = got.to_f32() as f64;
-        assert!(
-            (got - want).abs() <= atol + rtol * want.abs(),
-            "tier {} {:?} {c:?}: out[{i}] = {got}, reference {want}",
-            attn.tier().name(),
-            E::DTYPE
-        );
-    }
+    assert_matches(&out, &want, || format!("tier {} {:?} {c:?}", attn.tier().name(), E::DTYPE));
     if c.append {
         // The new rows really landed in the pool at position len - 1.
         let (bs, d, hkv) = (shape.block_size, shape.head_dim, shape.num_kv_heads);
@@ -267,16 +267,7 @@ fn run_case_int8<E: Element>(c: &Case, attn: &CpuAttention) {
         attn.decode_int8(&q, &kv, &shape, &reference.batch(), &params, &mut out)
     };
     res.unwrap();
-    let (atol, rtol) = tolerance::<E>();
-    for (i, (got, want)) in out.iter().zip(&want).enumerate() {
-        let got = got.to_f32() as f64;
-        assert!(
-            (got - want).abs() <= atol + rtol * want.abs(),
-            "tier {} int8 KV, {:?} q {c:?}: out[{i}] = {got}, reference {want}",
-            attn.tier().name(),
-            E::DTYPE
-        );
-    }
+    assert_matches(&out, &want, || format!("tier {} int8 KV, {:?} q {c:?}", attn.tier().name(), E::DTYPE));
     if c.append {
         // The new rows landed quantized, with their scales, at position len - 1.
         let (bs, hkv) = (shape.block_size, shape.num_kv_heads);

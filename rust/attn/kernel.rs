@@ -321,11 +321,7 @@ unsafe fn qk_tile_i8<S: Simd, const GT: usize, const TT: usize>(
         // `k_ahead`); q8 rows hold dq bytes (asserted); the caller dispatched a tier with int8
         // dot products on a CPU that has them.
         unsafe {
-            let (mut rows, mut ahead) = ([k.as_ptr(); TT], [k_ahead.as_ptr(); TT]);
-            for i in 0..TT {
-                let off = (t0 + i).min(n - 1) * d;
-                (rows[i], ahead[i]) = (k.as_ptr().add(off), k_ahead.as_ptr().add(off));
-            }
+            let (rows, ahead) = tile_rows::<i8, TT>(k, k_ahead, t0, n, d);
             let mut s = [0f32; 16];
             S::store(s.as_mut_ptr(), S::dot_i8::<GT, TT>(q8.as_ptr(), dq, &rows, &ahead, d));
             for g in 0..GT {
@@ -389,6 +385,28 @@ unsafe fn load_chunk<S: Simd, E: KvElement>(p: *const E, count: usize) -> S::V {
     }
 }
 
+/// Pointers to rows `t0 .. t0 + TT` of a K tile of `n` rows of `d` (clamped to the last row, so
+/// every pointer is to a whole row) and to the same rows of the tile to prefetch.
+///
+/// # Safety
+/// `k` and `k_ahead` hold at least `n * d` elements, `n >= 1`.
+#[inline(always)]
+unsafe fn tile_rows<T, const TT: usize>(
+    k: &[T],
+    k_ahead: &[T],
+    t0: usize,
+    n: usize,
+    d: usize,
+) -> ([*const T; TT], [*const T; TT]) {
+    let (mut rows, mut ahead) = ([k.as_ptr(); TT], [k_ahead.as_ptr(); TT]);
+    for i in 0..TT {
+        let off = (t0 + i).min(n - 1) * d;
+        // SAFETY: off + d <= n * d, within both slices (caller).
+        (rows[i], ahead[i]) = unsafe { (k.as_ptr().add(off), k_ahead.as_ptr().add(off)) };
+    }
+    (rows, ahead)
+}
+
 /// Scaled scores (q is pre-scaled) of `GT` query heads x `TT` tokens at a time (GT * TT = LANES
 /// accumulators, folded by one transposed reduction) for the `n` rows of a K tile.
 #[allow(clippy::too_many_arguments)]
@@ -411,11 +429,7 @@ unsafe fn qk_tile<S: Simd, E: KvElement, const GT: usize, const TT: usize>(
         // SAFETY: rows are clamped to n - 1 and chunks never pass d, so every read lies inside
         // `k`; q offsets stay below GT * dp (asserted above); the CPU supports S (caller).
         unsafe {
-            let (mut rows, mut ahead) = ([k.as_ptr(); TT], [k_ahead.as_ptr(); TT]);
-            for i in 0..TT {
-                let off = (t0 + i).min(n - 1) * d;
-                (rows[i], ahead[i]) = (k.as_ptr().add(off), k_ahead.as_ptr().add(off));
-            }
+            let (rows, ahead) = tile_rows::<E, TT>(k, k_ahead, t0, n, d);
             let mut acc = [[S::zero(); TT]; GT];
             for c in 0..full {
                 qk_chunk::<S, E, GT, TT>(&rows, &ahead, q, dp, c * S::LANES, S::LANES, &mut acc);
