@@ -4,6 +4,7 @@ embeddings), saved with ``save_pretrained`` plus the demo byte-level tokenizer. 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -14,6 +15,16 @@ import torch
 os.environ.setdefault(
     "NEO_RS_CACHE_DIR", str(Path(__file__).resolve().parents[2] / "target" / "neo_rs_cache")
 )
+
+# Without CUDA, Triton kernels run only in Triton's interpreter (test_triton_decode.py), and
+# triton decides at import whether its own library functions (tl.cdiv, ...) can be interpreted.
+# Other imports pull triton in too (transformers' attention registry does), so it is imported
+# here first, under the interpreter; the variable itself stays scoped to the Triton tests.
+if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+    os.environ["TRITON_INTERPRET"] = "1"
+    with contextlib.suppress(ImportError):
+        import triton  # noqa: F401
+    del os.environ["TRITON_INTERPRET"]
 
 VOCAB = 300  # the tokenizer has 258 tokens; the rest decode to nothing
 
