@@ -261,10 +261,10 @@ fn run_case_int8<E: Element>(c: &Case, attn: &CpuAttention) {
             k_scale: &mut ks[rows.clone()],
             v_scale: &mut vs[rows.clone()],
         };
-        attn.append_and_decode_int8(&q, kv, &shape, &reference.batch(), &params, &inp.new_k, &inp.new_v, &mut out)
+        attn.append_and_decode_pools(&q, kv, &shape, &reference.batch(), &params, &inp.new_k, &inp.new_v, &mut out)
     } else {
         let kv = Pools { k: &k8[r.clone()], v: &v8[r.clone()], k_scale: &ks[rows.clone()], v_scale: &vs[rows.clone()] };
-        attn.decode_int8(&q, &kv, &shape, &reference.batch(), &params, &mut out)
+        attn.decode_pools(&q, &kv, &shape, &reference.batch(), &params, &mut out)
     };
     res.unwrap();
     assert_matches(&out, &want, || format!("tier {} int8 KV, {:?} q {c:?}", attn.tier().name(), E::DTYPE));

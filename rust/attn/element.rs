@@ -21,7 +21,7 @@ impl DType {
         }
     }
 
-    pub const fn name(self) -> &'static str {
+    pub fn name(self) -> &'static str {
         match self {
             DType::F32 => "float32",
             DType::F16 => "float16",
@@ -117,7 +117,6 @@ impl Element for bf16 {
 pub trait KvElement: Copy + Send + Sync + 'static + sealed::Sealed {
     /// Whether rows carry a scale (the kernel then applies it per token).
     const SCALED: bool;
-    const NAME: &'static str;
     /// One element as f32 (unscaled).
     fn widen_one(self) -> f32;
     /// Widens `S::LANES` elements at `p` (unscaled).
@@ -126,6 +125,9 @@ pub trait KvElement: Copy + Send + Sync + 'static + sealed::Sealed {
     /// `p` must be valid for `S::LANES` reads and the CPU must support `S`.
     #[doc(hidden)]
     unsafe fn widen<S: Simd>(p: *const Self) -> S::V;
+    /// Stores a row of `src` into `dst` (the fused append): converted, or quantized with its
+    /// scale returned (1 for float pools, which keep no scale).
+    fn store_row<E: Element>(src: &[E], dst: &mut [Self]) -> f32;
     /// The pool as int8 bytes, for int8 dot products (`None` for float pools).
     fn as_i8(pool: &[Self]) -> Option<&[i8]> {
         let _ = pool;
@@ -137,7 +139,6 @@ macro_rules! float_kv {
     ($($t:ty),*) => {$(
         impl KvElement for $t {
             const SCALED: bool = false;
-            const NAME: &'static str = <$t as Element>::DTYPE.name();
             #[inline(always)]
             fn widen_one(self) -> f32 {
                 Element::to_f32(self)
@@ -147,6 +148,13 @@ macro_rules! float_kv {
                 // SAFETY: forwarded caller contract.
                 unsafe { <$t as Element>::widen::<S>(p) }
             }
+            #[inline(always)]
+            fn store_row<E: Element>(src: &[E], dst: &mut [Self]) -> f32 {
+                for (d, s) in dst.iter_mut().zip(src) {
+                    *d = <$t as Element>::from_f32(s.to_f32());
+                }
+                1.0
+            }
         }
     )*};
 }
@@ -154,7 +162,6 @@ float_kv!(f32, f16, bf16);
 
 impl KvElement for i8 {
     const SCALED: bool = true;
-    const NAME: &'static str = "int8";
     #[inline(always)]
     fn widen_one(self) -> f32 {
         f32::from(self)
@@ -163,6 +170,9 @@ impl KvElement for i8 {
     unsafe fn widen<S: Simd>(p: *const Self) -> S::V {
         // SAFETY: forwarded caller contract.
         unsafe { S::widen_i8(p) }
+    }
+    fn store_row<E: Element>(src: &[E], dst: &mut [Self]) -> f32 {
+        quantize_row(src, dst)
     }
     fn as_i8(pool: &[Self]) -> Option<&[i8]> {
         Some(pool)

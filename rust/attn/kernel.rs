@@ -192,21 +192,21 @@ pub(crate) unsafe fn attend_item<S: Simd, Q: Element, K: KvElement, const INT8_D
         // on is asserted inside it.
         unsafe {
             let mut g0 = 0;
-            while let Some(k8) = k8.filter(|_| g0 < group) {
+            while g0 < group {
                 let gt = group_tile(group - g0);
-                let (tile, ahead) = (&k8[tile.clone()], &k8[ahead.clone()]);
-                let s = &mut scratch.scores[g0 * sp..];
-                let (q8, dq) = (&scratch.q8[g0 * scratch.q8_dim..], scratch.q8_dim);
-                let (qs, qo) = (&scratch.q8_scale[g0..], &scratch.q8_offset[g0..]);
-                match gt {
-                    4 => qk_tile_i8::<S, 4, 4>(q8, dq, qs, qo, tile, ahead, n, d, s, sp),
-                    2 => qk_tile_i8::<S, 2, 8>(q8, dq, qs, qo, tile, ahead, n, d, s, sp),
-                    _ => qk_tile_i8::<S, 1, 16>(q8, dq, qs, qo, tile, ahead, n, d, s, sp),
+                if let Some(k8) = k8 {
+                    let (tile, ahead) = (&k8[tile.clone()], &k8[ahead.clone()]);
+                    let s = &mut scratch.scores[g0 * sp..];
+                    let (q8, dq) = (&scratch.q8[g0 * scratch.q8_dim..], scratch.q8_dim);
+                    let (qs, qo) = (&scratch.q8_scale[g0..], &scratch.q8_offset[g0..]);
+                    match gt {
+                        4 => qk_tile_i8::<S, 4, 4>(q8, dq, qs, qo, tile, ahead, n, d, s, sp),
+                        2 => qk_tile_i8::<S, 2, 8>(q8, dq, qs, qo, tile, ahead, n, d, s, sp),
+                        _ => qk_tile_i8::<S, 1, 16>(q8, dq, qs, qo, tile, ahead, n, d, s, sp),
+                    }
+                    g0 += gt;
+                    continue;
                 }
-                g0 += gt;
-            }
-            while k8.is_none() && g0 < group {
-                let gt = group_tile(group - g0);
                 let (q, sc) = (&scratch.q[g0 * dp..], &mut scratch.scores[g0 * sp..]);
                 match (S::LANES, gt) {
                     (16, 4) => qk_tile::<S, K, 4, 4>(q, k, k_ahead, n, d, dp, sc, sp),

@@ -146,49 +146,26 @@ impl CpuAttention {
         params: &DecodeParams,
         out: &mut [E],
     ) -> Result<()> {
-        check::check_decode(shape, batch, params, q.len(), k.len(), v.len(), out.len())?;
-        self.run(q, &Pools { k, v, k_scale: &[], v_scale: &[] }, shape, batch, params, out)
+        self.decode_pools(q, &Pools { k, v, k_scale: &[], v_scale: &[] }, shape, batch, params, out)
     }
 
-    /// `decode` over int8 pools whose rows (one token of one KV head) are `scale * k`, with the
-    /// row scales `k_scale`/`v_scale` of one layer, `[num_blocks, num_kv_heads, block_size]`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn decode_int8<E: Element>(
+    /// `decode` over pools of any `KvElement`: with int8 pools, whose rows (one token of one KV
+    /// head) are `scale * k`, `kv` carries the row scales of the layer, `[num_blocks,
+    /// num_kv_heads, block_size]`.
+    pub fn decode_pools<E: Element, K: KvElement>(
         &self,
         q: &[E],
-        kv: &Pools<'_, i8>,
+        kv: &Pools<'_, K>,
         shape: &PagedShape,
         batch: &DecodeBatch<'_>,
         params: &DecodeParams,
         out: &mut [E],
     ) -> Result<()> {
         check::check_decode(shape, batch, params, q.len(), kv.k.len(), kv.v.len(), out.len())?;
-        check::check_scales(shape, kv.k_scale.len(), kv.v_scale.len())?;
+        if K::SCALED {
+            check::check_scales(shape, kv.k_scale.len(), kv.v_scale.len())?;
+        }
         self.run(q, kv, shape, batch, params, out)
-    }
-
-    /// `decode_int8` after quantizing each sequence's new K/V row into position `seq_len - 1`
-    /// (one scale per KV head). Nothing is written unless every input is valid.
-    #[allow(clippy::too_many_arguments)]
-    pub fn append_and_decode_int8<E: Element>(
-        &self,
-        q: &[E],
-        kv: PoolsMut<'_>,
-        shape: &PagedShape,
-        batch: &DecodeBatch<'_>,
-        params: &DecodeParams,
-        new_k: &[E],
-        new_v: &[E],
-        out: &mut [E],
-    ) -> Result<()> {
-        check::check_decode(shape, batch, params, q.len(), kv.k.len(), kv.v.len(), out.len())?;
-        check::check_scales(shape, kv.k_scale.len(), kv.v_scale.len())?;
-        check::check_append(shape, batch, new_k.len(), new_v.len())?;
-        for_each_new_row(shape, batch, |src, dst, row| {
-            kv.k_scale[row] = quantize_row(&new_k[src.clone()], &mut kv.k[dst.clone()]);
-            kv.v_scale[row] = quantize_row(&new_v[src], &mut kv.v[dst]);
-        });
-        self.run(q, &Pools { k: kv.k, v: kv.v, k_scale: kv.k_scale, v_scale: kv.v_scale }, shape, batch, params, out)
     }
 
     /// `decode` after writing each sequence's new K/V row `[num_seqs, num_kv_heads, head_dim]` at
@@ -207,13 +184,37 @@ impl CpuAttention {
         new_v: &[E],
         out: &mut [E],
     ) -> Result<()> {
-        check::check_decode(shape, batch, params, q.len(), k.len(), v.len(), out.len())?;
+        let kv = PoolsMut { k, v, k_scale: &mut [], v_scale: &mut [] };
+        self.append_and_decode_pools(q, kv, shape, batch, params, new_k, new_v, out)
+    }
+
+    /// `append_and_decode` over pools of any `KvElement` (int8 pools quantize the new rows, one
+    /// scale per KV head, into their row scales).
+    #[allow(clippy::too_many_arguments)]
+    pub fn append_and_decode_pools<E: Element, K: KvElement>(
+        &self,
+        q: &[E],
+        kv: PoolsMut<'_, K>,
+        shape: &PagedShape,
+        batch: &DecodeBatch<'_>,
+        params: &DecodeParams,
+        new_k: &[E],
+        new_v: &[E],
+        out: &mut [E],
+    ) -> Result<()> {
+        check::check_decode(shape, batch, params, q.len(), kv.k.len(), kv.v.len(), out.len())?;
+        if K::SCALED {
+            check::check_scales(shape, kv.k_scale.len(), kv.v_scale.len())?;
+        }
         check::check_append(shape, batch, new_k.len(), new_v.len())?;
-        for_each_new_row(shape, batch, |src, dst, _| {
-            k[dst.clone()].copy_from_slice(&new_k[src.clone()]);
-            v[dst].copy_from_slice(&new_v[src]);
+        for_each_new_row(shape, batch, |src, dst, row| {
+            let k_scale = K::store_row(&new_k[src.clone()], &mut kv.k[dst.clone()]);
+            let v_scale = K::store_row(&new_v[src], &mut kv.v[dst]);
+            if K::SCALED {
+                (kv.k_scale[row], kv.v_scale[row]) = (k_scale, v_scale);
+            }
         });
-        self.run(q, &Pools { k, v, k_scale: &[], v_scale: &[] }, shape, batch, params, out)
+        self.run(q, &Pools { k: kv.k, v: kv.v, k_scale: kv.k_scale, v_scale: kv.v_scale }, shape, batch, params, out)
     }
 
     fn run<E: Element, K: KvElement>(
@@ -238,10 +239,11 @@ impl CpuAttention {
     }
 }
 
-/// One layer of int8 pools and their row scales, for the fused append.
-pub struct PoolsMut<'a> {
-    pub k: &'a mut [i8],
-    pub v: &'a mut [i8],
+/// One layer of the K and V pools, writable for the fused append, with their row scales when `K`
+/// is scaled (else empty).
+pub struct PoolsMut<'a, K> {
+    pub k: &'a mut [K],
+    pub v: &'a mut [K],
     pub k_scale: &'a mut [f32],
     pub v_scale: &'a mut [f32],
 }

@@ -11,7 +11,7 @@ use half::{bf16, f16};
 use pyo3::prelude::*;
 
 use super::tensor::{overlaps, Kind, TensorRef};
-use crate::attn::{self, DType, DecodeBatch, DecodeParams, Element, PagedShape, Pools, PoolsMut, Tier};
+use crate::attn::{self, DType, DecodeBatch, DecodeParams, Element, KvElement, PagedShape, Pools, PoolsMut, Tier};
 use crate::error::{ensure, NeoError, Result};
 
 /// A checked call: raw addresses and sizes of every tensor, valid while the tensors live.
@@ -139,10 +139,13 @@ impl Call {
     unsafe fn execute(&self, engine: &attn::CpuAttention) -> Result<()> {
         // SAFETY: forwarded caller contract.
         unsafe {
-            match self.dtype {
-                DType::F32 => self.run::<f32>(engine),
-                DType::F16 => self.run::<f16>(engine),
-                DType::BF16 => self.run::<bf16>(engine),
+            match (self.dtype, self.scales.is_some()) {
+                (DType::F32, false) => self.run::<f32, f32>(engine),
+                (DType::F16, false) => self.run::<f16, f16>(engine),
+                (DType::BF16, false) => self.run::<bf16, bf16>(engine),
+                (DType::F32, true) => self.run::<f32, i8>(engine),
+                (DType::F16, true) => self.run::<f16, i8>(engine),
+                (DType::BF16, true) => self.run::<bf16, i8>(engine),
             }
         }
     }
@@ -172,57 +175,45 @@ impl Call {
         engine.is_small(&self.shape, &unsafe { self.batch() }, elem_bytes)
     }
 
-    unsafe fn run<E: Element>(&self, engine: &attn::CpuAttention) -> Result<()> {
+    /// # Safety
+    /// As for `execute`; the caches hold `K` (int8 when `scales` is set, else `E`).
+    unsafe fn run<E: Element, K: KvElement>(&self, engine: &attn::CpuAttention) -> Result<()> {
         let qn = self.num_seqs * self.params.num_q_heads * self.shape.head_dim;
         let layer = self.shape.layer_numel().ok_or_else(|| NeoError::Shape("cache too large".into()))?;
         let new_n = self.num_seqs * self.shape.num_kv_heads * self.shape.head_dim;
-        // SAFETY: addresses and element counts come from live, contiguous CPU tensors of dtype E
-        // (checked in `prepare`, kept alive by the caller); written ranges were checked not to
-        // overlap anything else the call touches.
+        let rows = if self.scales.is_some() { layer / self.shape.head_dim } else { 0 };
+        // Without scales: empty slices, at a well-aligned dangling address as empty slices need.
+        let dangling = std::ptr::NonNull::<f32>::dangling().as_ptr() as usize;
+        let (ks, vs) = self.scales.unwrap_or((dangling, dangling));
+        // SAFETY: addresses and element counts come from live, contiguous CPU tensors of these
+        // dtypes (checked in `prepare`, kept alive by the caller; no scales means empty scale
+        // slices, never read); written ranges were checked not to overlap anything else the call
+        // touches.
         unsafe {
             let q = std::slice::from_raw_parts(self.q as *const E, qn);
             let out = std::slice::from_raw_parts_mut(self.out as *mut E, qn);
             let batch = self.batch();
-            let new_rows = |(nk, nv): (usize, usize)| {
-                (std::slice::from_raw_parts(nk as *const E, new_n), std::slice::from_raw_parts(nv as *const E, new_n))
-            };
-            if let Some((ks, vs)) = self.scales {
-                let rows = layer / self.shape.head_dim;
-                let (k, v) = (self.k_layer as *mut i8, self.v_layer as *mut i8);
-                let (ks, vs) = (ks as *mut f32, vs as *mut f32);
-                return match self.append {
-                    None => {
-                        let kv = Pools {
-                            k: std::slice::from_raw_parts(k, layer),
-                            v: std::slice::from_raw_parts(v, layer),
-                            k_scale: std::slice::from_raw_parts(ks, rows),
-                            v_scale: std::slice::from_raw_parts(vs, rows),
-                        };
-                        engine.decode_int8(q, &kv, &self.shape, &batch, &self.params, out)
-                    }
-                    Some(new) => {
-                        let kv = PoolsMut {
-                            k: std::slice::from_raw_parts_mut(k, layer),
-                            v: std::slice::from_raw_parts_mut(v, layer),
-                            k_scale: std::slice::from_raw_parts_mut(ks, rows),
-                            v_scale: std::slice::from_raw_parts_mut(vs, rows),
-                        };
-                        let (nk, nv) = new_rows(new);
-                        engine.append_and_decode_int8(q, kv, &self.shape, &batch, &self.params, nk, nv, out)
-                    }
-                };
-            }
+            // Shared slices unless the call writes the caches (other calls may read them).
             match self.append {
                 None => {
-                    let k = std::slice::from_raw_parts(self.k_layer as *const E, layer);
-                    let v = std::slice::from_raw_parts(self.v_layer as *const E, layer);
-                    engine.decode(q, k, v, &self.shape, &batch, &self.params, out)
+                    let kv = Pools {
+                        k: std::slice::from_raw_parts(self.k_layer as *const K, layer),
+                        v: std::slice::from_raw_parts(self.v_layer as *const K, layer),
+                        k_scale: std::slice::from_raw_parts(ks as *const f32, rows),
+                        v_scale: std::slice::from_raw_parts(vs as *const f32, rows),
+                    };
+                    engine.decode_pools(q, &kv, &self.shape, &batch, &self.params, out)
                 }
-                Some(new) => {
-                    let k = std::slice::from_raw_parts_mut(self.k_layer as *mut E, layer);
-                    let v = std::slice::from_raw_parts_mut(self.v_layer as *mut E, layer);
-                    let (nk, nv) = new_rows(new);
-                    engine.append_and_decode(q, k, v, &self.shape, &batch, &self.params, nk, nv, out)
+                Some((nk, nv)) => {
+                    let kv = PoolsMut {
+                        k: std::slice::from_raw_parts_mut(self.k_layer as *mut K, layer),
+                        v: std::slice::from_raw_parts_mut(self.v_layer as *mut K, layer),
+                        k_scale: std::slice::from_raw_parts_mut(ks as *mut f32, rows),
+                        v_scale: std::slice::from_raw_parts_mut(vs as *mut f32, rows),
+                    };
+                    let nk = std::slice::from_raw_parts(nk as *const E, new_n);
+                    let nv = std::slice::from_raw_parts(nv as *const E, new_n);
+                    engine.append_and_decode_pools(q, kv, &self.shape, &batch, &self.params, nk, nv, out)
                 }
             }
         }
