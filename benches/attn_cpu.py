@@ -6,8 +6,11 @@ tokens x all KV heads, what matters across dtypes). `int8` rows: int8 pools with
 scales (bytes counted with the scales), q and out in bfloat16; their torch baseline runs on the
 bfloat16 pages, and k/torch compares tokens per second. Figures only; not a CI gate.
 `--huge-pages` backs the pools and the read buffer with 2 MiB pages, as the engine's CPU pools are.
+`--compare-dots` adds the Mtok/s of the widening path (no int8/bf16 dot products) measured
+alternately with the default one, and their ratio.
 
     python benches/attn_cpu.py [--quick] [--threads 1,2] [--dtype bfloat16,float32,int8] [--huge-pages]
+                               [--compare-dots]
 """
 
 import argparse
@@ -35,6 +38,32 @@ def timed(fn, reps):
         fn()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def timed_pair(f, g, reps):
+    """Median seconds of `f` and of `g`, run alternately (so drifts of a shared machine hit both)."""
+    f(), g()
+    tf, tg = [], []
+    for _ in range(reps):
+        for fn, ts in ((f, tf), (g, tg)):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+    return statistics.median(tf), statistics.median(tg)
+
+
+def widening_engine(threads):
+    """A CpuAttention without int8/bf16 dot products (they are chosen when it is built)."""
+    saved = {v: os.environ.get(v) for v in ("NEO_RS_INT8_DOT", "NEO_RS_BF16_DOT")}
+    os.environ.update({v: "0" for v in saved})
+    try:
+        return neo_rs.CpuAttention(num_threads=threads)
+    finally:
+        for v, old in saved.items():
+            if old is None:
+                del os.environ[v]
+            else:
+                os.environ[v] = old
 
 
 def read_bandwidth(attn, buf, reps):
@@ -96,6 +125,9 @@ def main():
     ap.add_argument("--dtype", default="bfloat16,float32,int8")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--huge-pages", action="store_true", help="2 MiB pages under pools and read buffer")
+    ap.add_argument(
+        "--compare-dots", action="store_true", help="also time the widening path (no dot products)"
+    )
     a = ap.parse_args()
     threads = sorted({int(t) for t in a.threads.split(",")})
     dtypes = a.dtype.split(",")
@@ -111,10 +143,12 @@ def main():
     print(
         f"{'model':10} {'dtype':9} {'BxL':>8} {'thr':>3} {'kernel GB/s':>11} {'read GB/s':>9} "
         f"{'torch GB/s':>10} {'k/bw':>6} {'k/torch':>7} {'Mtok/s':>7}"
+        + (" widen dots/widen" if a.compare_dots else "")
     )
     buf = empty(1 << 28, torch.float32, a.huge_pages).fill_(1.0)  # 1 GiB, touched once
     for t in threads:
         attn = neo_rs.CpuAttention(num_threads=t)
+        widen = widening_engine(t) if a.compare_dots else None
         for name, (hq, hkv) in models.items():
             for dtype in dtypes:
                 for batch, ctx in shapes:
@@ -124,14 +158,13 @@ def main():
                     )
                     out = torch.empty_like(q)
                     scale = HEAD_DIM**-0.5
-                    call = functools.partial(attn.forward, q, k, v, 0, tables, lens, scale, out)
+                    args, kwargs = (q, k, v, 0, tables, lens, scale, out), {}
                     kv_bytes = 2 * k.numel() * k.element_size()
                     if int8:
                         (k8, ks), (v8, vs) = quantize(k), quantize(v)
-                        call = functools.partial(
-                            attn.forward, q, k8, v8, 0, tables, lens, scale, out, k_scale=ks, v_scale=vs
-                        )
+                        args, kwargs = (q, k8, v8, 0, tables, lens, scale, out), dict(k_scale=ks, v_scale=vs)
                         base_bytes, kv_bytes = kv_bytes, 2 * (k8.numel() + 4 * ks.numel())
+                    call = functools.partial(attn.forward, *args, **kwargs)
                     # Measured back to back so the ratios share the machine's current state.
                     bw = read_bandwidth(attn, buf, reps)
                     secs = timed(call, reps)
@@ -139,12 +172,20 @@ def main():
                     base_secs = timed(torch_baseline(q, k, v, tables, scale), max(3, reps // 3))
                     kern, base = kv_bytes / secs / 1e9, (base_bytes if int8 else kv_bytes) / base_secs / 1e9
                     mtok = batch * ctx / secs / 1e6
+                    extra = ""
+                    if widen is not None:
+                        ours, theirs = timed_pair(
+                            call, functools.partial(widen.forward, *args, **kwargs), reps
+                        )
+                        extra = f" {batch * ctx / theirs / 1e6:5.1f} {theirs / ours:9.2f}"
                     print(
                         f"{name:10} {dtype:9} {f'{batch}x{ctx}':>8} {t:>3} {kern:11.1f} {bw:9.1f} "
-                        f"{base:10.1f} {kern / bw:6.2f} {base_secs / secs:7.1f} {mtok:7.1f}",
+                        f"{base:10.1f} {kern / bw:6.2f} {base_secs / secs:7.1f} {mtok:7.1f}{extra}",
                         flush=True,
                     )
-    print(f"(simd={attn.simd}, {'2 MiB' if a.huge_pages else '4 KiB'} pages)")
+    dots = ", ".join(name for name, on in (("int8", attn.int8_dot), ("bf16", attn.bf16_dot)) if on) or "none"
+    pages = "2 MiB" if a.huge_pages else "4 KiB"
+    print(f"(simd={attn.simd}, dot products: {dots}, {pages} pages)")
 
 
 if __name__ == "__main__":

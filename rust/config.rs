@@ -23,3 +23,9 @@ pub fn simd_tier() -> Option<String> {
 pub fn int8_dot_allowed() -> bool {
     std::env::var("NEO_RS_INT8_DOT").map_or(true, |v| v.trim() != "0")
 }
+
+/// `NEO_RS_BF16_DOT=0`: bf16 pools are widened to f32 even where the CPU has bf16 dot products
+/// (to compare the two paths).
+pub fn bf16_dot_allowed() -> bool {
+    std::env::var("NEO_RS_BF16_DOT").map_or(true, |v| v.trim() != "0")
+}

@@ -4,7 +4,9 @@
 //! append on and off), plus the safe entry's rejections.
 
 use half::{bf16, f16};
-use neo_rs::attn::{quantize_row, CpuAttention, DecodeBatch, DecodeParams, Element, PagedShape, Pools, Tier};
+use neo_rs::attn::{
+    quantize_row, CpuAttention, DecodeBatch, DecodeParams, DotProducts, Element, PagedShape, Pools, Tier,
+};
 use neo_rs::NeoError;
 use proptest::prelude::*;
 
@@ -177,7 +179,9 @@ fn run_case<E: Element>(c: &Case, attn: &CpuAttention) {
         attn.decode(&inp.q, &inp.k[r.clone()], &inp.v[r], &shape, &inp.batch(), &params, &mut out)
     };
     res.unwrap();
-    assert_matches(&out, &want, || format!("tier {} {:?} {c:?}", attn.tier().name(), E::DTYPE));
+    assert_matches(&out, &want, || {
+        format!("tier {} {:?} {:?} {c:?}", attn.tier().name(), attn.dot_products(), E::DTYPE)
+    });
     if c.append {
         // The new rows really landed in the pool at position len - 1.
         let (bs, d, hkv) = (shape.block_size, shape.head_dim, shape.num_kv_heads);
@@ -195,14 +199,24 @@ fn run_case<E: Element>(c: &Case, attn: &CpuAttention) {
     }
 }
 
-/// Every tier this host supports, or only the one `NEO_RS_SIMD` forces; every call on the pool
-/// (these cases are small enough to run inline otherwise).
+/// Every tier this host supports, or only the one `NEO_RS_SIMD` forces, with and without its
+/// dot products; every call on the pool (these cases are small enough to run inline otherwise).
 fn engines(threads: usize) -> Vec<CpuAttention> {
     let tiers = match std::env::var_os("NEO_RS_SIMD") {
         Some(_) => vec![Tier::from_env().unwrap()],
         None => Tier::supported(),
     };
-    tiers.into_iter().map(|t| CpuAttention::new(Some(threads), Some(t)).unwrap().with_inline_below(0)).collect()
+    let engine = |t| CpuAttention::new(Some(threads), Some(t)).unwrap().with_inline_below(0);
+    tiers
+        .into_iter()
+        .flat_map(|t| {
+            let mut v = vec![engine(t)];
+            if v[0].dot_products() != DotProducts::default() {
+                v.push(engine(t).with_dot_products(DotProducts::default()));
+            }
+            v
+        })
+        .collect()
 }
 
 /// Int8 pools: `k`/`v` quantized row by row (one scale per token and KV head), the kernel run on
@@ -224,7 +238,7 @@ fn run_case_int8<E: Element>(c: &Case, attn: &CpuAttention) {
     let ((mut k8, mut ks), (mut v8, mut vs)) = (quantize(&inp.k), quantize(&inp.v));
     let ((nk8, nks), (nv8, nvs)) = (quantize(&inp.new_k), quantize(&inp.new_v));
     let q_in: Vec<f32> = inp.q.iter().map(|x| x.to_f32()).collect();
-    let q_ref = if attn.int8_dot() {
+    let q_ref = if attn.dot_products().int8 {
         let mut q8 = vec![0i8; d];
         q_in.chunks(d)
             .flat_map(|row| {
@@ -267,7 +281,9 @@ fn run_case_int8<E: Element>(c: &Case, attn: &CpuAttention) {
         attn.decode_pools(&q, &kv, &shape, &reference.batch(), &params, &mut out)
     };
     res.unwrap();
-    assert_matches(&out, &want, || format!("tier {} int8 KV, {:?} q {c:?}", attn.tier().name(), E::DTYPE));
+    assert_matches(&out, &want, || {
+        format!("tier {} {:?} int8 KV, {:?} q {c:?}", attn.tier().name(), attn.dot_products(), E::DTYPE)
+    });
     if c.append {
         // The new rows landed quantized, with their scales, at position len - 1.
         let (bs, hkv) = (shape.block_size, shape.num_kv_heads);

@@ -37,8 +37,14 @@ class CpuAttention:
     def num_threads(self) -> int: ...
     @property
     def int8_dot(self) -> bool:
-        """Whether int8 caches take q·k as int8 dot products (q quantized per head after the
-        softmax scale; AVX-512 VNNI, unless ``NEO_RS_INT8_DOT=0``)."""
+        """Whether int8 caches are read by integer dot products: q·k against q quantized per
+        head after the softmax scale, p·v against p quantized to int16 per head and block
+        (AVX-512 VNNI, unless ``NEO_RS_INT8_DOT=0``)."""
+    @property
+    def bf16_dot(self) -> bool:
+        """Whether bf16 caches are read by bf16 dot products: q·k against q as bf16, p·v against
+        the probabilities rounded to bf16, f32 accumulation (AVX512_BF16, unless
+        ``NEO_RS_BF16_DOT=0``)."""
     def forward(
         self,
         q: torch.Tensor,

@@ -1,6 +1,7 @@
 //! Kernel tiers and their run-time selection: probed once per `CpuAttention`, overridable with
 //! `NEO_RS_SIMD=scalar|avx2|avx512|neon`. Never compiled for the build host (`target-cpu=native`).
 
+use crate::attn::dot;
 use crate::attn::element::{Element, KvElement};
 use crate::attn::kernel::{self, Geometry, Item, Scratch};
 use crate::attn::simd::{Portable, Simd};
@@ -84,27 +85,34 @@ impl Tier {
         }
     }
 
-    /// Whether int8 K pools take q·k as int8 dot products on this tier and CPU (AVX-512 VNNI;
-    /// q is then quantized per head, so scores carry its rounding too). `NEO_RS_INT8_DOT=0`
-    /// turns it off.
-    pub fn int8_dot(self) -> bool {
+    /// The dot products this tier has on this CPU, less those turned off by `NEO_RS_INT8_DOT=0`
+    /// or `NEO_RS_BF16_DOT=0`.
+    pub fn dot_products(self) -> DotProducts {
         #[cfg(target_arch = "x86_64")]
         if self == Tier::Avx512 {
-            return config::int8_dot_allowed() && std::arch::is_x86_feature_detected!("avx512vnni");
+            use std::arch::is_x86_feature_detected as has;
+            return DotProducts {
+                int8: config::int8_dot_allowed() && has!("avx512vnni"),
+                bf16: config::bf16_dot_allowed() && has!("avx512bf16"),
+            };
         }
-        false
+        DotProducts::default()
     }
 
-    /// The item function of this tier for q/output type `Q` and KV pools of `K` (int8 pools with
-    /// int8 dot products if `int8_dot`, which `int8_dot()` must allow).
-    pub(crate) fn kernel<Q: Element, K: KvElement>(self, int8_dot: bool) -> Result<Kernel<Q, K>> {
+    /// The item function of this tier for q/output type `Q` and KV pools of `K`, on the dot
+    /// products `dots` (a subset of `dot_products()`) where they fit `K`.
+    pub(crate) fn kernel<Q: Element, K: KvElement>(self, dots: DotProducts) -> Result<Kernel<Q, K>> {
         self.require()?;
         Ok(match self {
             #[cfg(target_arch = "x86_64")]
             Tier::Avx2 => Kernel { lanes: 8, item: crate::attn::x86::avx2::attend_item::<Q, K> },
             #[cfg(target_arch = "x86_64")]
-            Tier::Avx512 if K::SCALED && int8_dot => {
+            Tier::Avx512 if K::DOT == dot::INT8 && dots.int8 => {
                 Kernel { lanes: 16, item: crate::attn::x86::avx512::attend_item_vnni::<Q, K> }
+            }
+            #[cfg(target_arch = "x86_64")]
+            Tier::Avx512 if K::DOT == dot::BF16 && dots.bf16 => {
+                Kernel { lanes: 16, item: crate::attn::x86::avx512::attend_item_bf16::<Q, K> }
             }
             #[cfg(target_arch = "x86_64")]
             Tier::Avx512 => Kernel { lanes: 16, item: crate::attn::x86::avx512::attend_item::<Q, K> },
@@ -115,6 +123,15 @@ impl Tier {
     }
 }
 
+/// Low-precision dot-product instructions the kernel reads pools with, where they fit the
+/// element: `int8` (VNNI: int8 q·k against q quantized per head, int16 p·v against p quantized
+/// per head and tile) and `bf16` (AVX512_BF16: bf16 q·k, p·v against p rounded to bf16).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DotProducts {
+    pub int8: bool,
+    pub bf16: bool,
+}
+
 /// The scalar reference tier's item function.
 unsafe fn scalar_item<Q: Element, K: KvElement>(
     it: &Item<'_, Q, K>,
@@ -123,5 +140,5 @@ unsafe fn scalar_item<Q: Element, K: KvElement>(
     partial: &mut [f32],
 ) {
     // SAFETY: the portable tier runs on any CPU; the scratch contract is forwarded.
-    unsafe { kernel::attend_item::<Portable, Q, K, false>(it, geo, scratch, partial) }
+    unsafe { kernel::attend_item::<Portable, Q, K, { dot::NONE }>(it, geo, scratch, partial) }
 }

@@ -117,6 +117,9 @@ impl Element for bf16 {
 pub trait KvElement: Copy + Send + Sync + 'static + sealed::Sealed {
     /// Whether rows carry a scale (the kernel then applies it per token).
     const SCALED: bool;
+    /// The dot products that read this element directly where a tier has them (`dot.rs`).
+    #[doc(hidden)]
+    const DOT: u8;
     /// One element as f32 (unscaled).
     fn widen_one(self) -> f32;
     /// Widens `S::LANES` elements at `p` (unscaled).
@@ -133,12 +136,18 @@ pub trait KvElement: Copy + Send + Sync + 'static + sealed::Sealed {
         let _ = pool;
         None
     }
+    /// The pool as bf16 bits, for bf16 dot products (`None` unless a bf16 pool).
+    fn as_bf16(pool: &[Self]) -> Option<&[u16]> {
+        let _ = pool;
+        None
+    }
 }
 
 macro_rules! float_kv {
     ($($t:ty),*) => {$(
         impl KvElement for $t {
             const SCALED: bool = false;
+            const DOT: u8 = if matches!(<$t as Element>::DTYPE, DType::BF16) { crate::attn::dot::BF16 } else { crate::attn::dot::NONE };
             #[inline(always)]
             fn widen_one(self) -> f32 {
                 Element::to_f32(self)
@@ -155,6 +164,14 @@ macro_rules! float_kv {
                 }
                 1.0
             }
+            #[inline(always)]
+            fn as_bf16(pool: &[Self]) -> Option<&[u16]> {
+                if <$t as Element>::DTYPE != DType::BF16 {
+                    return None;
+                }
+                // SAFETY: bf16 is a transparent u16: same size, alignment and length.
+                Some(unsafe { std::slice::from_raw_parts(pool.as_ptr().cast::<u16>(), pool.len()) })
+            }
         }
     )*};
 }
@@ -162,6 +179,7 @@ float_kv!(f32, f16, bf16);
 
 impl KvElement for i8 {
     const SCALED: bool = true;
+    const DOT: u8 = crate::attn::dot::INT8;
     #[inline(always)]
     fn widen_one(self) -> f32 {
         f32::from(self)

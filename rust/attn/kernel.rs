@@ -7,6 +7,7 @@
 
 use std::ops::Range;
 
+use crate::attn::dot::{self, group_tile, scatter_scores, tile_rows, Rows};
 use crate::attn::element::{Element, KvElement};
 use crate::attn::simd::Simd;
 
@@ -99,20 +100,26 @@ impl<Q, K> Item<'_, Q, K> {
 /// Per-thread f32 workspaces, sized once per call for the padded head dim (a multiple of LANES,
 /// zero-filled past `head_dim` so padded lanes contribute nothing).
 pub(crate) struct Scratch {
-    padded_dim: usize,
-    score_stride: usize,
-    q: Vec<f32>,
-    /// With int8 dot products: q quantized per head (rows of `q8_dim` bytes, zero past
-    /// head_dim), each head's scale, and `128 * Σ q8` (see `Simd::dot_i8`).
-    q8_dim: usize,
-    q8: Vec<i8>,
-    q8_scale: Vec<f32>,
-    q8_offset: Vec<f32>,
+    pub(super) padded_dim: usize,
+    pub(super) score_stride: usize,
+    pub(super) q: Vec<f32>,
+    /// With dot products (`dot.rs`), rows of `dot_dim` (zero past head_dim) per head: q
+    /// quantized to int8, with each head's scale and `128 * Σ q8` (see `Simd::dot_i8`), or q
+    /// rounded to bf16.
+    pub(super) dot_dim: usize,
+    pub(super) q8: Vec<i8>,
+    pub(super) q8_scale: Vec<f32>,
+    pub(super) q8_offset: Vec<f32>,
+    pub(super) qb: Vec<u16>,
+    /// With dot products, the current tile's probabilities as pairs (`score_stride / 2` words
+    /// per head) and each head's scale of them.
+    pub(super) pairs: Vec<u32>,
+    pub(super) pair_scale: Vec<f32>,
     /// With int8 pools: the current block's K and V row scales, zero-padded to the score stride.
     k_scale: Vec<f32>,
     v_scale: Vec<f32>,
-    acc: Vec<f32>,
-    scores: Vec<f32>,
+    pub(super) acc: Vec<f32>,
+    pub(super) scores: Vec<f32>,
     max: Vec<f32>,
     sum: Vec<f32>,
 }
@@ -122,15 +129,18 @@ impl Scratch {
         let padded_dim = geo.head_dim.next_multiple_of(lanes);
         // Scores are processed up to 16 f32 at a time, whatever the tier.
         let score_stride = geo.block_size.next_multiple_of(16);
-        let q8_dim = geo.head_dim.next_multiple_of(64);
+        let dot_dim = geo.head_dim.next_multiple_of(64);
         Scratch {
             padded_dim,
             score_stride,
             q: vec![0.0; geo.group * padded_dim],
-            q8_dim,
-            q8: vec![0; geo.group * q8_dim],
+            dot_dim,
+            q8: vec![0; geo.group * dot_dim],
             q8_scale: vec![0.0; geo.group],
             q8_offset: vec![0.0; geo.group],
+            qb: vec![0; geo.group * dot_dim],
+            pairs: vec![0; geo.group * score_stride / 2],
+            pair_scale: vec![0.0; geo.group],
             k_scale: vec![0.0; score_stride],
             v_scale: vec![0.0; score_stride],
             acc: vec![0.0; geo.group * padded_dim],
@@ -141,14 +151,14 @@ impl Scratch {
     }
 }
 
-/// Computes one item into `partial` (`geo.partial_len()` values). With `INT8_DOT` (and an int8
-/// pool) q·k runs as int8 dot products against q quantized per head.
+/// Computes one item into `partial` (`geo.partial_len()` values). With dot products `DOT`
+/// (`dot.rs`) fitting the pool's element, q·k and p·v run on them.
 ///
 /// # Safety
-/// The CPU must support `S` (and its int8 dot products with `INT8_DOT`); `scratch` must come
-/// from `Scratch::new(geo, S::LANES)`.
+/// The CPU must support `S` (and its dot products `DOT`); `scratch` must come from
+/// `Scratch::new(geo, S::LANES)`.
 #[inline(always)]
-pub(crate) unsafe fn attend_item<S: Simd, Q: Element, K: KvElement, const INT8_DOT: bool>(
+pub(crate) unsafe fn attend_item<S: Simd, Q: Element, K: KvElement, const DOT: u8>(
     it: &Item<'_, Q, K>,
     geo: &Geometry,
     scratch: &mut Scratch,
@@ -168,9 +178,9 @@ pub(crate) unsafe fn attend_item<S: Simd, Q: Element, K: KvElement, const INT8_D
     scratch.acc.fill(0.0);
     scratch.max.fill(f32::NEG_INFINITY);
     scratch.sum.fill(0.0);
-    let k8 = if INT8_DOT { K::as_i8(it.k) } else { None };
-    if k8.is_some() {
-        quantize_q(scratch, group, d);
+    let dot_kv = Rows::of::<K, DOT>(it.k).zip(Rows::of::<K, DOT>(it.v));
+    if let Some((k, _)) = dot_kv {
+        k.prepare_q(scratch, it.q, group, d);
     }
 
     let (first, last) = (it.start / geo.block_size, it.end.div_ceil(geo.block_size));
@@ -181,7 +191,8 @@ pub(crate) unsafe fn attend_item<S: Simd, Q: Element, K: KvElement, const INT8_D
         // SAFETY: the CPU supports S (caller); a prefetch never faults.
         unsafe {
             prefetch_lines::<S, K>(&it.k[tile.clone()]);
-            prefetch_lines::<S, K>(&it.v[tile]);
+            prefetch_lines::<S, K>(&it.v[tile.clone()]);
+            prefetch_scales::<S, Q, K>(it, geo, &tile);
         }
     }
     for b in first..last {
@@ -191,35 +202,27 @@ pub(crate) unsafe fn attend_item<S: Simd, Q: Element, K: KvElement, const INT8_D
         // SAFETY: (whole block) the CPU supports S (caller); every slice length a helper relies
         // on is asserted inside it.
         unsafe {
-            let mut g0 = 0;
-            while g0 < group {
-                let gt = group_tile(group - g0);
-                if let Some(k8) = k8 {
-                    let (tile, ahead) = (&k8[tile.clone()], &k8[ahead.clone()]);
-                    let s = &mut scratch.scores[g0 * sp..];
-                    let (q8, dq) = (&scratch.q8[g0 * scratch.q8_dim..], scratch.q8_dim);
-                    let (qs, qo) = (&scratch.q8_scale[g0..], &scratch.q8_offset[g0..]);
-                    match gt {
-                        4 => qk_tile_i8::<S, 4, 4>(q8, dq, qs, qo, tile, ahead, n, d, s, sp),
-                        2 => qk_tile_i8::<S, 2, 8>(q8, dq, qs, qo, tile, ahead, n, d, s, sp),
-                        _ => qk_tile_i8::<S, 1, 16>(q8, dq, qs, qo, tile, ahead, n, d, s, sp),
+            prefetch_scales::<S, Q, K>(it, geo, &ahead);
+            if let Some((dk, _)) = dot_kv {
+                dot::qk::<S>(scratch, group, dk, tile.clone(), ahead.clone(), n, d, it.scale);
+            } else {
+                let mut g0 = 0;
+                while g0 < group {
+                    let gt = group_tile(group - g0);
+                    let (q, sc) = (&scratch.q[g0 * dp..], &mut scratch.scores[g0 * sp..]);
+                    match (S::LANES, gt) {
+                        (16, 4) => qk_tile::<S, K, 4, 4>(q, k, k_ahead, n, d, dp, sc, sp),
+                        (16, 2) => qk_tile::<S, K, 2, 8>(q, k, k_ahead, n, d, dp, sc, sp),
+                        (16, _) => qk_tile::<S, K, 1, 16>(q, k, k_ahead, n, d, dp, sc, sp),
+                        (8, 4) => qk_tile::<S, K, 4, 2>(q, k, k_ahead, n, d, dp, sc, sp),
+                        (8, 2) => qk_tile::<S, K, 2, 4>(q, k, k_ahead, n, d, dp, sc, sp),
+                        (8, _) => qk_tile::<S, K, 1, 8>(q, k, k_ahead, n, d, dp, sc, sp),
+                        (4, 4) => qk_tile::<S, K, 4, 1>(q, k, k_ahead, n, d, dp, sc, sp),
+                        (4, 2) => qk_tile::<S, K, 2, 2>(q, k, k_ahead, n, d, dp, sc, sp),
+                        _ => qk_tile::<S, K, 1, 4>(q, k, k_ahead, n, d, dp, sc, sp),
                     }
                     g0 += gt;
-                    continue;
                 }
-                let (q, sc) = (&scratch.q[g0 * dp..], &mut scratch.scores[g0 * sp..]);
-                match (S::LANES, gt) {
-                    (16, 4) => qk_tile::<S, K, 4, 4>(q, k, k_ahead, n, d, dp, sc, sp),
-                    (16, 2) => qk_tile::<S, K, 2, 8>(q, k, k_ahead, n, d, dp, sc, sp),
-                    (16, _) => qk_tile::<S, K, 1, 16>(q, k, k_ahead, n, d, dp, sc, sp),
-                    (8, 4) => qk_tile::<S, K, 4, 2>(q, k, k_ahead, n, d, dp, sc, sp),
-                    (8, 2) => qk_tile::<S, K, 2, 4>(q, k, k_ahead, n, d, dp, sc, sp),
-                    (8, _) => qk_tile::<S, K, 1, 8>(q, k, k_ahead, n, d, dp, sc, sp),
-                    (4, 4) => qk_tile::<S, K, 4, 1>(q, k, k_ahead, n, d, dp, sc, sp),
-                    (4, 2) => qk_tile::<S, K, 2, 2>(q, k, k_ahead, n, d, dp, sc, sp),
-                    _ => qk_tile::<S, K, 1, 4>(q, k, k_ahead, n, d, dp, sc, sp),
-                }
-                g0 += gt;
             }
             // int8 rows: score_t = k_scale_t * (q . k_t), and each probability weighs its V row
             // times v_scale_t (after the softmax sum, which is over the probabilities alone).
@@ -251,6 +254,11 @@ pub(crate) unsafe fn attend_item<S: Simd, Q: Element, K: KvElement, const INT8_D
             let mut g0 = 0;
             while g0 < group {
                 let gt = group_tile(group - g0);
+                if let (Some((_, dv)), 2..) = (dot_kv, gt) {
+                    dot::pv_pairs::<S>(scratch, g0, gt, dv, tile.clone(), ahead.clone(), n, d);
+                    g0 += gt;
+                    continue;
+                }
                 let (p, acc) = (&scratch.scores[g0 * sp..], &mut scratch.acc[g0 * dp..]);
                 match gt {
                     4 => pv_tile::<S, K, 4, 2>(p, sp, v, v_ahead, n, d, dp, acc),
@@ -284,60 +292,29 @@ unsafe fn scale_scores<S: Simd>(scores: &mut [f32], scales: &[f32], n: usize) {
     }
 }
 
-/// q (pre-scaled, f32) quantized per head for int8 dot products: symmetric, `max|q| / 127`.
-/// Inlined into the tier's item function, so rounding compiles to its vector instructions
-/// rather than a libm call.
-#[inline(always)]
-fn quantize_q(scratch: &mut Scratch, group: usize, d: usize) {
-    let (dp, dq) = (scratch.padded_dim, scratch.q8_dim);
-    for g in 0..group {
-        let row = &mut scratch.q8[g * dq..g * dq + d];
-        let scale = crate::attn::element::quantize_row(&scratch.q[g * dp..g * dp + d], row);
-        scratch.q8_scale[g] = scale;
-        scratch.q8_offset[g] = 128.0 * row.iter().map(|&x| f32::from(x)).sum::<f32>();
-    }
-}
-
-/// Scores of `GT` query heads x `TT` tokens of an int8 K tile by int8 dot products (see
-/// `Simd::dot_i8`): `(dot - 128 Σq8) * q_scale` (the K row scales are applied by the caller).
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-unsafe fn qk_tile_i8<S: Simd, const GT: usize, const TT: usize>(
-    q8: &[i8],
-    dq: usize,
-    q_scale: &[f32],
-    q_offset: &[f32],
-    k: &[i8],
-    k_ahead: &[i8],
-    n: usize,
-    d: usize,
-    scores: &mut [f32],
-    sp: usize,
-) {
-    assert!(GT * TT == S::LANES && S::LANES == 16 && q8.len() >= GT * dq && q_scale.len() >= GT);
-    assert!(k.len() >= n * d && k_ahead.len() >= n * d && n >= 1 && scores.len() >= (GT - 1) * sp + n);
-    for t0 in (0..n).step_by(TT) {
-        // SAFETY: rows are clamped to n - 1, so each holds d readable bytes of `k` (or
-        // `k_ahead`); q8 rows hold dq bytes (asserted); the caller dispatched a tier with int8
-        // dot products on a CPU that has them.
-        unsafe {
-            let (rows, ahead) = tile_rows::<i8, TT>(k, k_ahead, t0, n, d);
-            let mut s = [0f32; 16];
-            S::store(s.as_mut_ptr(), S::dot_i8::<GT, TT>(q8.as_ptr(), dq, &rows, &ahead, d));
-            for g in 0..GT {
-                for i in 0..TT.min(n - t0) {
-                    scores[g * sp + t0 + i] = (s[g * TT + i] - q_offset[g]) * q_scale[g];
-                }
-            }
-        }
-    }
-}
-
 /// The scales of the `n` rows of block index `b` in a row-scale pool layer (one f32 per row).
 #[inline(always)]
 fn row_scales<'a, Q, K>(scales: &'a [f32], geo: &Geometry, it: &Item<'_, Q, K>, b: usize, n: usize) -> &'a [f32] {
     let rows = Geometry { head_dim: 1, ..*geo };
     &scales[tile_range(&rows, it.blocks, it.kv_head, b)][..n]
+}
+
+/// With int8 pools, prefetches the row scales of the K/V tile at pool range `tile` (their row
+/// index is the tile's offset over head_dim): scattered 64-byte runs, one per block, whose
+/// misses would otherwise stall every block.
+///
+/// # Safety
+/// The CPU must support `S`.
+#[inline(always)]
+unsafe fn prefetch_scales<S: Simd, Q, K: KvElement>(it: &Item<'_, Q, K>, geo: &Geometry, tile: &Range<usize>) {
+    if K::SCALED {
+        let rows = tile.start / geo.head_dim..tile.end.div_ceil(geo.head_dim);
+        // SAFETY: forwarded caller contract.
+        unsafe {
+            prefetch_lines::<S, f32>(&it.k_scale[rows.clone()]);
+            prefetch_lines::<S, f32>(&it.v_scale[rows]);
+        }
+    }
 }
 
 /// Prefetches every cache line of `x` into L2.
@@ -350,17 +327,6 @@ unsafe fn prefetch_lines<S: Simd, E>(x: &[E]) {
     for off in (0..size_of_val(x)).step_by(64) {
         // SAFETY: in bounds of `x`; the CPU supports S (caller).
         unsafe { S::prefetch_l2(p.add(off)) };
-    }
-}
-
-/// Width of the next register tile of query heads when `remaining` are left: 4, 2 or 1.
-/// (Loops, not closures, drive the tiles: a closure would not inherit the tier's target features.)
-#[inline(always)]
-fn group_tile(remaining: usize) -> usize {
-    match remaining {
-        r if r >= 4 => 4,
-        r if r >= 2 => 2,
-        _ => 1,
     }
 }
 
@@ -383,28 +349,6 @@ unsafe fn load_chunk<S: Simd, E: KvElement>(p: *const E, count: usize) -> S::V {
             S::load(buf.as_ptr())
         }
     }
-}
-
-/// Pointers to rows `t0 .. t0 + TT` of a K tile of `n` rows of `d` (clamped to the last row, so
-/// every pointer is to a whole row) and to the same rows of the tile to prefetch.
-///
-/// # Safety
-/// `k` and `k_ahead` hold at least `n * d` elements, `n >= 1`.
-#[inline(always)]
-unsafe fn tile_rows<T, const TT: usize>(
-    k: &[T],
-    k_ahead: &[T],
-    t0: usize,
-    n: usize,
-    d: usize,
-) -> ([*const T; TT], [*const T; TT]) {
-    let (mut rows, mut ahead) = ([k.as_ptr(); TT], [k_ahead.as_ptr(); TT]);
-    for i in 0..TT {
-        let off = (t0 + i).min(n - 1) * d;
-        // SAFETY: off + d <= n * d, within both slices (caller).
-        (rows[i], ahead[i]) = unsafe { (k.as_ptr().add(off), k_ahead.as_ptr().add(off)) };
-    }
-    (rows, ahead)
 }
 
 /// Scaled scores (q is pre-scaled) of `GT` query heads x `TT` tokens at a time (GT * TT = LANES
@@ -439,11 +383,7 @@ unsafe fn qk_tile<S: Simd, E: KvElement, const GT: usize, const TT: usize>(
             }
             let mut s = [0f32; 16];
             S::store(s.as_mut_ptr(), S::transpose_sum(acc.as_flattened()));
-            for g in 0..GT {
-                for i in 0..TT.min(n - t0) {
-                    scores[g * sp + t0 + i] = s[g * TT + i];
-                }
-            }
+            scatter_scores::<GT, TT>(&s, scores, sp, t0, n);
         }
     }
 }

@@ -4,6 +4,7 @@
 
 pub mod check;
 pub mod dispatch;
+mod dot;
 pub mod element;
 mod kernel;
 mod membw;
@@ -21,7 +22,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use rayon::{ThreadPool, ThreadPoolBuilder};
 
 pub use check::{DecodeBatch, DecodeParams, PagedShape};
-pub use dispatch::Tier;
+pub use dispatch::{DotProducts, Tier};
 pub use element::{quantize_row, DType, Element, KvElement};
 pub use split::Pools;
 
@@ -37,8 +38,8 @@ pub const INLINE_BELOW_BYTES: usize = 256 << 10;
 /// (aiohttp, torch and multiprocessing fork) gets a fresh pool on first use.
 pub struct CpuAttention {
     tier: Tier,
-    /// Whether int8 K pools take q·k as int8 dot products (`Tier::int8_dot`, read once).
-    int8_dot: bool,
+    /// The dot products the kernel uses (`Tier::dot_products`, read once).
+    dots: DotProducts,
     num_threads: usize,
     inline_below: usize,
     pool: Mutex<PoolSlot>,
@@ -83,7 +84,7 @@ impl CpuAttention {
         let pool = build_pool(num_threads)?;
         Ok(CpuAttention {
             tier,
-            int8_dot: tier.int8_dot(),
+            dots: tier.dot_products(),
             num_threads,
             inline_below: INLINE_BELOW_BYTES,
             pool: Mutex::new(PoolSlot { pid: std::process::id(), pool }),
@@ -101,9 +102,15 @@ impl CpuAttention {
         self.tier
     }
 
-    /// Whether int8 K pools take q·k as int8 dot products here (q quantized per head).
-    pub fn int8_dot(&self) -> bool {
-        self.int8_dot
+    /// The dot products the kernel reads pools with here (see `DotProducts`).
+    pub fn dot_products(&self) -> DotProducts {
+        self.dots
+    }
+
+    /// Keeps only the dot products `dots` allows (to compare paths; none can be added).
+    pub fn with_dot_products(mut self, dots: DotProducts) -> Self {
+        self.dots = DotProducts { int8: self.dots.int8 && dots.int8, bf16: self.dots.bf16 && dots.bf16 };
+        self
     }
 
     pub fn num_threads(&self) -> usize {
@@ -226,7 +233,7 @@ impl CpuAttention {
         params: &DecodeParams,
         out: &mut [E],
     ) -> Result<()> {
-        let kernel = self.tier.kernel::<E, K>(self.int8_dot)?;
+        let kernel = self.tier.kernel::<E, K>(self.dots)?;
         // One thread, or little work: the calling thread does it (no hand-off to wait for).
         let pool = match self.num_threads > 1 && !self.is_small(shape, batch, size_of::<K>()) {
             true => Some(self.pool()?),

@@ -48,6 +48,61 @@ pub trait Simd {
     ) -> Self::V {
         unreachable!("this tier has no int8 dot product")
     }
+    /// bf16 dot products (AVX512_BF16 tiers only), as `dot_i8` for bf16 q and K rows: lane
+    /// `g * TT + i` is `Σ_d q[g * dq + d] * rows[i][d]` in f32; `q` rows hold `dq` bf16 (a
+    /// multiple of 32, zero past `d`).
+    unsafe fn dot_bf16<const GT: usize, const TT: usize>(
+        _q: *const u16,
+        _dq: usize,
+        _rows: &[*const u16; TT],
+        _ahead: &[*const u16; TT],
+        _d: usize,
+    ) -> Self::V {
+        unreachable!("this tier has no bf16 dot product")
+    }
+    /// `LANES` f32 rounded to bf16 (to nearest even) at `p` (bf16 dot-product tiers only).
+    unsafe fn narrow_bf16(_v: Self::V, _p: *mut u16) {
+        unreachable!("this tier has no bf16 dot product")
+    }
+    /// `LANES` f32 rounded to the nearest integer, which must fit int16, at `p` (int16
+    /// dot-product tiers only).
+    unsafe fn narrow_i16(_v: Self::V, _p: *mut i16) {
+        unreachable!("this tier has no int16 dot product")
+    }
+    /// Int8 V rows by int16 pair dot products (VNNI tiers only): `acc[g * dp + x] += scale[g] *
+    /// Σ_j (lo(pairs[g * ps + j]) * v[2j][x] + hi(…) * v[2j + 1][x])` for `x < d`, over the
+    /// `ceil(n / 2)` pairs of the `n` rows of `v` (row `n` stands in as row `n - 1` with a zero
+    /// weight); the same rows of `ahead` are prefetched. `acc` rows hold `dp >= d` f32, a multiple
+    /// of 16.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn pv_i8<const GT: usize>(
+        _pairs: *const u32,
+        _ps: usize,
+        _scale: &[f32],
+        _v: *const i8,
+        _ahead: *const i8,
+        _n: usize,
+        _d: usize,
+        _acc: *mut f32,
+        _dp: usize,
+    ) {
+        unreachable!("this tier has no int16 dot product")
+    }
+    /// bf16 V rows by bf16 pair dot products (AVX512_BF16 tiers only): as `pv_i8` with bf16
+    /// pairs and no scale.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn pv_bf16<const GT: usize>(
+        _pairs: *const u32,
+        _ps: usize,
+        _v: *const u16,
+        _ahead: *const u16,
+        _n: usize,
+        _d: usize,
+        _acc: *mut f32,
+        _dp: usize,
+    ) {
+        unreachable!("this tier has no bf16 dot product")
+    }
     /// Hint that the cache line at `p` is needed soon, into L2 (see CPU-ATTN-ANCHOR.md: `prefetcht1`
     /// ahead of the 16-token paged tiles is what lets a core keep enough misses in flight).
     unsafe fn prefetch_l2(p: *const u8);

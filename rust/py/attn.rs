@@ -304,11 +304,20 @@ impl CpuAttention {
         self.engine.num_threads()
     }
 
-    /// Whether int8 caches take q·k as int8 dot products (q quantized per head after the
-    /// softmax scale; AVX-512 VNNI, unless `NEO_RS_INT8_DOT=0`).
+    /// Whether int8 caches are read by integer dot products: q·k against q quantized per head
+    /// after the softmax scale, p·v against p quantized to int16 per head and block (AVX-512
+    /// VNNI, unless `NEO_RS_INT8_DOT=0`).
     #[getter]
     fn int8_dot(&self) -> bool {
-        self.engine.int8_dot()
+        self.engine.dot_products().int8
+    }
+
+    /// Whether bf16 caches are read by bf16 dot products: q·k against q as bf16, p·v against
+    /// the probabilities rounded to bf16, f32 accumulation (AVX512_BF16, unless
+    /// `NEO_RS_BF16_DOT=0`).
+    #[getter]
+    fn bf16_dot(&self) -> bool {
+        self.engine.dot_products().bf16
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -2,6 +2,7 @@
 
 use std::arch::aarch64::*;
 
+use crate::attn::dot;
 use crate::attn::element::{Element, KvElement};
 use crate::attn::kernel::{self, Geometry, Item, Scratch};
 use crate::attn::simd::{exp_consts as ec, Simd};
@@ -130,5 +131,5 @@ pub(crate) unsafe fn attend_item<Q: Element, K: KvElement>(
     partial: &mut [f32],
 ) {
     // SAFETY: forwarded caller contract.
-    unsafe { kernel::attend_item::<Neon, Q, K, false>(it, geo, scratch, partial) }
+    unsafe { kernel::attend_item::<Neon, Q, K, { dot::NONE }>(it, geo, scratch, partial) }
 }

@@ -2,6 +2,7 @@
 
 use std::arch::x86_64::*;
 
+use crate::attn::dot;
 use crate::attn::element::{Element, KvElement};
 use crate::attn::kernel::{self, Geometry, Item, Scratch};
 use crate::attn::simd::{exp_consts as ec, Simd};
@@ -146,5 +147,5 @@ pub(crate) unsafe fn attend_item<Q: Element, K: KvElement>(
     partial: &mut [f32],
 ) {
     // SAFETY: forwarded caller contract.
-    unsafe { kernel::attend_item::<Avx2, Q, K, false>(it, geo, scratch, partial) }
+    unsafe { kernel::attend_item::<Avx2, Q, K, { dot::NONE }>(it, geo, scratch, partial) }
 }

@@ -2,6 +2,7 @@
 
 use std::arch::x86_64::*;
 
+use crate::attn::dot;
 use crate::attn::element::{Element, KvElement};
 use crate::attn::kernel::{self, Geometry, Item, Scratch};
 use crate::attn::simd::{exp_consts as ec, Simd};
@@ -174,6 +175,154 @@ impl Simd for Avx512 {
             Self::transpose_sum(&sums)
         }
     }
+    /// AVX512_BF16: `vdpbf16ps` sums pairs of adjacent dims, 32 dims per instruction; the last
+    /// chunk of a row is a masked load.
+    #[inline(always)]
+    unsafe fn dot_bf16<const GT: usize, const TT: usize>(
+        q: *const u16,
+        dq: usize,
+        rows: &[*const u16; TT],
+        ahead: &[*const u16; TT],
+        d: usize,
+    ) -> __m512 {
+        assert!(GT * TT == 16 && dq >= d && dq.is_multiple_of(32));
+        // SAFETY: the caller guarantees the row and q extents above and dispatches this only on
+        // CPUs with AVX512_BF16; loads past `d` are masked off.
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); TT]; GT];
+            let mut c = 0;
+            while c < d {
+                let mask = mask32(d - c);
+                let mut qv = [_mm512_setzero_si512(); GT];
+                for (g, x) in qv.iter_mut().enumerate() {
+                    *x = _mm512_loadu_si512(q.add(g * dq + c).cast());
+                }
+                for i in 0..TT {
+                    _mm_prefetch::<_MM_HINT_T1>(ahead[i].add(c).cast());
+                    let k = _mm512_maskz_loadu_epi16(mask, rows[i].add(c).cast());
+                    for g in 0..GT {
+                        acc[g][i] = _mm512_dpbf16_ps(acc[g][i], bh(k), bh(qv[g]));
+                    }
+                }
+                c += 32;
+            }
+            Self::transpose_sum(acc.as_flattened())
+        }
+    }
+    #[inline(always)]
+    unsafe fn narrow_bf16(v: __m512, p: *mut u16) {
+        // SAFETY: the caller guarantees 16 writable u16 at `p` and AVX512_BF16.
+        unsafe { _mm256_storeu_si256(p.cast(), std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(v))) }
+    }
+    #[inline(always)]
+    unsafe fn narrow_i16(v: __m512, p: *mut i16) {
+        // SAFETY: the caller guarantees 16 writable i16 at `p`; values fit int16 (caller), so
+        // the truncating narrow is exact.
+        unsafe { _mm256_storeu_si256(p.cast(), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(v))) }
+    }
+    /// VNNI: each pair of rows is widened to int16 and interleaved (`vpunpck[lh]wd`), so that
+    /// `vpdpwssd` adds both tokens' products per dim; 32 dims per pass, int32 sums per tile.
+    #[inline(always)]
+    unsafe fn pv_i8<const GT: usize>(
+        pairs: *const u32,
+        ps: usize,
+        scale: &[f32],
+        v: *const i8,
+        ahead: *const i8,
+        n: usize,
+        d: usize,
+        acc: *mut f32,
+        dp: usize,
+    ) {
+        assert!(scale.len() >= GT && n >= 1 && dp >= d && dp.is_multiple_of(16));
+        let xs = pair_pass::<GT>();
+        // SAFETY: the caller guarantees n rows of d bytes at `v` (and `ahead`, only prefetched),
+        // ceil(n / 2) pair words per head at stride ps, GT acc rows of dp f32, and VNNI; loads
+        // past `d` are masked off and acc is written below dp only.
+        unsafe {
+            let mut c = 0;
+            while c < d {
+                let mask: [__mmask32; 4] = std::array::from_fn(|x| mask32(d.saturating_sub(c + 32 * x)));
+                let mut lo = [[_mm512_setzero_si512(); 4]; GT];
+                let mut hi = [[_mm512_setzero_si512(); 4]; GT];
+                for j in 0..n.div_ceil(2) {
+                    let (r0, r1) = (2 * j * d + c, (2 * j + 1).min(n - 1) * d + c);
+                    _mm_prefetch::<_MM_HINT_T1>(ahead.add(r0).cast());
+                    _mm_prefetch::<_MM_HINT_T1>(ahead.add(r1).cast());
+                    let mut l = [_mm512_setzero_si512(); 4];
+                    let mut h = [_mm512_setzero_si512(); 4];
+                    for x in 0..xs {
+                        let a = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask[x], v.add(r0 + 32 * x)));
+                        let b = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask[x], v.add(r1 + 32 * x)));
+                        (l[x], h[x]) = (_mm512_unpacklo_epi16(a, b), _mm512_unpackhi_epi16(a, b));
+                    }
+                    for g in 0..GT {
+                        let p = _mm512_set1_epi32(*pairs.add(g * ps + j) as i32);
+                        for x in 0..xs {
+                            lo[g][x] = _mm512_dpwssd_epi32(lo[g][x], l[x], p);
+                            hi[g][x] = _mm512_dpwssd_epi32(hi[g][x], h[x], p);
+                        }
+                    }
+                }
+                for g in 0..GT {
+                    for x in 0..xs {
+                        let (l, h) = (_mm512_cvtepi32_ps(lo[g][x]), _mm512_cvtepi32_ps(hi[g][x]));
+                        add_pair_sums(acc.add(g * dp + c + 32 * x), l, h, scale[g], c + 32 * x, dp);
+                    }
+                }
+                c += 32 * xs;
+            }
+        }
+    }
+    /// AVX512_BF16: as `pv_i8`, the pairs of bf16 rows interleaved for `vdpbf16ps`.
+    #[inline(always)]
+    unsafe fn pv_bf16<const GT: usize>(
+        pairs: *const u32,
+        ps: usize,
+        v: *const u16,
+        ahead: *const u16,
+        n: usize,
+        d: usize,
+        acc: *mut f32,
+        dp: usize,
+    ) {
+        assert!(n >= 1 && dp >= d && dp.is_multiple_of(16));
+        let xs = pair_pass::<GT>();
+        // SAFETY: as for `pv_i8`, with bf16 rows and AVX512_BF16.
+        unsafe {
+            let mut c = 0;
+            while c < d {
+                let mask: [__mmask32; 4] = std::array::from_fn(|x| mask32(d.saturating_sub(c + 32 * x)));
+                let mut lo = [[_mm512_setzero_ps(); 4]; GT];
+                let mut hi = [[_mm512_setzero_ps(); 4]; GT];
+                for j in 0..n.div_ceil(2) {
+                    let (r0, r1) = (2 * j * d + c, (2 * j + 1).min(n - 1) * d + c);
+                    let mut l = [bh(_mm512_setzero_si512()); 4];
+                    let mut h = [bh(_mm512_setzero_si512()); 4];
+                    for x in 0..xs {
+                        _mm_prefetch::<_MM_HINT_T1>(ahead.add(r0 + 32 * x).cast());
+                        _mm_prefetch::<_MM_HINT_T1>(ahead.add(r1 + 32 * x).cast());
+                        let a = _mm512_maskz_loadu_epi16(mask[x], v.add(r0 + 32 * x).cast());
+                        let b = _mm512_maskz_loadu_epi16(mask[x], v.add(r1 + 32 * x).cast());
+                        (l[x], h[x]) = (bh(_mm512_unpacklo_epi16(a, b)), bh(_mm512_unpackhi_epi16(a, b)));
+                    }
+                    for g in 0..GT {
+                        let p = bh(_mm512_set1_epi32(*pairs.add(g * ps + j) as i32));
+                        for x in 0..xs {
+                            lo[g][x] = _mm512_dpbf16_ps(lo[g][x], l[x], p);
+                            hi[g][x] = _mm512_dpbf16_ps(hi[g][x], h[x], p);
+                        }
+                    }
+                }
+                for g in 0..GT {
+                    for x in 0..xs {
+                        add_pair_sums(acc.add(g * dp + c + 32 * x), lo[g][x], hi[g][x], 1.0, c + 32 * x, dp);
+                    }
+                }
+                c += 32 * xs;
+            }
+        }
+    }
 }
 
 /// `[a.L0+a.L1, a.L2+a.L3, b.L0+b.L1, b.L2+b.L3]` over 128-bit lanes.
@@ -181,6 +330,56 @@ impl Simd for Avx512 {
 unsafe fn fold_lanes(a: __m512, b: __m512) -> __m512 {
     // SAFETY: register arithmetic of this tier; the CPU supports it (caller).
     unsafe { _mm512_add_ps(_mm512_shuffle_f32x4::<0b10_00_10_00>(a, b), _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b)) }
+}
+
+/// Chunks of 32 dims per pass of the pair dot products over a V tile: as many as 2 x GT x 2
+/// accumulators per chunk leave registers for (a pass reads whole rows up to 128 dims when it
+/// can: longer runs of each row stream better).
+#[inline(always)]
+fn pair_pass<const GT: usize>() -> usize {
+    if GT <= 2 {
+        4
+    } else {
+        2
+    }
+}
+
+/// Mask of the first `min(left, 32)` lanes of a 32-lane load.
+#[inline(always)]
+fn mask32(left: usize) -> __mmask32 {
+    if left >= 32 {
+        !0
+    } else {
+        (1u32 << left) - 1
+    }
+}
+
+/// The same 512 bits as 32 bf16 lanes.
+#[inline(always)]
+fn bh(x: __m512i) -> __m512bh {
+    // SAFETY: both are plain 64-byte vectors; every bit pattern is valid for either.
+    unsafe { std::mem::transmute::<__m512i, __m512bh>(x) }
+}
+
+/// Dims `c .. c + 32` of pair-product sums back in order, scaled by `s` and added to `acc`
+/// (the row's dims `c ..`; each half only below `dp`): after `vpunpck[lh]wd`, 128-bit lane L of
+/// `lo` holds dims 8L..8L+3 and of `hi` dims 8L+4..8L+7.
+#[inline(always)]
+unsafe fn add_pair_sums(acc: *mut f32, lo: __m512, hi: __m512, s: f32, c: usize, dp: usize) {
+    const FIRST: [i32; 16] = [0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23];
+    const SECOND: [i32; 16] = [8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31];
+    // SAFETY: the caller guarantees writable f32 at `acc` up to the row's dp (dims c .. dp) and
+    // the tier's features.
+    unsafe {
+        let s = _mm512_set1_ps(s);
+        for (half, idx) in [FIRST, SECOND].iter().enumerate() {
+            if c + 16 * half < dp {
+                let x = _mm512_permutex2var_ps(lo, _mm512_loadu_si512(idx.as_ptr().cast()), hi);
+                let p = acc.add(16 * half);
+                _mm512_storeu_ps(p, _mm512_fmadd_ps(x, s, _mm512_loadu_ps(p)));
+            }
+        }
+    }
 }
 
 /// The kernel item compiled for AVX-512 F/BW/VL.
@@ -195,10 +394,10 @@ pub(crate) unsafe fn attend_item<Q: Element, K: KvElement>(
     partial: &mut [f32],
 ) {
     // SAFETY: forwarded caller contract.
-    unsafe { kernel::attend_item::<Avx512, Q, K, false>(it, geo, scratch, partial) }
+    unsafe { kernel::attend_item::<Avx512, Q, K, { dot::NONE }>(it, geo, scratch, partial) }
 }
 
-/// The kernel item for AVX-512 with VNNI: int8 K pools take q·k as int8 dot products.
+/// The kernel item for AVX-512 with VNNI: int8 pools take q·k and p·v as integer dot products.
 ///
 /// # Safety
 /// As for `attend_item`, and the CPU must support AVX-512 VNNI.
@@ -210,7 +409,23 @@ pub(crate) unsafe fn attend_item_vnni<Q: Element, K: KvElement>(
     partial: &mut [f32],
 ) {
     // SAFETY: forwarded caller contract.
-    unsafe { kernel::attend_item::<Avx512, Q, K, true>(it, geo, scratch, partial) }
+    unsafe { kernel::attend_item::<Avx512, Q, K, { dot::INT8 }>(it, geo, scratch, partial) }
+}
+
+/// The kernel item for AVX-512 with AVX512_BF16: bf16 pools take q·k and p·v as bf16 dot
+/// products.
+///
+/// # Safety
+/// As for `attend_item`, and the CPU must support AVX512_BF16.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
+pub(crate) unsafe fn attend_item_bf16<Q: Element, K: KvElement>(
+    it: &Item<'_, Q, K>,
+    geo: &Geometry,
+    scratch: &mut Scratch,
+    partial: &mut [f32],
+) {
+    // SAFETY: forwarded caller contract.
+    unsafe { kernel::attend_item::<Avx512, Q, K, { dot::BF16 }>(it, geo, scratch, partial) }
 }
 
 #[cfg(test)]

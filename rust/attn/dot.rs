@@ -1,0 +1,348 @@
+//! The kernel's steps on a tier's low-precision dot-product instructions, for the pool element
+//! they fit: int8 pools on VNNI (q·k as int8 x int8 against q quantized per head, p·v as int16 x
+//! int16 against p quantized per head and tile), bf16 pools on AVX512_BF16 (q·k against q as
+//! bf16, p·v against p rounded to bf16, as GPU kernels compute P·V for a bf16 model). Both
+//! accumulate exactly or in f32; p·v reads V rows in pairs (two tokens per 32-bit lane), which is
+//! what these instructions sum.
+
+use std::ops::Range;
+
+use crate::attn::element::{Element, KvElement};
+use crate::attn::kernel::Scratch;
+use crate::attn::simd::Simd;
+
+/// Which dot products an item function is compiled with (its `DOT` const parameter).
+pub(crate) const NONE: u8 = 0;
+pub(crate) const INT8: u8 = 1;
+pub(crate) const BF16: u8 = 2;
+
+/// One layer of a pool as its dot products read it.
+#[derive(Clone, Copy)]
+pub(crate) enum Rows<'a> {
+    I8(&'a [i8]),
+    Bf16(&'a [u16]),
+}
+
+impl<'a> Rows<'a> {
+    /// The pool of `K` for an item compiled with dot products `DOT`, if they fit its element.
+    #[inline(always)]
+    pub fn of<K: KvElement, const DOT: u8>(pool: &'a [K]) -> Option<Self> {
+        match DOT {
+            INT8 => K::as_i8(pool).map(Rows::I8),
+            BF16 => K::as_bf16(pool).map(Rows::Bf16),
+            _ => None,
+        }
+    }
+
+    #[inline(always)]
+    fn slice(self, r: Range<usize>) -> Self {
+        match self {
+            Rows::I8(x) => Rows::I8(&x[r]),
+            Rows::Bf16(x) => Rows::Bf16(&x[r]),
+        }
+    }
+
+    /// q in the form these rows' dot products take (see `Scratch`).
+    #[inline(always)]
+    pub fn prepare_q<Q: Element>(self, scratch: &mut Scratch, q: &[Q], group: usize, d: usize) {
+        match self {
+            Rows::I8(_) => quantize_q(scratch, group, d),
+            Rows::Bf16(_) => round_q_bf16(scratch, q, group, d),
+        }
+    }
+}
+
+/// Scores of every head of the group against the `n` rows of the K tile `tile` (pool range),
+/// prefetching the tile `ahead`: scaled like the widening path's (int8 rows still without their
+/// row scales).
+///
+/// # Safety
+/// The CPU must support `S` with these rows' dot products; `scratch` as for `pv_pairs`, q
+/// prepared by `Rows::prepare_q`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(crate) unsafe fn qk<S: Simd>(
+    scratch: &mut Scratch,
+    group: usize,
+    k: Rows<'_>,
+    tile: Range<usize>,
+    ahead: Range<usize>,
+    n: usize,
+    d: usize,
+    scale: f32,
+) {
+    let (dq, sp) = (scratch.dot_dim, scratch.score_stride);
+    let mut g0 = 0;
+    while g0 < group {
+        let gt = group_tile(group - g0);
+        let s = &mut scratch.scores[g0 * sp..];
+        // SAFETY: forwarded caller contract; slice lengths are asserted in the tiles.
+        unsafe {
+            match (k.slice(tile.clone()), k.slice(ahead.clone())) {
+                (Rows::I8(t), Rows::I8(a)) => {
+                    let q8 = &scratch.q8[g0 * dq..];
+                    let (qs, qo) = (&scratch.q8_scale[g0..], &scratch.q8_offset[g0..]);
+                    match gt {
+                        4 => qk_tile_i8::<S, 4, 4>(q8, dq, qs, qo, t, a, n, d, s, sp),
+                        2 => qk_tile_i8::<S, 2, 8>(q8, dq, qs, qo, t, a, n, d, s, sp),
+                        _ => qk_tile_i8::<S, 1, 16>(q8, dq, qs, qo, t, a, n, d, s, sp),
+                    }
+                }
+                (Rows::Bf16(t), Rows::Bf16(a)) => {
+                    let qb = &scratch.qb[g0 * dq..];
+                    match gt {
+                        4 => qk_tile_bf16::<S, 4, 4>(qb, dq, scale, t, a, n, d, s, sp),
+                        2 => qk_tile_bf16::<S, 2, 8>(qb, dq, scale, t, a, n, d, s, sp),
+                        _ => qk_tile_bf16::<S, 1, 16>(qb, dq, scale, t, a, n, d, s, sp),
+                    }
+                }
+                _ => unreachable!("one pool, one element type"),
+            }
+        }
+        g0 += gt;
+    }
+}
+
+/// Width of the next register tile of query heads when `remaining` are left: 4, 2 or 1.
+#[inline(always)]
+pub(crate) fn group_tile(remaining: usize) -> usize {
+    match remaining {
+        r if r >= 4 => 4,
+        r if r >= 2 => 2,
+        _ => 1,
+    }
+}
+
+/// Largest int16 p: with |v| <= 128, one pair adds at most 2 * 32767 * 128 < 2^23 to an int32
+/// lane, so a tile of up to 128 rows (`MAX_BLOCK_SIZE`, 64 pairs) stays below 2^29.
+const P16_MAX: f32 = 32767.0;
+
+/// q (pre-scaled, f32) quantized per head for int8 dot products: symmetric, `max|q| / 127`.
+/// Inlined into the tier's item function, so rounding compiles to its vector instructions
+/// rather than a libm call.
+#[inline(always)]
+fn quantize_q(scratch: &mut Scratch, group: usize, d: usize) {
+    let (dp, dq) = (scratch.padded_dim, scratch.dot_dim);
+    for g in 0..group {
+        let row = &mut scratch.q8[g * dq..g * dq + d];
+        let scale = crate::attn::element::quantize_row(&scratch.q[g * dp..g * dp + d], row);
+        scratch.q8_scale[g] = scale;
+        scratch.q8_offset[g] = 128.0 * row.iter().map(|&x| f32::from(x)).sum::<f32>();
+    }
+}
+
+/// q rounded to bf16 per head, before the softmax scale (which the scores take instead, so a
+/// bf16 q is used exactly).
+#[inline(always)]
+fn round_q_bf16<Q: Element>(scratch: &mut Scratch, q: &[Q], group: usize, d: usize) {
+    let dq = scratch.dot_dim;
+    for g in 0..group {
+        for (x, y) in scratch.qb[g * dq..g * dq + d].iter_mut().zip(&q[g * d..(g + 1) * d]) {
+            *x = half::bf16::from_f32(y.to_f32()).to_bits();
+        }
+    }
+}
+
+/// Scores of `GT` query heads x `TT` tokens of an int8 K tile by int8 dot products (see
+/// `Simd::dot_i8`): `(dot - 128 Σq8) * q_scale` (the K row scales are applied by the caller).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn qk_tile_i8<S: Simd, const GT: usize, const TT: usize>(
+    q8: &[i8],
+    dq: usize,
+    q_scale: &[f32],
+    q_offset: &[f32],
+    k: &[i8],
+    k_ahead: &[i8],
+    n: usize,
+    d: usize,
+    scores: &mut [f32],
+    sp: usize,
+) {
+    assert!(GT * TT == S::LANES && S::LANES == 16 && q8.len() >= GT * dq && q_scale.len() >= GT);
+    assert!(k.len() >= n * d && k_ahead.len() >= n * d && n >= 1 && scores.len() >= (GT - 1) * sp + n);
+    let by_lane = |x: &[f32]| -> [f32; 16] { std::array::from_fn(|l| x[l / TT]) };
+    let (offset, scale) = (by_lane(q_offset), by_lane(q_scale));
+    for t0 in (0..n).step_by(TT) {
+        // SAFETY: rows are clamped to n - 1, so each holds d readable bytes of `k` (or
+        // `k_ahead`); q8 rows hold dq bytes (asserted); the caller dispatched a tier with int8
+        // dot products on a CPU that has them.
+        unsafe {
+            let (rows, ahead) = tile_rows::<i8, TT>(k, k_ahead, t0, n, d);
+            let dot = S::dot_i8::<GT, TT>(q8.as_ptr(), dq, &rows, &ahead, d);
+            let (offset, scale) = (S::load(offset.as_ptr()), S::load(scale.as_ptr()));
+            let mut s = [0f32; 16];
+            S::store(s.as_mut_ptr(), S::mul(S::sub(dot, offset), scale));
+            scatter_scores::<GT, TT>(&s, scores, sp, t0, n);
+        }
+    }
+}
+
+/// Lane `g * TT + i` of `s` into `scores[g * sp + t0 + i]`, for tokens below `n`.
+#[inline(always)]
+pub(crate) fn scatter_scores<const GT: usize, const TT: usize>(
+    s: &[f32; 16],
+    scores: &mut [f32],
+    sp: usize,
+    t0: usize,
+    n: usize,
+) {
+    let m = TT.min(n - t0);
+    for g in 0..GT {
+        let row = &mut scores[g * sp + t0..];
+        if m == TT {
+            row[..TT].copy_from_slice(&s[g * TT..(g + 1) * TT]);
+        } else {
+            row[..m].copy_from_slice(&s[g * TT..g * TT + m]);
+        }
+    }
+}
+
+/// Scores of `GT` query heads x `TT` tokens of a bf16 K tile by bf16 dot products (see
+/// `Simd::dot_bf16`), times the softmax `scale`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn qk_tile_bf16<S: Simd, const GT: usize, const TT: usize>(
+    qb: &[u16],
+    dq: usize,
+    scale: f32,
+    k: &[u16],
+    k_ahead: &[u16],
+    n: usize,
+    d: usize,
+    scores: &mut [f32],
+    sp: usize,
+) {
+    assert!(GT * TT == S::LANES && S::LANES == 16 && qb.len() >= GT * dq);
+    assert!(k.len() >= n * d && k_ahead.len() >= n * d && n >= 1 && scores.len() >= (GT - 1) * sp + n);
+    for t0 in (0..n).step_by(TT) {
+        // SAFETY: as in `qk_tile_i8`, for bf16 rows and a tier with bf16 dot products.
+        unsafe {
+            let (rows, ahead) = tile_rows::<u16, TT>(k, k_ahead, t0, n, d);
+            let mut s = [0f32; 16];
+            S::store(s.as_mut_ptr(), S::mul(S::dot_bf16::<GT, TT>(qb.as_ptr(), dq, &rows, &ahead, d), S::splat(scale)));
+            scatter_scores::<GT, TT>(&s, scores, sp, t0, n);
+        }
+    }
+}
+
+/// Pointers to rows `t0 .. t0 + TT` of a K tile of `n` rows of `d` (clamped to the last row, so
+/// every pointer is to a whole row) and to the same rows of the tile to prefetch.
+///
+/// # Safety
+/// `k` and `k_ahead` hold at least `n * d` elements, `n >= 1`.
+#[inline(always)]
+pub(crate) unsafe fn tile_rows<T, const TT: usize>(
+    k: &[T],
+    k_ahead: &[T],
+    t0: usize,
+    n: usize,
+    d: usize,
+) -> ([*const T; TT], [*const T; TT]) {
+    let (mut rows, mut ahead) = ([k.as_ptr(); TT], [k_ahead.as_ptr(); TT]);
+    for i in 0..TT {
+        let off = (t0 + i).min(n - 1) * d;
+        // SAFETY: off + d <= n * d, within both slices (caller).
+        (rows[i], ahead[i]) = unsafe { (k.as_ptr().add(off), k_ahead.as_ptr().add(off)) };
+    }
+    (rows, ahead)
+}
+
+/// The probabilities `p` of one head (zero from `n` to the next multiple of 16) as
+/// int16 on a scale of `max p / P16_MAX`, which is returned (p >= 0): `out` read as words holds
+/// `p[2j]` in the low half of word `j`, as `Simd::pv_i8` takes them.
+///
+/// # Safety
+/// The CPU must support `S` with int16 dot products; `p` and `out` hold `n` rounded up to 16.
+#[inline(always)]
+unsafe fn pack_i16<S: Simd>(p: &[f32], n: usize, out: &mut [u32]) -> f32 {
+    let padded = n.next_multiple_of(16);
+    assert!(p.len() >= padded && out.len() * 2 >= padded);
+    // SAFETY: offsets below padded, within both (asserted); the CPU supports S (caller).
+    unsafe {
+        let mut m = S::zero();
+        for c in (0..padded).step_by(S::LANES) {
+            m = S::max(m, S::load(p.as_ptr().add(c)));
+        }
+        let max = S::reduce_max(m);
+        let inv = S::splat(if max > 0.0 { P16_MAX / max } else { 0.0 });
+        for c in (0..padded).step_by(S::LANES) {
+            S::narrow_i16(S::mul(S::load(p.as_ptr().add(c)), inv), out.as_mut_ptr().cast::<i16>().add(c));
+        }
+        max / P16_MAX
+    }
+}
+
+/// The probabilities `p[..n]` of one head (zero past `n`) rounded to bf16, laid out as
+/// `pack_i16`'s for `Simd::pv_bf16`.
+///
+/// # Safety
+/// As for `pack_i16`, with bf16 dot products.
+#[inline(always)]
+unsafe fn pack_bf16<S: Simd>(p: &[f32], n: usize, out: &mut [u32]) {
+    let padded = n.next_multiple_of(16);
+    assert!(p.len() >= padded && out.len() * 2 >= padded);
+    // SAFETY: as in `pack_i16`.
+    unsafe {
+        for c in (0..padded).step_by(S::LANES) {
+            S::narrow_bf16(S::load(p.as_ptr().add(c)), out.as_mut_ptr().cast::<u16>().add(c));
+        }
+    }
+}
+
+/// `acc[g] += Σ_t p[g][t] · v[t]` for the `gt` (4 or 2) heads from `g0` over the `n` rows of
+/// the V tile `tile` (pool range) by the rows' pair dot products, prefetching the tile `ahead`
+/// (int8 rows take p already times their row scales). Pairs pay only when their interleaving
+/// serves several heads: a single head takes the widening path.
+///
+/// # Safety
+/// The CPU must support `S` with these rows' dot products; `scratch` comes from `Scratch::new`
+/// for this geometry and its scores hold this tile's probabilities.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(crate) unsafe fn pv_pairs<S: Simd>(
+    scratch: &mut Scratch,
+    g0: usize,
+    gt: usize,
+    v: Rows<'_>,
+    tile: Range<usize>,
+    ahead: Range<usize>,
+    n: usize,
+    d: usize,
+) {
+    let (dp, sp) = (scratch.padded_dim, scratch.score_stride);
+    let ps = sp / 2;
+    assert!(gt == 4 || gt == 2);
+    assert!(n >= 1 && n <= sp && scratch.pairs.len() >= (g0 + gt) * ps && scratch.acc.len() >= (g0 + gt) * dp);
+    assert!(tile.len() >= n * d && ahead.len() >= n * d);
+    for g in g0..g0 + gt {
+        let (p, pairs) = (&mut scratch.scores[g * sp..(g + 1) * sp], &mut scratch.pairs[g * ps..(g + 1) * ps]);
+        // Past n the softmax leaves (near) zeros; exact zeros keep the odd row out of the sums.
+        p[n..n.next_multiple_of(16)].fill(0.0);
+        // SAFETY: the CPU supports S with these rows' dot products (caller).
+        scratch.pair_scale[g] = unsafe {
+            match v {
+                Rows::I8(_) => pack_i16::<S>(p, n, pairs),
+                Rows::Bf16(_) => {
+                    pack_bf16::<S>(p, n, pairs);
+                    1.0
+                }
+            }
+        };
+    }
+    let pairs = scratch.pairs[g0 * ps..].as_ptr();
+    let scales = &scratch.pair_scale[g0..];
+    let acc = scratch.acc[g0 * dp..].as_mut_ptr();
+    // SAFETY: V tiles hold n rows of d (asserted); pairs hold ceil(n / 2) words per head at stride
+    // ps, acc gt rows of dp >= d at stride dp (asserted above); the CPU supports S with these dot
+    // products (caller).
+    unsafe {
+        match (v.slice(tile), v.slice(ahead), gt) {
+            (Rows::I8(v), Rows::I8(a), 4) => S::pv_i8::<4>(pairs, ps, scales, v.as_ptr(), a.as_ptr(), n, d, acc, dp),
+            (Rows::I8(v), Rows::I8(a), _) => S::pv_i8::<2>(pairs, ps, scales, v.as_ptr(), a.as_ptr(), n, d, acc, dp),
+            (Rows::Bf16(v), Rows::Bf16(a), 4) => S::pv_bf16::<4>(pairs, ps, v.as_ptr(), a.as_ptr(), n, d, acc, dp),
+            (Rows::Bf16(v), Rows::Bf16(a), _) => S::pv_bf16::<2>(pairs, ps, v.as_ptr(), a.as_ptr(), n, d, acc, dp),
+            _ => unreachable!("one pool, one element type"),
+        }
+    }
+}
