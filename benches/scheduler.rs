@@ -3,7 +3,9 @@
 //! GPU-only with room for all; `neo` (pipelining forced) with a device pool for about half of them:
 //! it prints how many the policy keeps on the host and how many wait. Host-bound prompts are
 //! admitted at least once every `MAX_HOST_PREFILL_DEFERS + 1` iterations, so the host share
-//! grows with that rate against the arrival rate: about half at 256.
+//! grows with that rate against the arrival rate: about half at 256. Prompts share no block;
+//! `schedule_update_prefix_caching` is the GPU-only case with the prefix cache on (every full
+//! block hashed and registered, every prompt looked up), to compare with `schedule_update`.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use neo_rs::kv::Device;
@@ -15,7 +17,7 @@ struct Load {
 }
 
 impl Load {
-    fn new(num_running: usize, offload: OffloadMode) -> Self {
+    fn new(num_running: usize, offload: OffloadMode, enable_prefix_caching: bool) -> Self {
         let block_size = 16;
         let blocks = num_running * 1400 / block_size;
         let neo = offload == OffloadMode::Neo;
@@ -33,6 +35,7 @@ impl Load {
             // neo: pipeline whatever the synthetic estimates say, so the host really holds its
             // share of the requests (the synthetic CPU is too slow for offloading to pay).
             force_pipeline: neo,
+            enable_prefix_caching,
         })
         .expect("valid config");
         let mut load = Load { s, next_id: 0 };
@@ -60,7 +63,7 @@ impl Load {
         let id = self.next_id;
         self.next_id += 1;
         let h = id.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
-        let prompt = vec![1; 100 + (h % 900) as usize];
+        let prompt = (0..100 + h % 900).map(|t| (id * 1000 + t) as u32).collect();
         let max_tokens = 128 + (h % 256) as usize;
         self.s.add_request(RequestId(id), prompt, max_tokens).expect("request fits");
     }
@@ -78,13 +81,19 @@ impl Load {
 fn schedule_update(c: &mut Criterion) {
     let mut group = c.benchmark_group("schedule_update");
     for n in [64, 256, 1024, 4096] {
-        let mut load = Load::new(n, OffloadMode::GpuOnly);
+        let mut load = Load::new(n, OffloadMode::GpuOnly, false);
+        group.bench_function(BenchmarkId::from_parameter(n), |b| b.iter(|| load.step()));
+    }
+    group.finish();
+    let mut group = c.benchmark_group("schedule_update_prefix_caching");
+    for n in [64, 256, 1024, 4096] {
+        let mut load = Load::new(n, OffloadMode::GpuOnly, true);
         group.bench_function(BenchmarkId::from_parameter(n), |b| b.iter(|| load.step()));
     }
     group.finish();
     let mut group = c.benchmark_group("schedule_update_neo");
     for n in [256, 1024, 4096] {
-        let mut load = Load::new(n, OffloadMode::Neo);
+        let mut load = Load::new(n, OffloadMode::Neo, false);
         group.bench_function(BenchmarkId::from_parameter(n), |b| b.iter(|| load.step()));
     }
     group.finish();

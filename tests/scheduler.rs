@@ -1,6 +1,8 @@
 //! Property tests of the scheduler and KV managers: random workloads (arrivals, lengths, aborts,
-//! stops, tiny pools) driven through schedule -> fake model -> update, with every invariant
-//! checked after every step and every request accounted for at the end.
+//! stops, tiny pools, prompts sharing prefixes, prefix caching on and off) driven through
+//! schedule -> fake model -> update, with every invariant checked after every step, a fake KV
+//! (each slot holds the token written there, copied by swaps) checked under every request the
+//! model runs, and every request accounted for at the end.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -17,6 +19,10 @@ fn token(id: u64, pos: usize) -> u32 {
 #[derive(Debug, Clone)]
 struct Job {
     arrival_step: usize,
+    /// The prompt starts with `shared` tokens of family `family`'s prompt (a common system
+    /// prompt), then its own.
+    family: u64,
+    shared: usize,
     prompt_len: usize,
     max_tokens: usize,
     abort_at_step: Option<usize>,
@@ -37,6 +43,7 @@ fn workload(mode: impl Strategy<Value = OffloadMode>) -> impl Strategy<Value = W
         (1u32..=24, 0u32..=24, mode, any::<bool>()),
     )
         .prop_map(|((max_num_seqs, budget, block_size), (gpu, cpu, offload, force_pipeline))| SchedulerConfig {
+            enable_prefix_caching: false,
             max_num_seqs,
             max_num_batched_tokens: budget,
             max_model_len: 64,
@@ -48,15 +55,19 @@ fn workload(mode: impl Strategy<Value = OffloadMode>) -> impl Strategy<Value = W
             kv_bytes_per_token: 1024,
             force_pipeline,
         });
+    let config = (config, prop::bool::weighted(0.7))
+        .prop_map(|(c, enable_prefix_caching)| SchedulerConfig { enable_prefix_caching, ..c });
     let job = (
-        0usize..40,
+        (0usize..40, 0u64..3, 0usize..40),
         1usize..40,
         1usize..24,
         prop::option::weighted(0.15, 0usize..80),
         prop::option::weighted(0.2, 1usize..12),
     )
-        .prop_map(|(arrival_step, prompt_len, max_tokens, abort_at_step, stop_after)| Job {
+        .prop_map(|((arrival_step, family, shared), prompt_len, max_tokens, abort_at_step, stop_after)| Job {
             arrival_step,
+            family,
+            shared: shared.min(prompt_len),
             prompt_len,
             max_tokens,
             abort_at_step,
@@ -119,7 +130,7 @@ fn check_plan(s: &Scheduler, out: &SchedulerOutput) -> Result<(), TestCaseError>
         prop_assert!(table.len() * c.block_size >= m.seq_lens[i] as usize);
         let start = m.query_start_loc[i] as usize;
         for (k, pos) in (sr.num_computed_tokens..sr.num_computed_tokens + sr.num_new_tokens).enumerate() {
-            prop_assert_eq!(m.input_ids[start + k], i64::from(token(sr.id.0, pos)));
+            prop_assert_eq!(m.input_ids[start + k], i64::from(req.token_ids[pos]));
             prop_assert_eq!(m.positions[start + k], pos as i64);
             let slot = m.slot_mapping[start + k];
             if sr.device == Device::Cpu && sr.num_new_tokens == 1 {
@@ -162,15 +173,59 @@ fn check_plan(s: &Scheduler, out: &SchedulerOutput) -> Result<(), TestCaseError>
     Ok(())
 }
 
+/// What the model would leave in the pools: the token whose KV each slot holds.
+#[derive(Default)]
+struct FakeKv {
+    slots: HashMap<(Device, u32, usize), u32>,
+}
+
+impl FakeKv {
+    fn copy(&mut self, pairs: &[(neo_rs::kv::BlockId, neo_rs::kv::BlockId)], src: Device, dst: Device, bs: usize) {
+        for &(a, b) in pairs {
+            for o in 0..bs {
+                match self.slots.get(&(src, a.0, o)).copied() {
+                    Some(t) => self.slots.insert((dst, b.0, o), t),
+                    None => self.slots.remove(&(dst, b.0, o)),
+                };
+            }
+        }
+    }
+
+    /// Play one plan: swaps, then every scheduled request reads the KV of its computed tokens
+    /// (checked: each slot of its table holds its own token there, shared prefix blocks
+    /// included) and writes its new tokens, then host-bound prefills are copied to the host.
+    fn run(&mut self, s: &Scheduler, out: &SchedulerOutput) -> Result<(), TestCaseError> {
+        let bs = s.config().block_size;
+        self.copy(&out.swap_out.pairs, Device::Gpu, Device::Cpu, bs);
+        self.copy(&out.swap_in.pairs, Device::Cpu, Device::Gpu, bs);
+        for sr in &out.scheduled {
+            let req = s.request(sr.id).expect("scheduled request exists");
+            let table = s.kv(sr.device).table(sr.id);
+            for pos in 0..sr.num_computed_tokens {
+                let held = self.slots.get(&(sr.device, table[pos / bs].0, pos % bs)).copied();
+                prop_assert_eq!(held, Some(req.token_ids[pos]), "request {} reads wrong KV at {}", sr.id, pos);
+            }
+            for pos in sr.num_computed_tokens..sr.num_computed_tokens + sr.num_new_tokens {
+                self.slots.insert((sr.device, table[pos / bs].0, pos % bs), req.token_ids[pos]);
+            }
+        }
+        self.copy(&out.prefill_to_host.pairs, Device::Gpu, Device::Cpu, bs);
+        Ok(())
+    }
+}
+
 fn run(w: &Workload) -> Result<(), TestCaseError> {
     let mut s = Scheduler::new(w.config.clone()).expect("valid config");
     let mut outcome: HashMap<u64, FinishReason> = HashMap::new();
     let mut accepted = Vec::new();
+    let mut fake_kv = FakeKv::default();
     let mut step = 0;
     loop {
         for (i, job) in w.jobs.iter().enumerate().filter(|(_, j)| j.arrival_step == step) {
             let id = i as u64;
-            let prompt = (0..job.prompt_len).map(|p| token(id, p)).collect();
+            let prompt = (0..job.prompt_len)
+                .map(|p| if p < job.shared { token(1_000 + job.family, p) } else { token(id, p) })
+                .collect();
             let need = (job.prompt_len + job.max_tokens - 1).div_ceil(w.config.block_size);
             let fits = job.prompt_len + job.max_tokens <= w.config.max_model_len
                 && need <= w.config.num_gpu_blocks as usize
@@ -193,6 +248,7 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
         prop_assert!(step < 5_000, "no progress after {} steps", step);
         let out = s.schedule().unwrap();
         check_plan(&s, &out)?;
+        fake_kv.run(&s, &out)?;
         prop_assert!(s.schedule().is_err(), "a second schedule() before update()");
         if s.has_unfinished() && s.num_running() > 0 {
             prop_assert!(!out.scheduled.is_empty(), "running requests but nothing scheduled");
@@ -278,6 +334,7 @@ fn config(gpu: u32, cpu: u32, budget: usize) -> SchedulerConfig {
         transfer_bytes_per_decode: 0,
         kv_bytes_per_token: 0,
         force_pipeline: false,
+        enable_prefix_caching: false,
     }
 }
 
@@ -388,6 +445,7 @@ fn neo_mode_offloads_pipelines_and_swaps_both_ways() {
         transfer_bytes_per_decode: 4096,
         kv_bytes_per_token: 1024,
         force_pipeline: false,
+        enable_prefix_caching: false,
         max_model_len: 128,
     };
     let mut s = Scheduler::new(cfg).unwrap();
@@ -506,6 +564,7 @@ fn neo_admits_host_bound_prompts_while_the_device_is_full() {
         transfer_bytes_per_decode: 4096,
         kv_bytes_per_token: 1024,
         force_pipeline: true,
+        enable_prefix_caching: false,
     };
     let mut s = Scheduler::new(cfg).unwrap();
     let mut order = VecDeque::new();
@@ -565,6 +624,7 @@ fn neo_steady_state(
         transfer_bytes_per_decode: 4096,
         kv_bytes_per_token: 1024,
         force_pipeline: false,
+        enable_prefix_caching: false,
     };
     let mut s = Scheduler::new(cfg).unwrap();
     s.predictor_mut().cpu_decode = neo_rs::sched::Table2::new(vec![1.0, 1e6], vec![0.0, 1e7], vec![cpu_ms; 4]).unwrap();
@@ -615,4 +675,31 @@ fn neo_swaps_do_not_ping_pong() {
         assert!(moves > 50, "the load moves requests between the pools ({moves} moves)");
         assert!(bounces.is_empty(), "swapped in, then out within the horizon: {bounces:?}");
     }
+}
+
+#[test]
+fn prefix_hits_skip_cached_blocks_and_are_counted() {
+    let cfg = SchedulerConfig { enable_prefix_caching: true, ..config(32, 0, 64) };
+    let mut s = Scheduler::new(cfg).unwrap();
+    let system: Vec<u32> = (100..110).collect();
+    s.add_request(RequestId(1), system.clone(), 3).unwrap();
+    drain(&mut s);
+    // Request 1 computed 12 tokens (10 of prompt, 2 of output): 3 full blocks are cached. The
+    // same 10-token prefix and more hits blocks 0 and 1; block 2 holds request 1's outputs.
+    let mut follow = system.clone();
+    follow.extend([1, 2, 3]);
+    s.add_request(RequestId(2), follow, 2).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!((out.scheduled[0].num_computed_tokens, out.scheduled[0].num_new_tokens), (8, 5));
+    assert_eq!(s.kv(Device::Gpu).num_cached_blocks(), 3);
+    s.update(&[7], &[]).unwrap();
+    drain(&mut s);
+    let st = s.stats();
+    assert_eq!((st.prefix_cache_queries, st.prefix_cache_hits), (10 + 13, 8));
+    // Off: nothing is looked up.
+    let mut off = Scheduler::new(config(32, 0, 64)).unwrap();
+    off.add_request(RequestId(1), system.clone(), 1).unwrap();
+    drain(&mut off);
+    off.add_request(RequestId(2), system, 1).unwrap();
+    assert_eq!(off.schedule().unwrap().scheduled[0].num_computed_tokens, 0);
 }

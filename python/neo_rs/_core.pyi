@@ -140,9 +140,11 @@ class Scheduler:
         transfer_bytes_per_decode: int = 0,
         kv_bytes_per_token: int = 0,
         force_pipeline: bool = False,
+        enable_prefix_caching: bool = False,
     ) -> None:
         """``offload``: ``neo`` (partial offload, pipelined when it pays), ``none`` (GPU-only,
-        overflow swapped) or ``all`` (every decode on the CPU)."""
+        overflow swapped) or ``all`` (every decode on the CPU). ``enable_prefix_caching``: new
+        prompts start after the full device blocks they share with earlier ones."""
     def add_request(self, request_id: int, prompt_token_ids: list[int], max_tokens: int) -> None:
         """Queue a request; ``InvalidArgumentError`` if it can never run (empty, too long, duplicate)."""
     def abort(self, request_id: int) -> bool:
@@ -162,6 +164,8 @@ class Scheduler:
     def num_swapped(self) -> int: ...
     def num_free_blocks(self, device_name: str) -> int: ...
     def num_total_blocks(self, device_name: str) -> int: ...
+    def num_cached_blocks(self, device_name: str) -> int:
+        """Blocks registered in the pool's prefix cache (held by requests or evictable)."""
     def stats(self) -> dict[str, int]: ...
     def set_perf_tables(
         self,

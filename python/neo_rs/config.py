@@ -231,6 +231,9 @@ class EngineArgs:
     # all: every decode on the CPU.
     offload: str = "none"
     neo_force_pipeline: bool = False  # tests: pipeline every CPU decode whatever the estimates
+    # Reuse the device KV of full blocks a prompt shares with earlier ones (vLLM's automatic
+    # prefix caching, on by default as in vLLM v1).
+    enable_prefix_caching: bool = True
     seed: int = 0
     skip_tokenizer_init: bool = False
 

@@ -86,6 +86,7 @@ class LLMEngine:
             transfer_bytes_per_decode=self.runner.transfer_bytes_per_decode(),
             kv_bytes_per_token=self.runner.kv_bytes_per_token(),
             force_pipeline=args.neo_force_pipeline,
+            enable_prefix_caching=args.enable_prefix_caching,
         )
         if args.offload == "neo":
             budget = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS

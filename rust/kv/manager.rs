@@ -1,8 +1,11 @@
 //! One pool's KV manager (vLLM's `KvCacheManager`): a block table per request, grown by
-//! `allocate_slots` (which answers "no room" instead of failing), and whole-request swap plans.
+//! `allocate_slots` (which answers "no room" instead of failing), whole-request swap plans, and
+//! with prefix caching on, blocks shared by reference count between requests whose prompts
+//! start alike (`prefix.rs`).
 
 use std::collections::HashMap;
 
+use super::prefix::{BlockHash, PrefixCache};
 use super::{BlockId, BlockPool, Device};
 use crate::sched::RequestId;
 
@@ -12,6 +15,12 @@ pub struct KvManager {
     block_size: usize,
     pool: BlockPool,
     tables: HashMap<RequestId, Vec<BlockId>>,
+    /// Holders of each block (tables naming it); a block shared through the prefix cache has
+    /// several.
+    refs: Vec<u32>,
+    cache: Option<PrefixCache>,
+    /// With the cache: the chained hashes of each request's leading full blocks seen so far.
+    chains: HashMap<RequestId, Vec<BlockHash>>,
 }
 
 /// Block pairs `(src, dst)` that move one or more requests from pool `src` to pool `dst`; every
@@ -29,10 +38,34 @@ impl SwapPlan {
     }
 }
 
+/// The cached blocks a prompt starts with (`KvManager::lookup`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PrefixHit {
+    pub blocks: Vec<BlockId>,
+    hashes: Vec<BlockHash>,
+    /// Of those, how many no request holds (taking them uses up free blocks).
+    pub evictable: usize,
+}
+
+impl PrefixHit {
+    pub fn num_blocks(&self) -> usize {
+        self.blocks.len()
+    }
+}
+
 impl KvManager {
-    pub fn new(device: Device, num_blocks: u32, block_size: usize) -> Self {
+    /// A manager of `num_blocks` blocks; `prefix_caching` keeps computed full blocks for reuse.
+    pub fn new(device: Device, num_blocks: u32, block_size: usize, prefix_caching: bool) -> Self {
         assert!(block_size > 0, "block_size must be positive");
-        KvManager { device, block_size, pool: BlockPool::new(num_blocks), tables: HashMap::new() }
+        KvManager {
+            device,
+            block_size,
+            pool: BlockPool::new(num_blocks),
+            tables: HashMap::new(),
+            refs: vec![0; num_blocks as usize],
+            cache: prefix_caching.then(|| PrefixCache::new(num_blocks as usize)),
+            chains: HashMap::new(),
+        }
     }
 
     pub fn device(&self) -> Device {
@@ -43,12 +76,28 @@ impl KvManager {
         self.block_size
     }
 
-    pub fn pool(&self) -> &BlockPool {
-        &self.pool
+    pub fn prefix_caching(&self) -> bool {
+        self.cache.is_some()
     }
 
+    /// Blocks that can be handed out now: clean ones, and cached ones no request holds.
     pub fn num_free_blocks(&self) -> usize {
-        self.pool.num_free()
+        self.pool.num_free() + self.cache.as_ref().map_or(0, PrefixCache::num_evictable)
+    }
+
+    /// Cached blocks no request holds (counted as free).
+    pub fn num_cached_free_blocks(&self) -> usize {
+        self.cache.as_ref().map_or(0, PrefixCache::num_evictable)
+    }
+
+    /// Blocks registered in the prefix cache, held or not.
+    pub fn num_cached_blocks(&self) -> usize {
+        self.cache.as_ref().map_or(0, PrefixCache::num_registered)
+    }
+
+    /// Blocks held by at least one request.
+    pub fn num_used_blocks(&self) -> usize {
+        self.num_total_blocks() - self.num_free_blocks()
     }
 
     pub fn num_total_blocks(&self) -> usize {
@@ -79,6 +128,40 @@ impl KvManager {
         self.blocks_for(num_tokens).saturating_sub(self.table(id).len())
     }
 
+    /// Take `n` blocks, all or none: clean ones first, then by evicting cached ones.
+    fn take_blocks(&mut self, n: usize) -> Option<Vec<BlockId>> {
+        if n > self.num_free_blocks() {
+            return None;
+        }
+        let clean = n.min(self.pool.num_free());
+        let mut blocks = self.pool.allocate(clean).expect("counted free");
+        if let Some(cache) = &mut self.cache {
+            blocks.extend((clean..n).map(|_| cache.evict().expect("counted evictable")));
+        }
+        for b in &blocks {
+            self.refs[b.0 as usize] = 1;
+        }
+        Some(blocks)
+    }
+
+    /// Drop one holder of each block; a block nobody holds goes back to the pool, or stays
+    /// cached (evictable) if registered. Released last block first, so a sequence's tail is
+    /// evicted before its head (which more prompts share).
+    fn release_blocks(&mut self, blocks: &[BlockId]) {
+        for &b in blocks.iter().rev() {
+            let r = &mut self.refs[b.0 as usize];
+            assert!(*r > 0, "block {b} released with no holder");
+            *r -= 1;
+            if *r > 0 {
+                continue;
+            }
+            match &mut self.cache {
+                Some(cache) if cache.is_registered(b) => cache.release(b),
+                _ => self.pool.free(&[b]),
+            }
+        }
+    }
+
     /// Grow the request's table to cover `num_tokens` tokens. `false` (and nothing allocated)
     /// when the pool has no room.
     pub fn allocate_slots(&mut self, id: RequestId, num_tokens: usize) -> bool {
@@ -86,7 +169,7 @@ impl KvManager {
         if need == 0 {
             return true;
         }
-        match self.pool.allocate(need) {
+        match self.take_blocks(need) {
             Some(blocks) => {
                 self.tables.entry(id).or_default().extend(blocks);
                 true
@@ -95,27 +178,121 @@ impl KvManager {
         }
     }
 
-    /// Free every block of the request (a no-op when it holds none here).
-    pub fn free(&mut self, id: RequestId) {
-        if let Some(blocks) = self.tables.remove(&id) {
-            self.pool.free(&blocks);
+    /// The cached full blocks `tokens` starts with, at most `(len - 1) / block_size` of them (the
+    /// last token is always computed, for its logits, into a block of the request's own).
+    /// Empty without prefix caching.
+    pub fn lookup(&self, tokens: &[u32]) -> PrefixHit {
+        let mut hit = PrefixHit::default();
+        let Some(cache) = &self.cache else { return hit };
+        let max_blocks = tokens.len().saturating_sub(1) / self.block_size;
+        for block in tokens.chunks_exact(self.block_size).take(max_blocks) {
+            let Some((b, hash)) = cache.get(hit.hashes.last().copied(), block) else { break };
+            hit.evictable += usize::from(self.refs[b.0 as usize] == 0);
+            hit.blocks.push(b);
+            hit.hashes.push(hash);
+        }
+        hit
+    }
+
+    /// Give a request that holds nothing here the blocks of `hit` (from `lookup`, with nothing
+    /// changed since) and new ones up to `num_tokens` tokens. `false` (nothing changed) when the
+    /// pool has no room for the new ones.
+    pub fn allocate_with_prefix(&mut self, id: RequestId, hit: &PrefixHit, num_tokens: usize) -> bool {
+        let need = self.blocks_for(num_tokens).saturating_sub(hit.num_blocks());
+        if need + hit.evictable > self.num_free_blocks() {
+            return false;
+        }
+        self.take_prefix(id, hit);
+        let grown = self.allocate_slots(id, num_tokens);
+        debug_assert!(grown, "room was checked");
+        grown
+    }
+
+    /// Give a request that holds nothing here the blocks of `hit` (from `lookup`; blocks freed
+    /// since may have been taken again, none evicted), so that allocations for other requests
+    /// cannot evict them before its own.
+    pub fn take_prefix(&mut self, id: RequestId, hit: &PrefixHit) {
+        assert!(!self.holds(id), "request {id} already holds blocks");
+        if hit.blocks.is_empty() {
+            return;
+        }
+        let cache = self.cache.as_mut().expect("a hit needs the cache");
+        for (&b, &hash) in hit.blocks.iter().zip(&hit.hashes) {
+            assert_eq!(cache.hash_of(b), Some(hash), "prefix block {b} was evicted after the lookup");
+            let r = &mut self.refs[b.0 as usize];
+            if *r == 0 {
+                cache.reuse(b);
+            }
+            *r += 1;
+        }
+        self.tables.insert(id, hit.blocks.clone());
+        self.chains.insert(id, hit.hashes.clone());
+    }
+
+    /// Register the request's full blocks among its first `num_computed` tokens (`tokens`: its
+    /// prompt and outputs) for later prompts to reuse. A no-op without prefix caching.
+    pub fn cache_full_blocks(&mut self, id: RequestId, tokens: &[u32], num_computed: usize) {
+        let Some(cache) = &mut self.cache else { return };
+        let Some(table) = self.tables.get(&id) else { return };
+        let chain = self.chains.entry(id).or_default();
+        let full = (num_computed / self.block_size).min(table.len());
+        for i in chain.len()..full {
+            let block = &tokens[i * self.block_size..(i + 1) * self.block_size];
+            let hash = cache.register(table[i], chain.last().copied(), block);
+            chain.push(hash);
         }
     }
 
-    /// Move request `id` wholly from `self` to `dst`: allocate its blocks in `dst`, free them
+    /// Free every block of the request (a no-op when it holds none here); shared blocks stay
+    /// with their other holders, cached ones stay cached.
+    pub fn free(&mut self, id: RequestId) {
+        self.chains.remove(&id);
+        if let Some(blocks) = self.tables.remove(&id) {
+            self.release_blocks(&blocks);
+        }
+    }
+
+    /// Move request `id` wholly from `self` to `dst`: allocate its blocks in `dst`, release them
     /// here, and append the block pairs to `plan`. `false` (nothing changed) when `dst` has no room.
     pub fn swap_to(&mut self, dst: &mut KvManager, id: RequestId, plan: &mut SwapPlan) -> bool {
         debug_assert!(plan.src == self.device && plan.dst == dst.device && self.block_size == dst.block_size);
         debug_assert!(!dst.holds(id), "request {id} already holds blocks in the destination pool");
-        let Some(src_blocks) = self.tables.remove(&id) else { return true };
-        let Some(dst_blocks) = dst.pool.allocate(src_blocks.len()) else {
-            self.tables.insert(id, src_blocks);
-            return false;
-        };
+        let Some(src_blocks) = self.tables.get(&id) else { return true };
+        let Some(dst_blocks) = dst.take_blocks(src_blocks.len()) else { return false };
         plan.pairs.extend(src_blocks.iter().copied().zip(dst_blocks.iter().copied()));
-        self.pool.free(&src_blocks);
+        self.free(id);
         dst.tables.insert(id, dst_blocks);
         true
+    }
+
+    /// The pool, the reference counts, the tables and the cache agree: every block is clean
+    /// and free, cached and evictable, or held by exactly as many tables as its count.
+    pub fn check(&self) -> Result<(), String> {
+        let name = self.device.name();
+        self.pool.check().map_err(|e| format!("{name} pool: {e}"))?;
+        let mut holders = vec![0u32; self.num_total_blocks()];
+        for table in self.tables.values() {
+            for b in table {
+                holders[b.0 as usize] += 1;
+            }
+        }
+        for (i, (&h, &r)) in holders.iter().zip(&self.refs).enumerate() {
+            let b = BlockId(i as u32);
+            let evictable = self.cache.as_ref().is_some_and(|c| c.is_evictable(b));
+            let ok = match (h, self.pool.is_in_use(b)) {
+                (0, false) => r == 0 && !evictable && !self.cache.as_ref().is_some_and(|c| c.is_registered(b)),
+                (0, true) => r == 0 && evictable,
+                (_, true) => r == h && !evictable,
+                (_, false) => false,
+            };
+            if !ok {
+                return Err(format!("{name} block {b}: {h} holders, count {r}, evictable {evictable}"));
+            }
+        }
+        if let Some(cache) = &self.cache {
+            cache.check().map_err(|e| format!("{name} prefix cache: {e}"))?;
+        }
+        Ok(())
     }
 }
 
@@ -125,7 +302,7 @@ mod tests {
 
     #[test]
     fn allocate_grows_and_answers_no_room() {
-        let mut m = KvManager::new(Device::Gpu, 3, 4);
+        let mut m = KvManager::new(Device::Gpu, 3, 4, false);
         let (a, b) = (RequestId(1), RequestId(2));
         assert!(m.allocate_slots(a, 5));
         assert_eq!(m.table(a).len(), 2);
@@ -142,18 +319,108 @@ mod tests {
 
     #[test]
     fn swap_moves_every_block_or_none() {
-        let mut gpu = KvManager::new(Device::Gpu, 4, 2);
-        let mut cpu = KvManager::new(Device::Cpu, 2, 2);
+        let mut gpu = KvManager::new(Device::Gpu, 4, 2, false);
+        let mut cpu = KvManager::new(Device::Cpu, 2, 2, false);
         let id = RequestId(7);
         assert!(gpu.allocate_slots(id, 5));
         let mut plan = SwapPlan::new(Device::Gpu, Device::Cpu);
         assert!(!gpu.swap_to(&mut cpu, id, &mut plan));
         assert!(plan.pairs.is_empty() && gpu.table(id).len() == 3 && cpu.num_free_blocks() == 2);
-        let mut big = KvManager::new(Device::Cpu, 8, 2);
+        let mut big = KvManager::new(Device::Cpu, 8, 2, false);
         let src = gpu.table(id).to_vec();
         assert!(gpu.swap_to(&mut big, id, &mut plan));
         assert_eq!(plan.pairs.iter().map(|p| p.0).collect::<Vec<_>>(), src);
         assert_eq!(plan.pairs.iter().map(|p| p.1).collect::<Vec<_>>(), big.table(id));
         assert_eq!(gpu.num_free_blocks(), 4);
+    }
+
+    fn tokens(seed: u32, n: usize) -> Vec<u32> {
+        (0..n as u32).map(|i| seed * 1000 + i).collect()
+    }
+
+    /// Run a request through the cache: look up, allocate, "compute" everything, register.
+    fn run_request(m: &mut KvManager, id: RequestId, toks: &[u32]) -> PrefixHit {
+        let hit = m.lookup(toks);
+        assert!(m.allocate_with_prefix(id, &hit, toks.len()));
+        m.cache_full_blocks(id, toks, toks.len());
+        m.check().unwrap();
+        hit
+    }
+
+    #[test]
+    fn shared_prefixes_are_found_by_full_block_and_capped_before_the_last_token() {
+        let mut m = KvManager::new(Device::Gpu, 16, 4, true);
+        let a = tokens(1, 10);
+        assert_eq!(run_request(&mut m, RequestId(1), &a).num_blocks(), 0);
+        // Same first 9 tokens: blocks 0 and 1 are full and cached, block 2 never was.
+        let mut b = a[..9].to_vec();
+        b.push(77);
+        let hit = run_request(&mut m, RequestId(2), &b);
+        assert_eq!((hit.blocks.as_slice(), hit.evictable), (&m.table(RequestId(1))[..2], 0));
+        assert_eq!(&m.table(RequestId(2))[..2], &m.table(RequestId(1))[..2]);
+        // A prompt of exactly two cached blocks recomputes its last token into a block of its own.
+        let c = a[..8].to_vec();
+        assert_eq!(m.lookup(&c).num_blocks(), 1);
+        // A different first block breaks the chain even when later blocks match.
+        let mut d = a.clone();
+        d[0] = 5;
+        assert_eq!(m.lookup(&d).num_blocks(), 0);
+        // Freed, the blocks stay cached and are found again, now evictable.
+        m.free(RequestId(1));
+        m.free(RequestId(2));
+        m.check().unwrap();
+        assert_eq!(m.num_free_blocks(), 16);
+        let hit = m.lookup(&b);
+        assert_eq!((hit.num_blocks(), hit.evictable), (2, 2));
+        let off = KvManager::new(Device::Gpu, 16, 4, false);
+        assert_eq!(off.lookup(&a).num_blocks(), 0);
+    }
+
+    #[test]
+    fn cached_blocks_are_evicted_oldest_first_and_only_when_no_clean_block_is_left() {
+        let mut m = KvManager::new(Device::Gpu, 6, 2, true);
+        let (a, b) = (tokens(1, 5), tokens(2, 5));
+        run_request(&mut m, RequestId(1), &a); // 3 blocks, 2 full
+        run_request(&mut m, RequestId(2), &b);
+        let (ta, tb) = (m.table(RequestId(1)).to_vec(), m.table(RequestId(2)).to_vec());
+        m.free(RequestId(1));
+        m.free(RequestId(2));
+        // Released tail first: a's second block, then its first, then b's.
+        let order: Vec<BlockId> = m.cache.as_ref().unwrap().eviction_order().collect();
+        assert_eq!(order, vec![ta[1], ta[0], tb[1], tb[0]]);
+        // Two clean blocks first (the partial third blocks), then evictions in that order.
+        assert!(m.allocate_slots(RequestId(3), 2 * 2));
+        assert_eq!(m.num_cached_blocks(), 4);
+        assert!(m.allocate_slots(RequestId(3), 3 * 2));
+        assert_eq!(m.table(RequestId(3))[2], ta[1]);
+        assert_eq!(m.lookup(&a).num_blocks(), 1);
+        assert!(m.allocate_slots(RequestId(3), 4 * 2));
+        assert_eq!(m.lookup(&a).num_blocks(), 0);
+        assert_eq!(m.lookup(&b).num_blocks(), 2);
+        m.check().unwrap();
+        // A hit takes its evictable blocks back out of the LRU: they are no room for new ones.
+        let hit = m.lookup(&b);
+        assert!(!m.allocate_with_prefix(RequestId(4), &hit, 5));
+        m.check().unwrap();
+        assert!(m.allocate_with_prefix(RequestId(4), &hit, 4));
+        assert_eq!(m.num_free_blocks(), 0);
+        m.check().unwrap();
+    }
+
+    #[test]
+    fn swapping_a_request_that_shares_blocks_copies_them_and_keeps_the_others() {
+        let mut gpu = KvManager::new(Device::Gpu, 8, 2, true);
+        let mut cpu = KvManager::new(Device::Cpu, 8, 2, false);
+        let a = tokens(1, 6);
+        run_request(&mut gpu, RequestId(1), &a);
+        run_request(&mut gpu, RequestId(2), &a);
+        let shared = gpu.table(RequestId(2))[..2].to_vec();
+        let mut plan = SwapPlan::new(Device::Gpu, Device::Cpu);
+        assert!(gpu.swap_to(&mut cpu, RequestId(2), &mut plan));
+        assert_eq!(plan.pairs.len(), 3);
+        assert_eq!(&gpu.table(RequestId(1))[..2], shared.as_slice());
+        gpu.check().unwrap();
+        cpu.check().unwrap();
+        assert_eq!(gpu.num_used_blocks(), 3);
     }
 }

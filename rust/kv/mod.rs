@@ -4,9 +4,11 @@
 
 mod block_pool;
 mod manager;
+mod prefix;
 
 pub use block_pool::BlockPool;
-pub use manager::{KvManager, SwapPlan};
+pub use manager::{KvManager, PrefixHit, SwapPlan};
+pub use prefix::{hash_block, BlockHash};
 
 use std::fmt;
 

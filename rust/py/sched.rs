@@ -92,7 +92,7 @@ fn column(v: impl Iterator<Item = usize>) -> Vec<i64> {
 #[pymethods]
 impl Scheduler {
     #[new]
-    #[pyo3(signature = (*, max_num_seqs, max_num_batched_tokens, max_model_len, block_size, num_gpu_blocks, num_cpu_blocks, offload = "none", transfer_bytes_per_decode = 0, kv_bytes_per_token = 0, force_pipeline = false))]
+    #[pyo3(signature = (*, max_num_seqs, max_num_batched_tokens, max_model_len, block_size, num_gpu_blocks, num_cpu_blocks, offload = "none", transfer_bytes_per_decode = 0, kv_bytes_per_token = 0, force_pipeline = false, enable_prefix_caching = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         max_num_seqs: usize,
@@ -105,6 +105,7 @@ impl Scheduler {
         transfer_bytes_per_decode: usize,
         kv_bytes_per_token: usize,
         force_pipeline: bool,
+        enable_prefix_caching: bool,
     ) -> PyResult<Self> {
         let config = SchedulerConfig {
             max_num_seqs,
@@ -117,6 +118,7 @@ impl Scheduler {
             transfer_bytes_per_decode,
             kv_bytes_per_token,
             force_pipeline,
+            enable_prefix_caching,
         };
         Ok(Scheduler { inner: sched::Scheduler::new(config)? })
     }
@@ -197,6 +199,11 @@ impl Scheduler {
         Ok(self.inner.kv(device(device_name)?).num_total_blocks())
     }
 
+    /// Blocks of the pool registered in its prefix cache, held by requests or not.
+    fn num_cached_blocks(&self, device_name: &str) -> PyResult<usize> {
+        Ok(self.inner.kv(device(device_name)?).num_cached_blocks())
+    }
+
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats();
         let d = PyDict::new(py);
@@ -207,6 +214,8 @@ impl Scheduler {
         d.set_item("num_swapped_in_blocks", s.num_swapped_in_blocks)?;
         d.set_item("num_prefills_to_host", s.num_prefills_to_host)?;
         d.set_item("num_pipelined_steps", s.num_pipelined_steps)?;
+        d.set_item("prefix_cache_queries", s.prefix_cache_queries)?;
+        d.set_item("prefix_cache_hits", s.prefix_cache_hits)?;
         Ok(d)
     }
 

@@ -52,6 +52,9 @@ pub struct SchedulerConfig {
     pub kv_bytes_per_token: usize,
     /// `neo` only, for tests: run every CPU decode in the pipeline whatever the estimates say.
     pub force_pipeline: bool,
+    /// Reuse the device KV of full blocks a prompt shares with earlier ones (vLLM's automatic
+    /// prefix caching).
+    pub enable_prefix_caching: bool,
 }
 
 impl SchedulerConfig {

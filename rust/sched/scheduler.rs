@@ -14,7 +14,7 @@ use super::output::{ModelInputs, ScheduledRequest, SchedulerOutput, StageTimes};
 use super::perf::PerfPredictor;
 use super::request::{FinishReason, Request, RequestId, RequestStatus};
 use crate::error::{ensure, Result};
-use crate::kv::{Device, KvManager, SwapPlan};
+use crate::kv::{Device, KvManager, PrefixHit, SwapPlan};
 
 /// One `schedule()` call's growing plan.
 struct Step {
@@ -52,6 +52,10 @@ pub struct SchedulerStats {
     pub num_prefills_to_host: u64,
     /// Iterations run as NEO's two-sub-batch pipeline.
     pub num_pipelined_steps: u64,
+    /// Prompt tokens of admitted prefills looked up in the device prefix cache, and of those,
+    /// the tokens whose KV was found there.
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
 }
 
 #[derive(Debug)]
@@ -87,8 +91,8 @@ impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Result<Self> {
         config.validate()?;
         Ok(Scheduler {
-            gpu: KvManager::new(Device::Gpu, config.num_gpu_blocks, config.block_size),
-            cpu: KvManager::new(Device::Cpu, config.num_cpu_blocks, config.block_size),
+            gpu: KvManager::new(Device::Gpu, config.num_gpu_blocks, config.block_size, config.enable_prefix_caching),
+            cpu: KvManager::new(Device::Cpu, config.num_cpu_blocks, config.block_size, false),
             config,
             requests: HashMap::new(),
             waiting: VecDeque::new(),
@@ -289,7 +293,7 @@ impl Scheduler {
             }
             let n = req.num_pending_tokens().min(step.budget);
             let target = req.num_computed_tokens + n;
-            let to_host = self.prefill_goes_to_host(req, n);
+            let to_host = self.prefill_goes_to_host(req, req.num_computed_tokens, n);
             if to_host && !self.host_has_room(target) {
                 i += 1; // its last chunk waits for host room
                 continue;
@@ -358,24 +362,28 @@ impl Scheduler {
         while self.swapped.is_empty() && step.budget > 0 && self.running.len() < self.config.max_num_seqs {
             let Some(&id) = self.waiting.front() else { break };
             let req = &self.requests[&id];
-            let n = req.num_pending_tokens().min(step.budget);
-            let target = req.num_computed_tokens + n;
-            if self.prefill_goes_to_host(req, n) && req.num_computed_tokens == 0 {
+            let hit = self.prefix_hit(req);
+            let computed = req.num_computed_tokens + hit.num_blocks() * self.config.block_size;
+            let n = (req.num_tokens() - computed).min(step.budget);
+            let target = computed + n;
+            let to_host = self.prefill_goes_to_host(req, computed, n);
+            if to_host && computed == 0 {
                 // The whole prompt in one chunk: its KV is written straight to the host pool.
                 if !self.cpu.allocate_slots(id, target) {
                     break;
                 }
                 self.waiting.pop_front();
+                self.count_prefix_hit(id, &hit);
                 self.admit_to(id, Device::Cpu);
                 self.stats.num_prefills_to_host += 1;
                 step.push(self.scheduled(id, n));
                 continue;
             }
-            let to_host = self.prefill_goes_to_host(req, n);
-            if (to_host && !self.host_has_room(target)) || !self.gpu.allocate_slots(id, target) {
+            if (to_host && !self.host_has_room(target)) || !self.gpu.allocate_with_prefix(id, &hit, target) {
                 break;
             }
             self.waiting.pop_front();
+            self.count_prefix_hit(id, &hit);
             self.admit(id);
             if to_host {
                 self.stage_to_host(id, target, step);
@@ -384,10 +392,31 @@ impl Scheduler {
         }
     }
 
-    /// Whether running `n` tokens of this device-resident request finishes its prefill and its KV
-    /// must then live in the host pool (every decode on the CPU).
-    fn prefill_goes_to_host(&self, req: &Request, n: usize) -> bool {
-        self.config.offload == OffloadMode::AllCpu && req.device == Device::Gpu && n == req.num_pending_tokens()
+    /// The device prefix-cache blocks a waiting request could start from (none once it has
+    /// computed anything: a recomputed request looks up again when its KV was dropped).
+    fn prefix_hit(&self, req: &Request) -> PrefixHit {
+        match req.num_computed_tokens {
+            0 => self.gpu.lookup(&req.token_ids),
+            _ => PrefixHit::default(),
+        }
+    }
+
+    /// An admitted prefill starts after its cached prefix (none for one bound straight for the
+    /// host pool): count the lookup and skip the hit tokens.
+    fn count_prefix_hit(&mut self, id: RequestId, hit: &PrefixHit) {
+        let req = self.requests.get_mut(&id).expect("admitted request exists");
+        if self.gpu.prefix_caching() && req.num_computed_tokens == 0 {
+            let cached = hit.num_blocks() * self.config.block_size;
+            self.stats.prefix_cache_queries += req.num_tokens() as u64;
+            self.stats.prefix_cache_hits += cached as u64;
+            req.num_computed_tokens = cached;
+        }
+    }
+
+    /// Whether running `n` tokens after the first `computed` of this device-resident request
+    /// finishes its prefill and its KV must then live in the host pool (every decode on the CPU).
+    fn prefill_goes_to_host(&self, req: &Request, computed: usize, n: usize) -> bool {
+        self.config.offload == OffloadMode::AllCpu && req.device == Device::Gpu && computed + n == req.num_tokens()
     }
 
     fn host_has_room(&self, num_tokens: usize) -> bool {
@@ -484,12 +513,6 @@ impl Scheduler {
         );
         self.awaiting_update = false;
         self.in_flight_moved.clear();
-        for id in std::mem::take(&mut self.moving_to_host) {
-            if let Some(req) = self.requests.get_mut(&id) {
-                self.gpu.free(id); // the staging blocks; the KV is in the host pool now
-                req.device = Device::Cpu;
-            }
-        }
         // A stop on the last allowed token is a stop, not a length finish.
         let stopped: HashSet<RequestId> = stopped.iter().copied().filter(|id| self.requests.contains_key(id)).collect();
         let mut finished: Vec<_> = stopped.iter().map(|&id| (id, FinishReason::Stop)).collect();
@@ -498,6 +521,16 @@ impl Scheduler {
             let token = if s.sample { tokens.next().copied() } else { None };
             let Some(req) = self.requests.get_mut(&s.id) else { continue };
             req.num_computed_tokens += s.num_new_tokens;
+            let bs = self.config.block_size;
+            let filled = req.num_computed_tokens / bs > (req.num_computed_tokens - s.num_new_tokens) / bs;
+            if req.device == Device::Gpu && filled {
+                self.gpu.cache_full_blocks(s.id, &req.token_ids, req.num_computed_tokens);
+            }
+            if req.device == Device::Gpu && self.moving_to_host.contains(&s.id) {
+                // The staging blocks (cached first); the KV is in the host pool now.
+                self.gpu.free(s.id);
+                req.device = Device::Cpu;
+            }
             if let Some(t) = token {
                 req.token_ids.push(t);
                 if req.num_output_tokens() >= req.max_tokens && !stopped.contains(&s.id) {
@@ -505,6 +538,7 @@ impl Scheduler {
                 }
             }
         }
+        self.moving_to_host.clear();
         if !finished.is_empty() {
             for &(id, _) in &finished {
                 self.release(id);
@@ -536,28 +570,9 @@ impl Scheduler {
     /// twice, every request in exactly one queue holding blocks only where its status says.
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         for kv in [&self.gpu, &self.cpu] {
-            kv.pool().check()?;
-            let mut owned = vec![false; kv.num_total_blocks()];
-            let mut num_owned = 0;
-            for (id, table) in kv.tables() {
-                if !self.requests.contains_key(&id) {
-                    return Err(format!("{} pool holds blocks of unknown request {id}", kv.device().name()));
-                }
-                for b in table {
-                    let slot = &mut owned[b.0 as usize];
-                    if *slot || !kv.pool().is_in_use(*b) {
-                        return Err(format!("{} block {b} owned twice or not marked in use", kv.device().name()));
-                    }
-                    *slot = true;
-                    num_owned += 1;
-                }
-            }
-            if num_owned != kv.pool().num_used() {
-                return Err(format!(
-                    "{} pool: {num_owned} blocks owned, {} in use",
-                    kv.device().name(),
-                    kv.pool().num_used()
-                ));
+            kv.check()?;
+            if let Some((id, _)) = kv.tables().find(|(id, _)| !self.requests.contains_key(id)) {
+                return Err(format!("{} pool holds blocks of unknown request {id}", kv.device().name()));
             }
         }
         let queued = self.waiting.len() + self.running.len() + self.swapped.len();

@@ -29,6 +29,26 @@ def test_workloads_are_seeded_and_shaped() -> None:
     )
 
 
+def test_prompts_are_drawn_from_the_seed() -> None:
+    a, b = (workloads.make("synthetic", 20, 40, 8, seed, vocab=1000) for seed in (0, 1))
+    assert a == workloads.make("synthetic", 20, 40, 8, 0, vocab=1000)
+    firsts = {r.ids[:16] for r in a + b if r.ids is not None}
+    assert len(firsts) == 40  # no shared first block, within a run or across seeds
+
+
+def test_shared_prefix_workload_resends_each_conversation() -> None:
+    reqs = workloads.make("shared-prefix", 7, 50, 20, seed=1, prefix_len=300, turns=3, vocab=100)
+    assert reqs == workloads.make("shared-prefix", 7, 50, 20, seed=1, prefix_len=300, turns=3, vocab=100)
+    assert len(reqs) == 7 and all(r.ids is not None and len(r.ids) == r.prompt_len for r in reqs)
+    ids = [r.ids or () for r in reqs]
+    assert all(i[:300] == ids[0][:300] and max(i) < 100 for i in ids)
+    # 3 conversations, turn-major: request 3 is conversation 0's second turn, which resends the
+    # first turn and a 20-token stand-in for its reply before a new message.
+    first, second = ids[0], ids[3]
+    assert second[: len(first)] == first and len(second) >= len(first) + 20 + 45
+    assert ids[1][300:305] != first[300:305]  # conversations differ after the system prompt
+
+
 def test_arrivals() -> None:
     assert arrival_times(5, float("inf"), 1.0, 0) == [0.0] * 5
     t = arrival_times(4000, 10.0, 1.0, seed=1)
@@ -87,5 +107,6 @@ def test_short_run_against_the_server(tmp_path: Path) -> None:
         assert m["output_throughput"] == pytest.approx(m["total_output_tokens"] / m["duration_s"])
         off = m["offload"]
         assert off is not None and 0 <= off["cpu_decode_share"] <= 1 and off["host_kv_blocks_max"] >= 0
+        assert 0 <= off["prefix_cache_hit_rate"] <= 1
     assert runs[1]["summary"]["offload"]["cpu_decode_share"] > 0  # 24 requests overflow 24 device blocks
     assert png.stat().st_size > 10_000

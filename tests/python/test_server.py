@@ -46,6 +46,17 @@ def test_models_health_version_metrics(server: Server, client: openai.OpenAI) ->
     assert server.metric("neo:kv_cache_usage_perc", pool="gpu") == 0
 
 
+def test_prefix_cache_metrics(server: Server, client: openai.OpenAI) -> None:
+    prompt = "A long shared system prompt that fills more than one block of tokens. " * 4
+    before = server.metric("neo:prefix_cache_hits_total", tier="device")
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    # The second request found at least the first block of the first one's prompt.
+    assert server.metric("neo:prefix_cache_hits_total", tier="device") >= before + 16
+    assert server.metric("neo:prefix_cache_queries_total") >= 2 * 16
+    assert server.metric("neo:prefix_cache_blocks", tier="device") >= 1
+
+
 def test_completion_stream_matches_non_stream(client: openai.OpenAI) -> None:
     kw = dict(model=MODEL, prompt="The quick brown fox", max_tokens=24, temperature=0)
     full = client.completions.create(**kw)

@@ -48,11 +48,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--model", help="model name (default: the server's first)")
-    ap.add_argument("--workload", default="synthetic", help="synthetic | osc | azure-code | FILE.jsonl")
+    ap.add_argument(
+        "--workload", default="synthetic", help="synthetic | osc | azure-code | shared-prefix | FILE.jsonl"
+    )
     ap.add_argument("--input-len", type=int, default=1000)
     ap.add_argument("--output-len", type=int, default=200)
     ap.add_argument("--num-requests", type=int, default=200)
     ap.add_argument("--rate", default="inf", help="requests/s (inf: all at once); a list sweeps")
+    ap.add_argument("--prefix-len", type=int, default=2000, help="shared-prefix: system prompt tokens")
+    ap.add_argument("--turns", type=int, default=3, help="shared-prefix: turns per conversation")
     ap.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson)")
     ap.add_argument("--max-concurrency", type=int)
     ap.add_argument("--warmup", type=int, default=2, help="requests sent first and not measured")
@@ -74,9 +78,19 @@ def main(argv: list[str] | None = None) -> None:
         return
     model, _ = (args.model, 0) if args.model else _model(args.url)
     slo_ttft, slo_tpot = _slo(args.slo)
-    requests = workloads.make(args.workload, args.num_requests, args.input_len, args.output_len, args.seed)
     runs = []
-    for rate in (float(x) for x in args.rate.split(",")):
+    for k, rate in enumerate(float(x) for x in args.rate.split(",")):
+        # A fresh draw per rate: a prefix cache must not serve one rate's prompts to the next.
+        requests = workloads.make(
+            args.workload,
+            args.num_requests,
+            args.input_len,
+            args.output_len,
+            args.seed + k,
+            prefix_len=args.prefix_len,
+            turns=args.turns,
+            vocab=args.vocab,
+        )
         times = arrival_times(len(requests), rate, args.burstiness, args.seed)
         result = asyncio.run(
             run(args.url, model, requests, times, args.max_concurrency, args.vocab, args.warmup)

@@ -62,6 +62,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="host pool storage (int8: half of bf16)",
     )
     p.add_argument("--offload", default="none", choices=list(OFFLOAD_MODES))
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of prompt prefixes shared with earlier requests (default: on)",
+    )
     p.add_argument("--cpu-threads", type=_positive_int)
     p.add_argument(
         "--api-key", default=os.environ.get("NEO_RS_API_KEY"), help="required Bearer key (or NEO_RS_API_KEY)"
@@ -96,6 +102,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         cpu_kv_dtype=args.cpu_kv_dtype,
         cpu_threads=args.cpu_threads,
         offload=args.offload,
+        enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
     )
 

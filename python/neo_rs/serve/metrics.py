@@ -67,6 +67,22 @@ class Metrics:
         self.transfer = Counter(
             "neo:host_device_bytes", "Bytes of CPU decodes between device and host.", label, registry=r
         )
+        self.prefix_queries = Counter(
+            "neo:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", label, registry=r
+        )
+        self.prefix_hits = Counter(
+            "neo:prefix_cache_hits",
+            "Prompt tokens whose KV the prefix cache held.",
+            [*label, "tier"],
+            registry=r,
+        )
+        self.prefix_blocks = Gauge(
+            "neo:prefix_cache_blocks",
+            "Blocks registered in the prefix cache (held by requests or evictable).",
+            [*label, "tier"],
+            registry=r,
+        )
+        self._prefix_seen = (0, 0)  # scheduler totals already counted
         self._last_token: dict[str, float] = {}  # engine thread only
 
     def on_step(self, engine: LLMEngine, stats: IterationStats | None, outputs: list[RequestOutput]) -> None:
@@ -76,6 +92,12 @@ class Metrics:
         self.running.labels(m).set(sched.num_running)
         self.waiting.labels(m).set(sched.num_waiting + sched.num_swapped)
         self.cpu_kv_width.labels(m).set(engine.runner.cpu_kv_bytes_per_token())
+        totals = sched.stats()
+        queries, hits = totals["prefix_cache_queries"], totals["prefix_cache_hits"]
+        self.prefix_queries.labels(m).inc(queries - self._prefix_seen[0])
+        self.prefix_hits.labels(m, "device").inc(hits - self._prefix_seen[1])
+        self._prefix_seen = (queries, hits)
+        self.prefix_blocks.labels(m, "device").set(sched.num_cached_blocks("gpu"))
         for pool in ("gpu", "cpu"):
             total = sched.num_total_blocks(pool)
             used = total - sched.num_free_blocks(pool)

@@ -49,13 +49,15 @@ struct Placement {
 }
 
 /// A prefill the policy may still drop.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Tentative {
     id: RequestId,
     n: usize,
     target: usize,
     to_host: bool,
     attn_ms: f64,
+    /// Cached device blocks a device prefill starts from.
+    hit: PrefixHit,
 }
 
 impl Scheduler {
@@ -116,16 +118,16 @@ impl Scheduler {
         // Step 5: trim trailing host-bound prefills while sub-batch 0 keeps enough linear work
         // (unless they are owed admission); their budget goes back to the CPU decodes.
         let mut trimmed_any = false;
-        while let Some(p) = prefills.last().copied().filter(|_| !keep_host_bound) {
+        while let Some(p) = prefills.last().filter(|_| !keep_host_bound) {
             let mut trimmed = b0;
-            add_prefill(&mut trimmed, &p, -1);
+            add_prefill(&mut trimmed, p, -1);
             if !p.to_host || trimmed.tokens < MIN_LINEAR_TOKENS || b1.reqs == 0 || self.min_remains(&trimmed, &b1) < 0.0
             {
                 break;
             }
+            place.budget += p.n;
             prefills.pop();
             b0 = trimmed;
-            place.budget += p.n;
             trimmed_any = true;
         }
         if trimmed_any {
@@ -136,12 +138,12 @@ impl Scheduler {
         // reach the linear-work threshold; pick the plan with the higher estimated throughput.
         let mut g_prefills = prefills.clone();
         let mut g_tokens = gpu.tokens + prefills.iter().map(|p| p.n).sum::<usize>();
-        while let Some(p) = g_prefills.last().copied().filter(|_| !keep_host_bound) {
+        while let Some(p) = g_prefills.last().filter(|_| !keep_host_bound) {
             if !p.to_host || g_tokens - p.n < MIN_LINEAR_TOKENS {
                 break;
             }
-            g_prefills.pop();
             g_tokens -= p.n;
+            g_prefills.pop();
         }
         let mut g = gpu;
         for p in &g_prefills {
@@ -323,7 +325,7 @@ impl Scheduler {
             }
             let need = self.gpu.blocks_for(req.num_computed_tokens + 1);
             let grows = self.gpu.blocks_for(req.num_tokens() + horizon) - need;
-            let used = self.gpu.pool().num_used() + need;
+            let used = self.gpu.num_used_blocks() + need;
             if used > limit || (reserve > 0 && used + reserve + grows > self.gpu.num_total_blocks()) {
                 break;
             }
@@ -377,9 +379,13 @@ impl Scheduler {
                 break;
             }
             let req = &self.requests[&id];
+            let hit = self.prefix_hit(req);
+            let computed = req.num_computed_tokens + hit.num_blocks() * self.config.block_size;
+            let n_dev = (req.num_tokens() - computed).min(budget);
+            // Device blocks it takes up: new ones, and cached ones no request holds.
+            let blocks = self.gpu.blocks_for(computed + n_dev) - hit.num_blocks() + hit.evictable;
             let n = req.num_pending_tokens().min(budget);
             let target = req.num_computed_tokens + n;
-            let blocks = self.gpu.blocks_for(target);
             // Host room stays for swapping out every block the device holds (counting the
             // device prefills placed above): a preempted device request must find it, or it
             // is recomputed. NEO's reference caps host-bound prefills at cpu_blocks - gpu_blocks.
@@ -393,26 +399,35 @@ impl Scheduler {
             };
             // Once one prefill goes to the host, later ones follow (FCFS fairness).
             host_bound |= to_host;
-            if to_host {
+            let t = if to_host {
                 free_cpu -= self.cpu.blocks_for(target);
+                let attn_ms = self.predictor.prefill_attn_ms(req.num_computed_tokens, n);
+                Tentative { id, n, target, to_host, attn_ms, hit: PrefixHit::default() }
             } else {
                 free_gpu -= blocks;
                 on_device += 1;
-            }
-            let attn_ms = self.predictor.prefill_attn_ms(req.num_computed_tokens, n);
-            out.push(Tentative { id, n, target, to_host, attn_ms });
-            budget -= n;
+                let attn_ms = self.predictor.prefill_attn_ms(computed, n_dev);
+                Tentative { id, n: n_dev, target: computed + n_dev, to_host, attn_ms, hit }
+            };
+            budget -= t.n;
             seats -= 1;
+            out.push(t);
         }
         out
     }
 
     fn commit_prefills(&mut self, step: &mut Step, prefills: &[Tentative]) {
+        // Every device prefill takes its cached prefix first: the new blocks of one must not
+        // evict another's (cached blocks no request held when the plan was made).
+        for p in prefills.iter().filter(|p| !p.to_host) {
+            self.gpu.take_prefix(p.id, &p.hit);
+        }
         for p in prefills {
             debug_assert_eq!(self.waiting.front(), Some(&p.id));
             let kv = if p.to_host { &mut self.cpu } else { &mut self.gpu };
             let grown = kv.allocate_slots(p.id, p.target);
-            debug_assert!(grown, "tentative prefills were counted against the free blocks");
+            assert!(grown, "tentative prefills were counted against the free blocks");
+            self.count_prefix_hit(p.id, &p.hit);
             self.waiting.pop_front();
             self.admit_to(p.id, if p.to_host { Device::Cpu } else { Device::Gpu });
             self.stats.num_prefills_to_host += u64::from(p.to_host);
@@ -467,6 +482,7 @@ mod tests {
             transfer_bytes_per_decode: 0,
             kv_bytes_per_token,
             force_pipeline: false,
+            enable_prefix_caching: false,
         })
         .unwrap()
     }
@@ -476,7 +492,8 @@ mod tests {
         // 150 GPU decodes; the pipelined plan also carries a 20-token prompt bound for the host
         // and 100 CPU decodes in sub-batch 1. Without copies it wins; when the prompt's KV copy
         // (per layer) outlasts the layer, the GPU-only plan without that prompt wins.
-        let host_prompt = Tentative { id: RequestId(0), n: 20, target: 20, to_host: true, attn_ms: 0.05 };
+        let host_prompt =
+            Tentative { id: RequestId(0), n: 20, target: 20, to_host: true, attn_ms: 0.05, hit: PrefixHit::default() };
         for (kv_bytes_per_token, pays) in [(0, true), (4 << 20, false)] {
             let s = scheduler(kv_bytes_per_token);
             let mut g = Load::default();

@@ -1,0 +1,138 @@
+//! Automatic prefix caching for one pool (vLLM v1's, in spirit): every full block a request
+//! computes is registered under a chained hash of its tokens (the parent block's hash, then its
+//! own tokens), so a later prompt with the same prefix takes those blocks instead of computing
+//! them. A registered block that no request holds stays cached and is evicted least recently
+//! freed first, only when the pool has no clean block left. Each entry keeps its parent hash
+//! and tokens: a hash collision is a miss, never wrong KV.
+
+use std::collections::hash_map::DefaultHasher;
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{Hash, Hasher};
+
+use super::BlockId;
+
+/// The chained hash of one full block of tokens.
+pub type BlockHash = u64;
+
+/// The hash of the block of `tokens` that follows the block hashed `parent` (`None` for a
+/// prompt's first block). Deterministic across runs (fixed-key SipHash).
+pub fn hash_block(parent: Option<BlockHash>, tokens: &[u32]) -> BlockHash {
+    let mut h = DefaultHasher::new();
+    parent.hash(&mut h);
+    tokens.hash(&mut h);
+    h.finish()
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    hash: BlockHash,
+    parent: Option<BlockHash>,
+    tokens: Box<[u32]>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct PrefixCache {
+    by_hash: HashMap<BlockHash, BlockId>,
+    /// The registered content of each block (indexed by block id).
+    entries: Vec<Option<Entry>>,
+    /// Registered blocks no request holds, by the order they were freed (oldest first).
+    evictable: BTreeMap<u64, BlockId>,
+    freed_at: Vec<u64>,
+    clock: u64,
+}
+
+impl PrefixCache {
+    pub fn new(num_blocks: usize) -> Self {
+        PrefixCache { entries: vec![None; num_blocks], freed_at: vec![0; num_blocks], ..Default::default() }
+    }
+
+    /// The block holding exactly this content, if registered.
+    pub fn get(&self, parent: Option<BlockHash>, tokens: &[u32]) -> Option<(BlockId, BlockHash)> {
+        let hash = hash_block(parent, tokens);
+        let b = *self.by_hash.get(&hash)?;
+        let e = self.entries[b.0 as usize].as_ref()?;
+        (e.parent == parent && *e.tokens == *tokens).then_some((b, hash))
+    }
+
+    /// Register `block` as holding `tokens` after `parent`; returns the hash. A content already
+    /// registered under another block keeps that one (this block then stays unregistered).
+    pub fn register(&mut self, block: BlockId, parent: Option<BlockHash>, tokens: &[u32]) -> BlockHash {
+        let hash = hash_block(parent, tokens);
+        let slot = &mut self.entries[block.0 as usize];
+        if slot.is_none() && !self.by_hash.contains_key(&hash) {
+            self.by_hash.insert(hash, block);
+            *slot = Some(Entry { hash, parent, tokens: tokens.into() });
+        }
+        hash
+    }
+
+    /// The hash `block` is registered under.
+    pub fn hash_of(&self, block: BlockId) -> Option<BlockHash> {
+        self.entries[block.0 as usize].as_ref().map(|e| e.hash)
+    }
+
+    pub fn is_registered(&self, block: BlockId) -> bool {
+        self.entries[block.0 as usize].is_some()
+    }
+
+    pub fn is_evictable(&self, block: BlockId) -> bool {
+        self.evictable.get(&self.freed_at[block.0 as usize]) == Some(&block)
+    }
+
+    pub fn num_evictable(&self) -> usize {
+        self.evictable.len()
+    }
+
+    /// Registered blocks in total (held or evictable).
+    pub fn num_registered(&self) -> usize {
+        self.by_hash.len()
+    }
+
+    /// A registered block's last holder let it go: it becomes the most recent to evict.
+    pub fn release(&mut self, block: BlockId) {
+        debug_assert!(self.is_registered(block) && !self.is_evictable(block));
+        self.clock += 1;
+        self.freed_at[block.0 as usize] = self.clock;
+        self.evictable.insert(self.clock, block);
+    }
+
+    /// An evictable block is taken again by a request whose prefix it holds.
+    pub fn reuse(&mut self, block: BlockId) {
+        let removed = self.evictable.remove(&self.freed_at[block.0 as usize]);
+        assert_eq!(removed, Some(block), "reused block {block} was not evictable");
+    }
+
+    /// Evict the least recently freed block: unregistered, it is the caller's to reuse.
+    pub fn evict(&mut self) -> Option<BlockId> {
+        let (_, block) = self.evictable.pop_first()?;
+        let e = self.entries[block.0 as usize].take().expect("evictable blocks are registered");
+        self.by_hash.remove(&e.hash);
+        Some(block)
+    }
+
+    /// Evictable blocks, oldest first.
+    #[cfg(test)]
+    pub fn eviction_order(&self) -> impl Iterator<Item = BlockId> + '_ {
+        self.evictable.values().copied()
+    }
+
+    /// The index and the entries agree (tests and invariant checks).
+    pub fn check(&self) -> Result<(), String> {
+        for (&hash, &b) in &self.by_hash {
+            match &self.entries[b.0 as usize] {
+                Some(e) if e.hash == hash => {}
+                _ => return Err(format!("hash {hash:x} points at block {b}, which holds other content")),
+            }
+        }
+        let registered = self.entries.iter().filter(|e| e.is_some()).count();
+        if registered != self.by_hash.len() {
+            return Err(format!("{registered} registered blocks, {} hashes", self.by_hash.len()));
+        }
+        for (&t, &b) in &self.evictable {
+            if self.freed_at[b.0 as usize] != t || !self.is_registered(b) {
+                return Err(format!("evictable block {b} is stale or unregistered"));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,134 @@
+"""Automatic prefix caching: prompts that share full blocks with earlier ones start after them,
+with greedy tokens identical to Hugging Face transformers and to caching off, in every offload
+mode, under preemption (swap and recompute) and aborts, and for n > 1 samples of one prompt."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_all_blocks_free
+from neo_rs import LLM, LLMEngine, SamplingParams
+from neo_rs.config import EngineArgs
+
+SYSTEM = list(range(40, 61))  # 21 tokens: two full 8-token blocks and 5 more
+PROMPTS = [
+    SYSTEM + [7, 8, 9],
+    SYSTEM[:16],  # exactly the two cached blocks: the second is recomputed for the logits
+    SYSTEM[:20] + [200, 201],  # diverges mid-block: hits two blocks, computes the rest
+    SYSTEM + [11],
+    [3, 4, 5, 6],
+    SYSTEM[:12] + [9] * 10,  # diverges inside block 1: hits block 0 only
+]
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+MODES = {
+    "none": dict(num_gpu_blocks=64, num_cpu_blocks=64),
+    "neo": dict(num_gpu_blocks=64, num_cpu_blocks=64, neo_force_pipeline=True),
+    "all": dict(num_gpu_blocks=64, num_cpu_blocks=64, max_num_batched_tokens=16),
+}
+_hf: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+
+
+def hf_greedy(path, prompt: list[int]) -> list[int]:  # noqa: ANN001
+    key = (str(path), tuple(prompt))
+    if key not in _hf:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        for p in PROMPTS:
+            out = model.generate(
+                torch.tensor([p]),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            _hf[(str(path), tuple(p))] = out[0, len(p) :].tolist()
+    return _hf[key]
+
+
+def one_by_one(
+    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams = GREEDY
+) -> list[list[int]]:
+    """Each prompt after the previous one finished, so that its prefix is cached."""
+    outs = []
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, request_id=str(i))
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.finished:
+                    outs.append(o.outputs[0].token_ids)
+    return outs
+
+
+@pytest.mark.parametrize("offload", list(MODES))
+def test_hits_at_block_boundaries_and_mid_block_keep_tokens_identical(checkpoints, offload: str) -> None:
+    path = checkpoints["llama3"]
+    engine = LLM(str(path), dtype="float32", block_size=8, offload=offload, **MODES[offload]).engine
+    tokens = one_by_one(engine, PROMPTS)
+    assert tokens == [hf_greedy(path, p) for p in PROMPTS]
+    st = engine.scheduler.stats()
+    assert st["prefix_cache_queries"] == sum(len(p) for p in PROMPTS), st
+    # Prompt 1 hits 8 tokens, 2 and 3 hit 16, 5 hits 8 (prompts 0 and 4 miss). Under "all"
+    # the prompts are chunked (16-token budget), so their device blocks are cached before they
+    # move to the host pool.
+    assert st["prefix_cache_hits"] == 8 + 16 + 16 + 8, st
+    assert_all_blocks_free(engine)
+    off = LLM(
+        str(path),
+        dtype="float32",
+        block_size=8,
+        offload=offload,
+        enable_prefix_caching=False,
+        **MODES[offload],
+    ).engine
+    assert one_by_one(off, PROMPTS) == tokens
+    assert off.scheduler.stats()["prefix_cache_hits"] == 0
+
+
+@pytest.mark.parametrize(("num_cpu_blocks", "stat"), [(64, "num_swapped_out"), (0, "num_recomputed")])
+def test_preemption_and_abort_of_requests_holding_shared_blocks(
+    checkpoints, num_cpu_blocks: int, stat: str
+) -> None:
+    path = checkpoints["llama3"]
+    args = EngineArgs(
+        model=str(path), dtype="float32", block_size=8, num_gpu_blocks=6, num_cpu_blocks=num_cpu_blocks
+    )
+    engine = LLMEngine(args)
+    # Warm the cache, then run the sharing prompts together on a pool too small for all of them.
+    assert one_by_one(engine, PROMPTS[:1]) == [hf_greedy(path, PROMPTS[0])]
+    got: dict[str, list[int]] = {}
+    for i, p in enumerate(PROMPTS[1:4], start=1):
+        engine.add_request(p, GREEDY, request_id=str(i))
+    engine.add_request(SYSTEM + [5], GREEDY, request_id="aborted")
+    steps = 0
+    while engine.has_unfinished():
+        if steps == 3:
+            assert engine.abort("aborted") is not None  # it holds the shared blocks too
+        for o in engine.step():
+            if o.finished:
+                got[o.request_id] = o.outputs[0].token_ids
+        steps += 1
+    assert "aborted" not in got
+    assert [got[str(i)] for i in (1, 2, 3)] == [hf_greedy(path, p) for p in PROMPTS[1:4]]
+    st = engine.scheduler.stats()
+    assert st[stat] > 0 and st["prefix_cache_hits"] > 0, st
+    assert_all_blocks_free(engine)
+
+
+def test_n_samples_of_one_prompt_share_its_blocks(checkpoints) -> None:
+    path = checkpoints["llama3"]
+    # A small token budget prefills the copies one after another: later ones hit the first's.
+    llm = LLM(str(path), dtype="float32", block_size=8, num_gpu_blocks=64, max_num_batched_tokens=24)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, n=3)
+    (out,) = llm.generate([PROMPTS[0]], params, use_tqdm=False)
+    assert [o.token_ids for o in out.outputs] == [hf_greedy(path, PROMPTS[0])] * 3
+    assert llm.engine.scheduler.stats()["prefix_cache_hits"] >= 16
+    assert_all_blocks_free(llm.engine)
+
+
+def test_server_flag_turns_it_off() -> None:
+    from neo_rs.serve.cli import engine_args, parse_args
+
+    assert engine_args(parse_args([])).enable_prefix_caching
+    assert not engine_args(parse_args(["--no-enable-prefix-caching"])).enable_prefix_caching
