@@ -63,7 +63,7 @@ impl KvManager {
             pool: BlockPool::new(num_blocks),
             tables: HashMap::new(),
             refs: vec![0; num_blocks as usize],
-            cache: prefix_caching.then(|| PrefixCache::new(num_blocks as usize)),
+            cache: prefix_caching.then(|| PrefixCache::new(num_blocks as usize, block_size)),
             chains: HashMap::new(),
         }
     }

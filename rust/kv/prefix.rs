@@ -7,7 +7,7 @@
 
 use std::collections::hash_map::DefaultHasher;
 use std::collections::{BTreeMap, HashMap};
-use std::hash::{Hash, Hasher};
+use std::hash::{BuildHasherDefault, Hash, Hasher};
 
 use super::BlockId;
 
@@ -23,18 +23,36 @@ pub fn hash_block(parent: Option<BlockHash>, tokens: &[u32]) -> BlockHash {
     h.finish()
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Copy)]
 struct Entry {
     hash: BlockHash,
     parent: Option<BlockHash>,
-    tokens: Box<[u32]>,
+}
+
+/// Keys of `by_hash` are SipHash outputs already: hashing them again would only cost time.
+#[derive(Debug, Clone, Copy, Default)]
+struct Prehashed(u64);
+
+impl Hasher for Prehashed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, _: &[u8]) {
+        unreachable!("only u64 keys")
+    }
+    fn write_u64(&mut self, x: u64) {
+        self.0 = x;
+    }
 }
 
 #[derive(Debug, Clone, Default)]
 pub struct PrefixCache {
-    by_hash: HashMap<BlockHash, BlockId>,
-    /// The registered content of each block (indexed by block id).
+    block_size: usize,
+    by_hash: HashMap<BlockHash, BlockId, BuildHasherDefault<Prehashed>>,
+    /// The registered content of each block (indexed by block id): its hashes here, its tokens
+    /// in `tokens` (`block_size` per block, no allocation per registration).
     entries: Vec<Option<Entry>>,
+    tokens: Vec<u32>,
     /// Registered blocks no request holds, by the order they were freed (oldest first).
     evictable: BTreeMap<u64, BlockId>,
     freed_at: Vec<u64>,
@@ -42,33 +60,46 @@ pub struct PrefixCache {
 }
 
 impl PrefixCache {
-    pub fn new(num_blocks: usize) -> Self {
-        PrefixCache { entries: vec![None; num_blocks], freed_at: vec![0; num_blocks], ..Default::default() }
+    pub fn new(num_blocks: usize, block_size: usize) -> Self {
+        PrefixCache {
+            block_size,
+            entries: vec![None; num_blocks],
+            tokens: vec![0; num_blocks * block_size],
+            freed_at: vec![0; num_blocks],
+            ..Default::default()
+        }
+    }
+
+    fn tokens_of(&self, block: BlockId) -> &[u32] {
+        let i = block.0 as usize * self.block_size;
+        &self.tokens[i..i + self.block_size]
     }
 
     /// The block holding exactly this content, if registered.
     pub fn get(&self, parent: Option<BlockHash>, tokens: &[u32]) -> Option<(BlockId, BlockHash)> {
         let hash = hash_block(parent, tokens);
         let b = *self.by_hash.get(&hash)?;
-        let e = self.entries[b.0 as usize].as_ref()?;
-        (e.parent == parent && *e.tokens == *tokens).then_some((b, hash))
+        let e = self.entries[b.0 as usize]?;
+        (e.parent == parent && self.tokens_of(b) == tokens).then_some((b, hash))
     }
 
     /// Register `block` as holding `tokens` after `parent`; returns the hash. A content already
     /// registered under another block keeps that one (this block then stays unregistered).
     pub fn register(&mut self, block: BlockId, parent: Option<BlockHash>, tokens: &[u32]) -> BlockHash {
+        debug_assert_eq!(tokens.len(), self.block_size);
         let hash = hash_block(parent, tokens);
-        let slot = &mut self.entries[block.0 as usize];
-        if slot.is_none() && !self.by_hash.contains_key(&hash) {
+        let i = block.0 as usize;
+        if self.entries[i].is_none() && !self.by_hash.contains_key(&hash) {
             self.by_hash.insert(hash, block);
-            *slot = Some(Entry { hash, parent, tokens: tokens.into() });
+            self.entries[i] = Some(Entry { hash, parent });
+            self.tokens[i * self.block_size..(i + 1) * self.block_size].copy_from_slice(tokens);
         }
         hash
     }
 
     /// The hash `block` is registered under.
     pub fn hash_of(&self, block: BlockId) -> Option<BlockHash> {
-        self.entries[block.0 as usize].as_ref().map(|e| e.hash)
+        self.entries[block.0 as usize].map(|e| e.hash)
     }
 
     pub fn is_registered(&self, block: BlockId) -> bool {
