@@ -1,0 +1,390 @@
+//! Scheduler scenarios, each driven to completion with fake tokens: chunked prefill, swaps and
+//! recompute, bad requests, the `all` and `neo` offload modes, failed steps, NEO's policy under
+//! steady load, and prefix-cache hits. (The random workloads are in `scheduler.rs`.)
+
+use std::collections::{HashMap, VecDeque};
+
+use neo_rs::kv::Device;
+use neo_rs::sched::{OffloadMode, RequestId, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput};
+
+fn config(gpu: u32, cpu: u32, budget: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        max_num_seqs: 8,
+        max_num_batched_tokens: budget,
+        max_model_len: 64,
+        block_size: 4,
+        num_gpu_blocks: gpu,
+        num_cpu_blocks: cpu,
+        offload: OffloadMode::GpuOnly,
+        transfer_bytes_per_decode: 0,
+        kv_bytes_per_token: 0,
+        force_pipeline: false,
+        enable_prefix_caching: false,
+    }
+}
+
+/// Drive to completion with fake tokens; return every plan.
+fn drain(s: &mut Scheduler) -> Vec<SchedulerOutput> {
+    let mut plans = Vec::new();
+    while s.has_unfinished() {
+        let out = s.schedule().unwrap();
+        let sampled: Vec<u32> = out.inputs.sample_ids.iter().map(|_| 7).collect();
+        s.update(&sampled, &[]).unwrap();
+        s.check_invariants().unwrap();
+        plans.push(out);
+        assert!(plans.len() < 1000);
+    }
+    plans
+}
+
+#[test]
+fn chunked_prefill_splits_a_long_prompt_and_decodes_ride_along() {
+    let mut s = Scheduler::new(config(32, 0, 8)).unwrap();
+    s.add_request(RequestId(0), vec![1; 3], 4).unwrap();
+    s.add_request(RequestId(1), vec![2; 20], 2).unwrap();
+    let plans = drain(&mut s);
+    let chunks: Vec<usize> = plans[0].scheduled.iter().map(|r| r.num_new_tokens).collect();
+    assert_eq!(chunks, vec![3, 5]);
+    // Next step: request 0 decodes, request 1 continues its prompt with the remaining budget.
+    assert_eq!(plans[1].num_decodes, 1);
+    assert_eq!(plans[1].scheduled[1].num_new_tokens, 7);
+    assert!(!plans[1].scheduled[1].sample);
+}
+
+#[test]
+fn full_device_pool_swaps_out_then_back_in() {
+    // 3 requests of 8 prompt tokens fill 6 blocks; their first decode needs a 7th.
+    let mut s = Scheduler::new(config(6, 16, 64)).unwrap();
+    for id in 0..3 {
+        s.add_request(RequestId(id), vec![3; 8], 4).unwrap();
+    }
+    let plans = drain(&mut s);
+    let out = plans.iter().position(|p| !p.swap_out.pairs.is_empty()).expect("a swap-out happened");
+    assert_eq!(plans[out].swap_out.pairs.len(), 2);
+    assert!(plans[out + 1..].iter().any(|p| !p.swap_in.pairs.is_empty()));
+    assert!(plans.iter().all(|p| p.recomputed.is_empty()));
+    let st = s.stats();
+    assert!(st.num_swapped_out > 0);
+    assert_eq!(st.num_swapped_in, st.num_swapped_out, "every swapped-out request came back");
+}
+
+#[test]
+fn no_host_room_means_recompute() {
+    let mut s = Scheduler::new(config(6, 0, 64)).unwrap();
+    for id in 0..3 {
+        s.add_request(RequestId(id), vec![3; 8], 4).unwrap();
+    }
+    let plans = drain(&mut s);
+    assert!(plans.iter().any(|p| !p.recomputed.is_empty()));
+    assert!(plans.iter().all(|p| p.swap_out.pairs.is_empty()));
+    // A recomputed request prefills its prompt and its outputs so far again.
+    let victim = plans.iter().find_map(|p| p.recomputed.first()).copied().unwrap();
+    assert!(plans.iter().any(|p| p.scheduled.iter().any(|r| r.id == victim && r.num_new_tokens > 8)));
+}
+
+#[test]
+fn bad_requests_are_refused_and_abort_frees_everything() {
+    let mut s = Scheduler::new(config(4, 4, 64)).unwrap();
+    assert!(s.add_request(RequestId(0), vec![], 4).is_err());
+    assert!(s.add_request(RequestId(0), vec![1], 0).is_err());
+    assert!(s.add_request(RequestId(0), vec![1; 60], 5).is_err(), "over max_model_len");
+    assert!(s.add_request(RequestId(0), vec![1; 16], 2).is_err(), "more blocks than the pool");
+    s.add_request(RequestId(0), vec![1; 10], 3).unwrap();
+    assert!(s.add_request(RequestId(0), vec![1; 2], 3).is_err(), "duplicate id");
+    let out = s.schedule().unwrap();
+    assert_eq!(out.inputs.sample_ids, vec![0]);
+    assert!(s.update(&[], &[]).is_err(), "one sampled token expected");
+    assert!(s.abort(RequestId(0)));
+    assert!(!s.abort(RequestId(0)));
+    assert_eq!(s.kv(Device::Gpu).num_free_blocks(), 4);
+    s.check_invariants().unwrap();
+    assert!(Scheduler::new(config(0, 4, 64)).is_err());
+}
+
+#[test]
+fn all_mode_moves_finished_prefills_to_the_host_and_decodes_there() {
+    let mut s = Scheduler::new(SchedulerConfig { offload: OffloadMode::AllCpu, ..config(4, 12, 6) }).unwrap();
+    s.add_request(RequestId(0), vec![1; 9], 3).unwrap();
+    s.add_request(RequestId(1), vec![2; 2], 3).unwrap();
+    let plans = drain(&mut s);
+    // Request 0's prompt is chunked (6 + 3): its last chunk stages its 3 device blocks to the
+    // host. Request 1's whole prompt fits the next chunk and is written to the host directly.
+    assert_eq!(plans[0].prefill_to_host.pairs.len(), 0);
+    assert_eq!(plans[1].prefill_to_host.pairs.len(), 3);
+    assert_eq!(plans[1].num_host_prefills, 1);
+    // Then both decode on the CPU, never on the device.
+    assert!(plans[2..].iter().all(|p| p.num_cpu_decodes == p.scheduled.len() && p.num_decodes == p.scheduled.len()));
+    assert!(plans[2..].iter().all(|p| p.inputs.slot_mapping.iter().all(|&x| x == -1)));
+    assert_eq!(s.stats().num_prefills_to_host, 2);
+}
+
+#[test]
+fn neo_mode_offloads_pipelines_and_swaps_both_ways() {
+    let cfg = SchedulerConfig {
+        offload: OffloadMode::Neo,
+        max_num_seqs: 16,
+        max_num_batched_tokens: 256,
+        block_size: 4,
+        num_gpu_blocks: 24,
+        num_cpu_blocks: 128,
+        transfer_bytes_per_decode: 4096,
+        kv_bytes_per_token: 1024,
+        force_pipeline: false,
+        enable_prefix_caching: false,
+        max_model_len: 128,
+    };
+    let mut s = Scheduler::new(cfg).unwrap();
+    for id in 0..12 {
+        s.add_request(RequestId(id), vec![1; 20 + id as usize], 40).unwrap();
+    }
+    let plans = drain(&mut s);
+    let st = s.stats();
+    assert!(st.num_pipelined_steps > 0, "{st:?}");
+    assert!(st.num_prefills_to_host > 0 && st.num_swapped_in > 0, "{st:?}");
+    let pipelined = plans.iter().find(|p| p.sub_batch1_start < p.scheduled.len()).unwrap();
+    assert!(pipelined.scheduled[pipelined.sub_batch1_start..].iter().all(|r| r.device == Device::Cpu));
+    assert!(plans.iter().any(|p| p.num_cpu_decodes > 0 && p.num_decodes > p.num_cpu_decodes));
+}
+
+#[test]
+fn a_failed_step_aborts_what_it_ran_and_swapped() {
+    let mut s = Scheduler::new(config(6, 16, 64)).unwrap();
+    for id in 0..3 {
+        s.add_request(RequestId(id), vec![3; 8], 4).unwrap();
+    }
+    assert!(s.abort_step().is_empty(), "nothing in flight");
+    assert!(s.update(&[], &[]).is_err(), "update() without schedule()");
+    loop {
+        let out = s.schedule().unwrap();
+        if !out.swap_out.pairs.is_empty() {
+            // Two requests decode; the third was swapped out by this very plan.
+            assert_eq!(out.scheduled.len(), 2);
+            assert_eq!(s.abort_step().len(), 3);
+            break;
+        }
+        let sampled: Vec<u32> = out.inputs.sample_ids.iter().map(|_| 7).collect();
+        s.update(&sampled, &[]).unwrap();
+    }
+    s.check_invariants().unwrap();
+    assert!(!s.has_unfinished());
+    assert_eq!((s.kv(Device::Gpu).num_free_blocks(), s.kv(Device::Cpu).num_free_blocks()), (6, 16));
+    s.add_request(RequestId(9), vec![1; 4], 2).unwrap();
+    assert_eq!(drain(&mut s).len(), 2, "the scheduler serves new requests after a failed step");
+}
+
+#[test]
+fn neo_keeps_host_room_for_swap_outs() {
+    // Host-bound prefills may not take the host blocks that device requests would need when the
+    // device fills up and they are preempted (before this rule, this workload swapped nothing
+    // out and recomputed instead).
+    let cfg = SchedulerConfig { offload: OffloadMode::Neo, force_pipeline: true, ..config(8, 16, 64) };
+    let mut s = Scheduler::new(cfg).unwrap();
+    for id in 0..8 {
+        s.add_request(RequestId(id), vec![3; 12], 10).unwrap();
+    }
+    while s.has_unfinished() {
+        let out = s.schedule().unwrap();
+        if out.num_host_prefills > 0 {
+            let (gpu, cpu) = (s.kv(Device::Gpu), s.kv(Device::Cpu));
+            assert!(cpu.num_free_blocks() >= gpu.num_total_blocks() - gpu.num_free_blocks());
+        }
+        let sampled: Vec<u32> = out.inputs.sample_ids.iter().map(|_| 7).collect();
+        s.update(&sampled, &[]).unwrap();
+    }
+    let st = s.stats();
+    assert!(st.num_prefills_to_host > 0 && st.num_swapped_out > 0, "{st:?}");
+}
+
+#[test]
+fn neo_never_pipelines_when_the_cpu_cannot_hide_under_the_device() {
+    // A CPU whose attention takes 100x the device's whole layer: no CPU decode fits under the
+    // other sub-batch's work, so no iteration pipelines; the requests whose prompts went to the
+    // host pool still finish (swapped in once they are owed the device, or alone).
+    let cfg = SchedulerConfig { offload: OffloadMode::Neo, ..config(8, 32, 64) };
+    let mut s = Scheduler::new(cfg).unwrap();
+    let slow = neo_rs::sched::Table2::new(vec![1.0, 1024.0], vec![0.0, 1e6], vec![100.0; 4]).unwrap();
+    s.predictor_mut().cpu_decode = slow;
+    for id in 0..8 {
+        s.add_request(RequestId(id), vec![3; 12], 10).unwrap();
+    }
+    let plans = drain(&mut s);
+    assert!(s.stats().num_prefills_to_host > 0, "the host pool was used");
+    assert!(plans.iter().all(|p| p.sub_batch1_start == p.scheduled.len()));
+    assert_eq!(s.stats().num_pipelined_steps, 0);
+}
+
+#[test]
+fn neo_sends_overflow_prompts_to_the_host_before_any_cpu_decode_exists() {
+    // The device holds 3 of the 6 prompts, enough linear work on its own. With no request on
+    // the CPU tier yet, the rest are prefilled into the host pool rather than left waiting for
+    // device room (before, neo offloaded nothing here until something was preempted).
+    let cfg = SchedulerConfig { offload: OffloadMode::Neo, ..config(40, 128, 512) };
+    let mut s = Scheduler::new(cfg).unwrap();
+    for id in 0..6 {
+        s.add_request(RequestId(id), vec![3; 48], 4).unwrap();
+    }
+    let first = s.schedule().unwrap();
+    assert!(first.num_host_prefills > 0, "{first:?}");
+    let sampled: Vec<u32> = first.inputs.sample_ids.iter().map(|_| 7).collect();
+    s.update(&sampled, &[]).unwrap();
+    drain(&mut s);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn neo_admits_host_bound_prompts_while_the_device_is_full() {
+    // Steady state at 256 running requests (each replaced when it finishes) with a device pool
+    // for about 150 of them: the prompt at the head of the queue must not wait for the
+    // device while the host pool has room for it (and for a swap-out of everything the device
+    // holds). Before, step 5 trimmed every host-bound prefill of every iteration whose GPU
+    // decodes alone made 128 tokens of linear work, so the queue only drained into the device.
+    let cfg = SchedulerConfig {
+        offload: OffloadMode::Neo,
+        max_num_seqs: 256,
+        max_num_batched_tokens: 256 + 512,
+        block_size: 16,
+        num_gpu_blocks: 150 * 8,
+        num_cpu_blocks: 256 * 12,
+        max_model_len: 1024,
+        transfer_bytes_per_decode: 4096,
+        kv_bytes_per_token: 1024,
+        force_pipeline: true,
+        enable_prefix_caching: false,
+    };
+    let mut s = Scheduler::new(cfg).unwrap();
+    let mut order = VecDeque::new();
+    let mut next = 0u64;
+    let mut add = |s: &mut Scheduler, order: &mut VecDeque<u64>| {
+        let h = next.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+        s.add_request(RequestId(next), vec![1; 40 + (h % 60) as usize], 32 + (h % 64) as usize).unwrap();
+        order.push_back(next);
+        next += 1;
+    };
+    for _ in 0..256 {
+        add(&mut s, &mut order);
+    }
+    let (mut stuck, mut longest) = (0, 0);
+    for _ in 0..600 {
+        order.retain(|&id| s.request(RequestId(id)).is_some_and(|r| r.status == RequestStatus::Waiting));
+        let head_fits_host = order.front().is_some_and(|&id| {
+            let (gpu, cpu) = (s.kv(Device::Gpu), s.kv(Device::Cpu));
+            let need = cpu.blocks_for(s.request(RequestId(id)).unwrap().num_prompt_tokens);
+            s.num_running() < 256 && need + gpu.num_total_blocks() - gpu.num_free_blocks() <= cpu.num_free_blocks()
+        });
+        let out = s.schedule().unwrap();
+        let admitted = out.scheduled.iter().any(|r| order.front() == Some(&r.id.0));
+        stuck = if head_fits_host && !admitted { stuck + 1 } else { 0 };
+        longest = longest.max(stuck);
+        let sampled: Vec<u32> = out.inputs.sample_ids.iter().map(|_| 7).collect();
+        for _ in s.update(&sampled, &[]).unwrap() {
+            add(&mut s, &mut order);
+        }
+        s.check_invariants().unwrap();
+    }
+    assert!(
+        longest <= neo_rs::sched::MAX_HOST_PREFILL_DEFERS as usize + 1,
+        "the queue's head waited {longest} iterations"
+    );
+}
+
+/// A steady neo load of `n` running requests, each replaced when it finishes (prompts of 40-99
+/// tokens, outputs of `min_output` + 0-199), on a device pool of `gpu_blocks` blocks of 16
+/// tokens and a host pool for the rest, with CPU attention priced at `cpu_ms` whatever its
+/// size; `each` sees every plan and the next request id.
+fn neo_steady_state(
+    n: usize,
+    gpu_blocks: u32,
+    cpu_ms: f64,
+    min_output: usize,
+    mut each: impl FnMut(&Scheduler, &SchedulerOutput, u64),
+) {
+    let cfg = SchedulerConfig {
+        offload: OffloadMode::Neo,
+        max_num_seqs: n,
+        max_num_batched_tokens: n + 512,
+        block_size: 16,
+        num_gpu_blocks: gpu_blocks,
+        num_cpu_blocks: n as u32 * 20,
+        max_model_len: 1024,
+        transfer_bytes_per_decode: 4096,
+        kv_bytes_per_token: 1024,
+        force_pipeline: false,
+        enable_prefix_caching: false,
+    };
+    let mut s = Scheduler::new(cfg).unwrap();
+    s.predictor_mut().cpu_decode = neo_rs::sched::Table2::new(vec![1.0, 1e6], vec![0.0, 1e7], vec![cpu_ms; 4]).unwrap();
+    let add = |s: &mut Scheduler, id: u64| {
+        let h = id.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+        s.add_request(RequestId(id), vec![1; 40 + (h % 60) as usize], min_output + (h % 200) as usize).unwrap();
+    };
+    for id in 0..n as u64 {
+        add(&mut s, id);
+    }
+    let mut next = n as u64;
+    for _ in 0..600 {
+        let out = s.schedule().unwrap();
+        each(&s, &out, next);
+        let sampled: Vec<u32> = out.inputs.sample_ids.iter().map(|_| 7).collect();
+        for _ in s.update(&sampled, &[]).unwrap() {
+            add(&mut s, next);
+            next += 1;
+        }
+        s.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn neo_swaps_do_not_ping_pong() {
+    // Device pools far too small for the load, with a CPU too slow to hide any attention (its
+    // requests are owed the device) and one fast enough to pipeline. A request swapped in must
+    // not be swapped out again within the horizon (before the hysteresis, with the slow CPU,
+    // the request swapped in was the newest on the device and the next preemption's victim:
+    // 85 of 330 moves were such bounces).
+    for (gpu_blocks, cpu_ms, min_output) in [(600, 100.0, 200), (600, 0.001, 200), (1200, 100.0, 32)] {
+        let mut last_move: HashMap<u64, (Device, Option<usize>)> = HashMap::new();
+        let (mut step, mut moves, mut bounces) = (0, 0, Vec::new());
+        neo_steady_state(256, gpu_blocks, cpu_ms, min_output, |s, _, next| {
+            step += 1;
+            for id in 0..next {
+                let Some(r) = s.request(RequestId(id)).filter(|r| r.status == RequestStatus::Running) else { continue };
+                let e = last_move.entry(id).or_insert((r.device, None));
+                if e.0 != r.device {
+                    moves += 1;
+                    if r.device == Device::Cpu && e.1.is_some_and(|t| step - t < 16) {
+                        bounces.push((id, step));
+                    }
+                    *e = (r.device, Some(step));
+                }
+            }
+        });
+        assert!(moves > 50, "the load moves requests between the pools ({moves} moves)");
+        assert!(bounces.is_empty(), "swapped in, then out within the horizon: {bounces:?}");
+    }
+}
+
+#[test]
+fn prefix_hits_skip_cached_blocks_and_are_counted() {
+    let cfg = SchedulerConfig { enable_prefix_caching: true, ..config(32, 0, 64) };
+    let mut s = Scheduler::new(cfg).unwrap();
+    let system: Vec<u32> = (100..110).collect();
+    s.add_request(RequestId(1), system.clone(), 3).unwrap();
+    drain(&mut s);
+    // Request 1 computed 12 tokens (10 of prompt, 2 of output): 3 full blocks are cached. The
+    // same 10-token prefix and more hits blocks 0 and 1; block 2 holds request 1's outputs.
+    let mut follow = system.clone();
+    follow.extend([1, 2, 3]);
+    s.add_request(RequestId(2), follow, 2).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!((out.scheduled[0].num_computed_tokens, out.scheduled[0].num_new_tokens), (8, 5));
+    assert_eq!(s.kv(Device::Gpu).num_cached_blocks(), 3);
+    s.update(&[7], &[]).unwrap();
+    drain(&mut s);
+    let st = s.stats();
+    assert_eq!((st.prefix_cache_queries, st.prefix_cache_hits), (10 + 13, 8));
+    // Off: nothing is looked up.
+    let mut off = Scheduler::new(config(32, 0, 64)).unwrap();
+    off.add_request(RequestId(1), system.clone(), 1).unwrap();
+    drain(&mut off);
+    off.add_request(RequestId(2), system, 1).unwrap();
+    assert_eq!(off.schedule().unwrap().scheduled[0].num_computed_tokens, 0);
+}
