@@ -1,9 +1,10 @@
 //! One work item of paged decode attention — a (sequence, KV head, token chunk) — written once
 //! over the `Simd` primitives. The chunk is walked block by block with an online (single-pass)
-//! softmax; K/V rows are widened to f32 in registers straight from the pool and each load serves
-//! a register tile of query heads (q·k: heads x tokens = LANES accumulators folded by one
-//! transposed reduction; p·v: up to 4 heads per V-row load). The result is an unnormalised
-//! partial (acc, max, sum) that `split.rs` merges FlashDecoding-style.
+//! softmax; K/V rows are widened to f32 in registers straight from the pool (or read by the
+//! tier's int8/bf16 dot products where it has them: `dot.rs`) and each load serves a register
+//! tile of query heads (q·k: heads x tokens = LANES accumulators folded by one transposed
+//! reduction; p·v: up to 4 heads per V-row load). The result is an unnormalised partial (acc,
+//! max, sum) that `split.rs` merges FlashDecoding-style.
 
 use std::ops::Range;
 
