@@ -85,11 +85,6 @@ impl KvManager {
         self.pool.num_free() + self.cache.as_ref().map_or(0, PrefixCache::num_evictable)
     }
 
-    /// Cached blocks no request holds (counted as free).
-    pub fn num_cached_free_blocks(&self) -> usize {
-        self.cache.as_ref().map_or(0, PrefixCache::num_evictable)
-    }
-
     /// Blocks registered in the prefix cache, held or not.
     pub fn num_cached_blocks(&self) -> usize {
         self.cache.as_ref().map_or(0, PrefixCache::num_registered)

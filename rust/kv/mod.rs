@@ -8,7 +8,6 @@ mod prefix;
 
 pub use block_pool::BlockPool;
 pub use manager::{KvManager, PrefixHit, SwapPlan};
-pub use prefix::{hash_block, BlockHash};
 
 use std::fmt;
 
