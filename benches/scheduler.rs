@@ -36,6 +36,7 @@ impl Load {
             // share of the requests (the synthetic CPU is too slow for offloading to pay).
             force_pipeline: neo,
             enable_prefix_caching,
+            num_cpu_prefix_blocks: 0,
         })
         .expect("valid config");
         let mut load = Load { s, next_id: 0 };

@@ -1,5 +1,6 @@
 //! Property tests of the scheduler and KV managers: random workloads (arrivals, lengths, aborts,
-//! stops, tiny pools, prompts sharing prefixes, prefix caching on and off) driven through
+//! stops, tiny pools, prompts sharing prefixes, prefix caching on and off, host tiers of every
+//! share) driven through
 //! schedule -> fake model -> update, with every invariant checked after every step, a fake KV
 //! (each slot holds the token written there, copied by swaps) checked under every request the
 //! model runs, and every request accounted for at the end.
@@ -54,9 +55,13 @@ fn workload(mode: impl Strategy<Value = OffloadMode>) -> impl Strategy<Value = W
             transfer_bytes_per_decode: 4096,
             kv_bytes_per_token: 1024,
             force_pipeline,
+            num_cpu_prefix_blocks: 0,
         });
-    let config = (config, prop::bool::weighted(0.7))
-        .prop_map(|(c, enable_prefix_caching)| SchedulerConfig { enable_prefix_caching, ..c });
+    // Prefix caching on in most workloads, with a host tier of up to the whole host pool.
+    let config = (config, prop::bool::weighted(0.7), 0u32..=24).prop_map(|(c, enable_prefix_caching, tier)| {
+        let num_cpu_prefix_blocks = if enable_prefix_caching { tier.min(c.num_cpu_blocks) } else { 0 };
+        SchedulerConfig { enable_prefix_caching, num_cpu_prefix_blocks, ..c }
+    });
     let job = (
         (0usize..40, 0u64..3, 0usize..40),
         1usize..40,
@@ -166,6 +171,15 @@ fn check_plan(s: &Scheduler, out: &SchedulerOutput) -> Result<(), TestCaseError>
         let (gpu, cpu) = (s.kv(Device::Gpu), s.kv(Device::Cpu));
         prop_assert!(cpu.num_free_blocks() >= gpu.num_total_blocks() - gpu.num_free_blocks());
     }
+    // Host blocks this plan writes (swap-outs, evicted prefix blocks) are not among those its
+    // copies to the device read; device blocks copied into the host tier were handed out again.
+    let host_reads: std::collections::HashSet<_> =
+        out.swap_in.pairs.iter().chain(&out.cache_to_device.pairs).map(|p| p.0).collect();
+    let mut host_writes = std::collections::HashSet::new();
+    for &(_, h) in out.swap_out.pairs.iter().chain(&out.cache_to_host.pairs) {
+        prop_assert!(!host_reads.contains(&h), "host block {} written and read by one plan", h);
+        prop_assert!(host_writes.insert(h), "host block {} written twice by one plan", h);
+    }
     let mut planned = out.prefill_to_host.pairs.clone();
     planned.sort();
     staged.sort();
@@ -191,13 +205,16 @@ impl FakeKv {
         }
     }
 
-    /// Play one plan: swaps, then every scheduled request reads the KV of its computed tokens
-    /// (checked: each slot of its table holds its own token there, shared prefix blocks
-    /// included) and writes its new tokens, then host-bound prefills are copied to the host.
+    /// Play one plan: swaps and prefix-tier copies (device reads first), then every scheduled
+    /// request reads the KV of its computed tokens (checked: each slot of its table holds its
+    /// own token there, shared and host-tier prefix blocks included) and writes its new tokens,
+    /// then host-bound prefills are copied to the host.
     fn run(&mut self, s: &Scheduler, out: &SchedulerOutput) -> Result<(), TestCaseError> {
         let bs = s.config().block_size;
         self.copy(&out.swap_out.pairs, Device::Gpu, Device::Cpu, bs);
+        self.copy(&out.cache_to_host.pairs, Device::Gpu, Device::Cpu, bs);
         self.copy(&out.swap_in.pairs, Device::Cpu, Device::Gpu, bs);
+        self.copy(&out.cache_to_device.pairs, Device::Cpu, Device::Gpu, bs);
         for sr in &out.scheduled {
             let req = s.request(sr.id).expect("scheduled request exists");
             let table = s.kv(sr.device).table(sr.id);

@@ -20,6 +20,7 @@ fn config(gpu: u32, cpu: u32, budget: usize) -> SchedulerConfig {
         kv_bytes_per_token: 0,
         force_pipeline: false,
         enable_prefix_caching: false,
+        num_cpu_prefix_blocks: 0,
     }
 }
 
@@ -131,6 +132,7 @@ fn neo_mode_offloads_pipelines_and_swaps_both_ways() {
         kv_bytes_per_token: 1024,
         force_pipeline: false,
         enable_prefix_caching: false,
+        num_cpu_prefix_blocks: 0,
         max_model_len: 128,
     };
     let mut s = Scheduler::new(cfg).unwrap();
@@ -250,6 +252,7 @@ fn neo_admits_host_bound_prompts_while_the_device_is_full() {
         kv_bytes_per_token: 1024,
         force_pipeline: true,
         enable_prefix_caching: false,
+        num_cpu_prefix_blocks: 0,
     };
     let mut s = Scheduler::new(cfg).unwrap();
     let mut order = VecDeque::new();
@@ -310,6 +313,7 @@ fn neo_steady_state(
         kv_bytes_per_token: 1024,
         force_pipeline: false,
         enable_prefix_caching: false,
+        num_cpu_prefix_blocks: 0,
     };
     let mut s = Scheduler::new(cfg).unwrap();
     s.predictor_mut().cpu_decode = neo_rs::sched::Table2::new(vec![1.0, 1e6], vec![0.0, 1e7], vec![cpu_ms; 4]).unwrap();
@@ -387,4 +391,53 @@ fn prefix_hits_skip_cached_blocks_and_are_counted() {
     drain(&mut off);
     off.add_request(RequestId(2), system, 1).unwrap();
     assert_eq!(off.schedule().unwrap().scheduled[0].num_computed_tokens, 0);
+}
+
+#[test]
+fn evicted_prefix_blocks_go_to_the_host_tier_and_hits_there_are_copied_back() {
+    let cfg = SchedulerConfig { enable_prefix_caching: true, num_cpu_prefix_blocks: 4, ..config(4, 8, 64) };
+    let mut s = Scheduler::new(cfg).unwrap();
+    let system: Vec<u32> = (100..112).collect();
+    let with = |last: u32| system.iter().copied().chain([last]).collect::<Vec<_>>();
+    s.add_request(RequestId(1), with(1), 1).unwrap();
+    drain(&mut s);
+    // Another prompt needs the whole device pool: the system prompt's three blocks are evicted
+    // and copied, in the same plan, into the host tier.
+    s.add_request(RequestId(2), (200..213).collect(), 1).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.cache_to_host.pairs.len(), 3);
+    let stored: Vec<_> = out.cache_to_host.pairs.iter().map(|p| p.1).collect();
+    s.update(&[7], &[]).unwrap();
+    assert_eq!(s.kv(Device::Cpu).num_cached_blocks(), 3);
+    // The system prompt again: found on the host, copied into the request's first device blocks.
+    s.add_request(RequestId(3), with(2), 1).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!((out.scheduled[0].num_computed_tokens, out.scheduled[0].num_new_tokens), (12, 1));
+    let table = s.kv(Device::Gpu).table(RequestId(3)).to_vec();
+    let mut copied = out.cache_to_device.pairs.clone();
+    copied.sort_by_key(|p| p.1 .0);
+    assert_eq!(copied.iter().map(|p| p.1).collect::<Vec<_>>(), table[..3].to_vec());
+    let mut sources: Vec<_> = copied.iter().map(|p| p.0).collect();
+    sources.sort();
+    let mut want = stored.clone();
+    want.sort();
+    assert_eq!(sources, want);
+    s.update(&[7], &[]).unwrap();
+    s.check_invariants().unwrap();
+    let st = s.stats();
+    assert_eq!((st.prefix_cache_hits, st.prefix_cache_host_hits), (0, 12));
+    // Request 3's device blocks evicted request 2's three: stored too, the tier keeps its cap.
+    assert_eq!((st.num_cache_blocks_to_host, st.num_cache_blocks_to_device), (6, 3));
+    assert_eq!(s.kv(Device::Cpu).num_cached_blocks(), 4);
+    // Landed, the copies are in the device cache: the next hit is on the device.
+    s.add_request(RequestId(4), with(3), 1).unwrap();
+    let out = s.schedule().unwrap();
+    assert!(out.cache_to_device.pairs.is_empty());
+    assert_eq!(out.scheduled[0].num_computed_tokens, 12);
+    s.update(&[7], &[]).unwrap();
+    drain(&mut s);
+    assert_eq!(s.stats().prefix_cache_hits, 12);
+    // A tier needs the device cache.
+    let bad = SchedulerConfig { num_cpu_prefix_blocks: 4, ..config(4, 8, 64) };
+    assert!(Scheduler::new(bad).is_err());
 }

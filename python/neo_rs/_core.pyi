@@ -120,6 +120,12 @@ class SchedulerOutput:
     """``[n, 2]`` (host block, device block) pairs."""
     prefill_to_host: npt.NDArray[np.int64]
     """``[n, 2]`` (device, host) block pairs of finishing prefills; copy each layer once written."""
+    cache_to_host: npt.NDArray[np.int64]
+    """``[n, 2]`` (device, host) pairs: prefix blocks evicted this iteration, into the host tier.
+    Gather with ``swap_out`` (the device blocks are handed out again); nothing reads the host
+    blocks before the next plan."""
+    cache_to_device: npt.NDArray[np.int64]
+    """``[n, 2]`` (host, device) pairs: host-tier prefix hits; apply with ``swap_in``."""
     recomputed: list[int]
     predicted: dict[str, float]
     """Predicted per-layer ms: linear0/1, prefill_attn, gpu_decode, cpu_attn0/1, transfer0/1, layer."""
@@ -141,10 +147,13 @@ class Scheduler:
         kv_bytes_per_token: int = 0,
         force_pipeline: bool = False,
         enable_prefix_caching: bool = False,
+        num_cpu_prefix_blocks: int = 0,
     ) -> None:
         """``offload``: ``neo`` (partial offload, pipelined when it pays), ``none`` (GPU-only,
         overflow swapped) or ``all`` (every decode on the CPU). ``enable_prefix_caching``: new
-        prompts start after the full device blocks they share with earlier ones."""
+        prompts start after the full device blocks they share with earlier ones.
+        ``num_cpu_prefix_blocks``: host blocks that keep prefix blocks the device evicts (the
+        host tier; needs ``enable_prefix_caching``)."""
     def add_request(self, request_id: int, prompt_token_ids: list[int], max_tokens: int) -> None:
         """Queue a request; ``InvalidArgumentError`` if it can never run (empty, too long, duplicate)."""
     def abort(self, request_id: int) -> bool:

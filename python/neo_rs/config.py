@@ -234,6 +234,11 @@ class EngineArgs:
     # Reuse the device KV of full blocks a prompt shares with earlier ones (vLLM's automatic
     # prefix caching, on by default as in vLLM v1).
     enable_prefix_caching: bool = True
+    # The host tier of the prefix cache: this much of the host pool keeps prefix blocks the
+    # device cache evicts, for later prompts to copy back instead of recomputing. None: a
+    # quarter of the host pool. The tier's blocks stay free room: swap-outs and CPU decodes
+    # take them first when no clean block is left.
+    cpu_prefix_cache_gib: float | None = None
     seed: int = 0
     skip_tokenizer_init: bool = False
 
@@ -262,3 +267,7 @@ class EngineArgs:
             )
         if self.cpu_kv_gib < 0:
             raise InvalidArgumentError(f"cpu_kv_gib must be non-negative, got {self.cpu_kv_gib}")
+        if self.cpu_prefix_cache_gib is not None and not self.cpu_prefix_cache_gib >= 0:
+            raise InvalidArgumentError(
+                f"cpu_prefix_cache_gib must be non-negative, got {self.cpu_prefix_cache_gib}"
+            )

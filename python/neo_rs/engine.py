@@ -87,6 +87,7 @@ class LLMEngine:
             kv_bytes_per_token=self.runner.kv_bytes_per_token(),
             force_pipeline=args.neo_force_pipeline,
             enable_prefix_caching=args.enable_prefix_caching,
+            num_cpu_prefix_blocks=self.runner.num_cpu_prefix_blocks,
         )
         if args.offload == "neo":
             budget = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS

@@ -38,6 +38,15 @@ def resolve_device(name: str | None) -> torch.device:
     return dev
 
 
+def _prefix_tier_blocks(args: EngineArgs, num_cpu: int, per_block: int) -> int:
+    """Host blocks of the prefix cache's host tier (``EngineArgs.cpu_prefix_cache_gib``)."""
+    if not args.enable_prefix_caching:
+        return 0
+    if args.cpu_prefix_cache_gib is None:
+        return num_cpu // 4
+    return min(num_cpu, int(args.cpu_prefix_cache_gib * (1 << 30)) // per_block)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -60,15 +69,18 @@ class ModelRunner:
             if args.num_cpu_blocks is not None
             else int(args.cpu_kv_gib * (1 << 30)) // host_per_block
         )
+        self.num_cpu_prefix_blocks = _prefix_tier_blocks(args, num_cpu, host_per_block)
         self.device_pool = KvPool(self.layout, num_gpu, device)
         self.host_pool = KvPool(self.layout, num_cpu, torch.device("cpu"), quantized=int8)
         log.info(
-            "KV pools: %d device blocks (%.2f GiB), %d host blocks (%.2f GiB, %s), %d tokens per block",
+            "KV pools: %d device blocks (%.2f GiB), %d host blocks (%.2f GiB, %s; %d for the "
+            "prefix cache's host tier), %d tokens per block",
             num_gpu,
             num_gpu * per_block / (1 << 30),
             num_cpu,
             num_cpu * host_per_block / (1 << 30),
             "int8" if int8 else "model dtype",
+            self.num_cpu_prefix_blocks,
             args.block_size,
         )
         self.transfer = HostTransfer(device, emulate_async=emulate_async_copies())
@@ -123,14 +135,20 @@ class ModelRunner:
         return self.host_pool.num_blocks
 
     def apply_swaps(self, plan: SchedulerOutput) -> None:
-        """Whole-request moves between the pools. Swap-outs are gathered first (the plan may hand
-        their device blocks to others); ``execute`` waits for them before its CPU attention can
-        read them (under ``neo`` a swapped-out request decodes on the CPU at once)."""
+        """Whole-request moves between the pools, and the prefix cache's copies between its
+        tiers. Device blocks are gathered first (the plan may hand them to others): swap-outs,
+        which ``execute`` waits for before its CPU attention can read them (under ``neo`` a
+        swapped-out request decodes on the CPU at once), and evicted prefix blocks, which
+        nothing reads before the next plan (waited for after the forward)."""
         dev, host = self.device_pool, self.host_pool
         if len(plan.swap_out):
             self._swapped_out = self.transfer.blocks_to_host(dev, host, block_pairs(plan.swap_out, dev, host))
-        if len(plan.swap_in):
-            self.transfer.blocks_to_device(host, dev, block_pairs(plan.swap_in, host, dev))
+        if len(plan.cache_to_host):
+            pairs = block_pairs(plan.cache_to_host, dev, host)
+            self._landing.append(self.transfer.blocks_to_host(dev, host, pairs))
+        for to_device in (plan.swap_in, plan.cache_to_device):
+            if len(to_device):
+                self.transfer.blocks_to_device(host, dev, block_pairs(to_device, host, dev))
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> torch.Tensor:

@@ -5,9 +5,11 @@
 
 use std::collections::HashMap;
 
-use super::prefix::{BlockHash, PrefixCache};
+use super::prefix::{BlockHash, Evicted, PrefixCache};
 use super::{BlockId, BlockPool, Device};
 use crate::sched::RequestId;
+
+mod host_tier;
 
 #[derive(Debug, Clone)]
 pub struct KvManager {
@@ -19,8 +21,14 @@ pub struct KvManager {
     /// several.
     refs: Vec<u32>,
     cache: Option<PrefixCache>,
+    /// Most cached blocks no request holds (the host tier's share; the whole pool otherwise).
+    cache_cap: usize,
     /// With the cache: the chained hashes of each request's leading full blocks seen so far.
     chains: HashMap<RequestId, Vec<BlockHash>>,
+    /// When a host tier takes them: blocks evicted since the last `take_evicted`.
+    evicted: Option<Vec<Evicted>>,
+    /// Host-tier blocks held while they are copied to the device (`pin_host_hit`).
+    pins: Vec<BlockId>,
 }
 
 /// Block pairs `(src, dst)` that move one or more requests from pool `src` to pool `dst`; every
@@ -38,18 +46,28 @@ impl SwapPlan {
     }
 }
 
-/// The cached blocks a prompt starts with (`KvManager::lookup`).
+/// The cached blocks a prompt starts with: device blocks (`KvManager::lookup`), then the host
+/// tier's blocks that continue the chain (`KvManager::extend_hit`), copied to the device.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PrefixHit {
     pub blocks: Vec<BlockId>,
     hashes: Vec<BlockHash>,
-    /// Of those, how many no request holds (taking them uses up free blocks).
+    /// Of the device blocks, how many no request holds (taking them uses up free blocks).
     pub evictable: usize,
+    pub host: Vec<BlockId>,
+    host_hashes: Vec<BlockHash>,
 }
 
 impl PrefixHit {
+    /// Leading blocks of the prompt found, on both tiers.
     pub fn num_blocks(&self) -> usize {
-        self.blocks.len()
+        self.blocks.len() + self.host.len()
+    }
+
+    /// Keep the device blocks only (the host ones are to be recomputed).
+    pub fn drop_host(&mut self) {
+        self.host.clear();
+        self.host_hashes.clear();
     }
 }
 
@@ -64,7 +82,10 @@ impl KvManager {
             tables: HashMap::new(),
             refs: vec![0; num_blocks as usize],
             cache: prefix_caching.then(|| PrefixCache::new(num_blocks as usize, block_size)),
+            cache_cap: num_blocks as usize,
             chains: HashMap::new(),
+            evicted: None,
+            pins: Vec::new(),
         }
     }
 
@@ -131,7 +152,15 @@ impl KvManager {
         let clean = n.min(self.pool.num_free());
         let mut blocks = self.pool.allocate(clean).expect("counted free");
         if let Some(cache) = &mut self.cache {
-            blocks.extend((clean..n).map(|_| cache.evict().expect("counted evictable")));
+            for _ in clean..n {
+                let Some(evicted) = &mut self.evicted else {
+                    blocks.push(cache.evict().expect("counted evictable"));
+                    continue;
+                };
+                let e = cache.evict_entry().expect("counted evictable");
+                blocks.push(e.block);
+                evicted.push(e);
+            }
         }
         for b in &blocks {
             self.refs[b.0 as usize] = 1;
@@ -140,8 +169,9 @@ impl KvManager {
     }
 
     /// Drop one holder of each block; a block nobody holds goes back to the pool, or stays
-    /// cached (evictable) if registered. Released last block first, so a sequence's tail is
-    /// evicted before its head (which more prompts share).
+    /// cached (evictable) if registered, the oldest such evicted past the cache's cap. Released
+    /// last block first, so a sequence's tail is evicted before its head (which more prompts
+    /// share).
     fn release_blocks(&mut self, blocks: &[BlockId]) {
         for &b in blocks.iter().rev() {
             let r = &mut self.refs[b.0 as usize];
@@ -151,7 +181,13 @@ impl KvManager {
                 continue;
             }
             match &mut self.cache {
-                Some(cache) if cache.is_registered(b) => cache.release(b),
+                Some(cache) if cache.is_registered(b) => {
+                    cache.release(b);
+                    if cache.num_evictable() > self.cache_cap {
+                        let oldest = cache.evict().expect("over the cap");
+                        self.pool.free(&[oldest]);
+                    }
+                }
                 _ => self.pool.free(&[b]),
             }
         }
@@ -178,22 +214,32 @@ impl KvManager {
     /// Empty without prefix caching.
     pub fn lookup(&self, tokens: &[u32]) -> PrefixHit {
         let mut hit = PrefixHit::default();
-        let Some(cache) = &self.cache else { return hit };
-        let max_blocks = tokens.len().saturating_sub(1) / self.block_size;
-        for block in tokens.chunks_exact(self.block_size).take(max_blocks) {
-            let Some((b, hash)) = cache.get(hit.hashes.last().copied(), block) else { break };
-            hit.evictable += usize::from(self.refs[b.0 as usize] == 0);
-            hit.blocks.push(b);
-            hit.hashes.push(hash);
-        }
+        let (blocks, hashes) = self.walk(None, tokens, 0);
+        hit.evictable = blocks.iter().filter(|b| self.refs[b.0 as usize] == 0).count();
+        (hit.blocks, hit.hashes) = (blocks, hashes);
         hit
+    }
+
+    /// The cached blocks that hold `tokens`' full blocks from block `from` on, the first one's
+    /// parent being `parent`, up to the lookup's cap.
+    fn walk(&self, mut parent: Option<BlockHash>, tokens: &[u32], from: usize) -> (Vec<BlockId>, Vec<BlockHash>) {
+        let (mut blocks, mut hashes) = (Vec::new(), Vec::new());
+        let Some(cache) = &self.cache else { return (blocks, hashes) };
+        let max_blocks = tokens.len().saturating_sub(1) / self.block_size;
+        for block in tokens.chunks_exact(self.block_size).take(max_blocks).skip(from) {
+            let Some((b, hash)) = cache.get(parent, block) else { break };
+            blocks.push(b);
+            hashes.push(hash);
+            parent = Some(hash);
+        }
+        (blocks, hashes)
     }
 
     /// Give a request that holds nothing here the blocks of `hit` (from `lookup`, with nothing
     /// changed since) and new ones up to `num_tokens` tokens. `false` (nothing changed) when the
     /// pool has no room for the new ones.
     pub fn allocate_with_prefix(&mut self, id: RequestId, hit: &PrefixHit, num_tokens: usize) -> bool {
-        let need = self.blocks_for(num_tokens).saturating_sub(hit.num_blocks());
+        let need = self.blocks_for(num_tokens).saturating_sub(hit.blocks.len());
         if need + hit.evictable > self.num_free_blocks() {
             return false;
         }
@@ -211,8 +257,19 @@ impl KvManager {
         if hit.blocks.is_empty() {
             return;
         }
+        self.hold(&hit.blocks, &hit.hashes);
+        self.tables.insert(id, hit.blocks.clone());
+        self.chains.insert(id, hit.hashes.clone());
+    }
+
+    /// One more holder for each cached block (registered under `hashes` at the lookup, none
+    /// evicted since); `release_blocks` drops it.
+    fn hold(&mut self, blocks: &[BlockId], hashes: &[BlockHash]) {
+        if blocks.is_empty() {
+            return;
+        }
         let cache = self.cache.as_mut().expect("a hit needs the cache");
-        for (&b, &hash) in hit.blocks.iter().zip(&hit.hashes) {
+        for (&b, &hash) in blocks.iter().zip(hashes) {
             assert_eq!(cache.hash_of(b), Some(hash), "prefix block {b} was evicted after the lookup");
             let r = &mut self.refs[b.0 as usize];
             if *r == 0 {
@@ -220,8 +277,6 @@ impl KvManager {
             }
             *r += 1;
         }
-        self.tables.insert(id, hit.blocks.clone());
-        self.chains.insert(id, hit.hashes.clone());
     }
 
     /// Register the request's full blocks among its first `num_computed` tokens (`tokens`: its
@@ -266,10 +321,8 @@ impl KvManager {
         let name = self.device.name();
         self.pool.check().map_err(|e| format!("{name} pool: {e}"))?;
         let mut holders = vec![0u32; self.num_total_blocks()];
-        for table in self.tables.values() {
-            for b in table {
-                holders[b.0 as usize] += 1;
-            }
+        for b in self.tables.values().flatten().chain(&self.pins) {
+            holders[b.0 as usize] += 1;
         }
         for (i, (&h, &r)) in holders.iter().zip(&self.refs).enumerate() {
             let b = BlockId(i as u32);
@@ -286,6 +339,13 @@ impl KvManager {
         }
         if let Some(cache) = &self.cache {
             cache.check().map_err(|e| format!("{name} prefix cache: {e}"))?;
+            if cache.num_evictable() > self.cache_cap {
+                return Err(format!(
+                    "{name}: {} cached blocks unheld, over the cap {}",
+                    cache.num_evictable(),
+                    self.cache_cap
+                ));
+            }
         }
         Ok(())
     }

@@ -8,6 +8,7 @@ mod prefix;
 
 pub use block_pool::BlockPool;
 pub use manager::{KvManager, PrefixHit, SwapPlan};
+pub use prefix::Evicted;
 
 use std::fmt;
 

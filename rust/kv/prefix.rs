@@ -23,6 +23,16 @@ pub fn hash_block(parent: Option<BlockHash>, tokens: &[u32]) -> BlockHash {
     h.finish()
 }
 
+/// A block evicted from the cache with the content it was registered under (what the host
+/// tier needs to keep it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Evicted {
+    pub block: BlockId,
+    pub hash: BlockHash,
+    pub parent: Option<BlockHash>,
+    pub tokens: Vec<u32>,
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Entry {
     hash: BlockHash,
@@ -97,6 +107,11 @@ impl PrefixCache {
         hash
     }
 
+    /// Whether some block is registered under `hash`.
+    pub fn contains(&self, hash: BlockHash) -> bool {
+        self.by_hash.contains_key(&hash)
+    }
+
     /// The hash `block` is registered under.
     pub fn hash_of(&self, block: BlockId) -> Option<BlockHash> {
         self.entries[block.0 as usize].map(|e| e.hash)
@@ -133,12 +148,35 @@ impl PrefixCache {
         assert_eq!(removed, Some(block), "reused block {block} was not evictable");
     }
 
+    /// The block `evict` would take.
+    pub fn oldest(&self) -> Option<BlockId> {
+        self.evictable.first_key_value().map(|(_, &b)| b)
+    }
+
     /// Evict the least recently freed block: unregistered, it is the caller's to reuse.
     pub fn evict(&mut self) -> Option<BlockId> {
         let (_, block) = self.evictable.pop_first()?;
+        self.unregister(block);
+        Some(block)
+    }
+
+    /// `evict`, keeping what the block held.
+    pub fn evict_entry(&mut self) -> Option<Evicted> {
+        let (_, block) = self.evictable.pop_first()?;
+        let e = self.unregister(block);
+        Some(Evicted { block, hash: e.hash, parent: e.parent, tokens: self.tokens_of(block).to_vec() })
+    }
+
+    /// Drop an evictable block from the cache (its content is not to be trusted).
+    pub fn remove(&mut self, block: BlockId) {
+        self.reuse(block);
+        self.unregister(block);
+    }
+
+    fn unregister(&mut self, block: BlockId) -> Entry {
         let e = self.entries[block.0 as usize].take().expect("evictable blocks are registered");
         self.by_hash.remove(&e.hash);
-        Some(block)
+        e
     }
 
     /// Evictable blocks, oldest first.

@@ -36,6 +36,8 @@ pub struct SchedulerOutput {
     swap_out: Py<PyArray2<i64>>,
     swap_in: Py<PyArray2<i64>>,
     prefill_to_host: Py<PyArray2<i64>>,
+    cache_to_host: Py<PyArray2<i64>>,
+    cache_to_device: Py<PyArray2<i64>>,
     recomputed: Vec<u64>,
     /// Predicted per-layer stage times (ms): linear0/1, prefill_attn, gpu_decode, cpu_attn0/1,
     /// transfer0/1, layer.
@@ -92,7 +94,7 @@ fn column(v: impl Iterator<Item = usize>) -> Vec<i64> {
 #[pymethods]
 impl Scheduler {
     #[new]
-    #[pyo3(signature = (*, max_num_seqs, max_num_batched_tokens, max_model_len, block_size, num_gpu_blocks, num_cpu_blocks, offload = "none", transfer_bytes_per_decode = 0, kv_bytes_per_token = 0, force_pipeline = false, enable_prefix_caching = false))]
+    #[pyo3(signature = (*, max_num_seqs, max_num_batched_tokens, max_model_len, block_size, num_gpu_blocks, num_cpu_blocks, offload = "none", transfer_bytes_per_decode = 0, kv_bytes_per_token = 0, force_pipeline = false, enable_prefix_caching = false, num_cpu_prefix_blocks = 0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         max_num_seqs: usize,
@@ -106,6 +108,7 @@ impl Scheduler {
         kv_bytes_per_token: usize,
         force_pipeline: bool,
         enable_prefix_caching: bool,
+        num_cpu_prefix_blocks: u32,
     ) -> PyResult<Self> {
         let config = SchedulerConfig {
             max_num_seqs,
@@ -119,6 +122,7 @@ impl Scheduler {
             kv_bytes_per_token,
             force_pipeline,
             enable_prefix_caching,
+            num_cpu_prefix_blocks,
         };
         Ok(Scheduler { inner: sched::Scheduler::new(config)? })
     }
@@ -155,6 +159,8 @@ impl Scheduler {
             swap_out: pairs(py, &out.swap_out)?.unbind(),
             swap_in: pairs(py, &out.swap_in)?.unbind(),
             prefill_to_host: pairs(py, &out.prefill_to_host)?.unbind(),
+            cache_to_host: pairs(py, &out.cache_to_host)?.unbind(),
+            cache_to_device: pairs(py, &out.cache_to_device)?.unbind(),
             recomputed: out.recomputed.iter().map(|r| r.0).collect(),
             predicted: stage_times(py, &out.predicted)?.unbind(),
         })
@@ -216,6 +222,9 @@ impl Scheduler {
         d.set_item("num_pipelined_steps", s.num_pipelined_steps)?;
         d.set_item("prefix_cache_queries", s.prefix_cache_queries)?;
         d.set_item("prefix_cache_hits", s.prefix_cache_hits)?;
+        d.set_item("prefix_cache_host_hits", s.prefix_cache_host_hits)?;
+        d.set_item("num_cache_blocks_to_host", s.num_cache_blocks_to_host)?;
+        d.set_item("num_cache_blocks_to_device", s.num_cache_blocks_to_device)?;
         Ok(d)
     }
 

@@ -55,6 +55,9 @@ pub struct SchedulerConfig {
     /// Reuse the device KV of full blocks a prompt shares with earlier ones (vLLM's automatic
     /// prefix caching).
     pub enable_prefix_caching: bool,
+    /// Host pool blocks that keep prefix blocks evicted from the device cache (the host tier; 0:
+    /// none). They stay free room for swap-outs and CPU decodes, which take them when needed.
+    pub num_cpu_prefix_blocks: u32,
 }
 
 impl SchedulerConfig {
@@ -64,6 +67,18 @@ impl SchedulerConfig {
         ensure!(self.max_model_len >= 1, Value, "max_model_len must be at least 1");
         ensure!(self.block_size >= 1, Value, "block_size must be at least 1");
         ensure!(self.num_gpu_blocks >= 1, Value, "num_gpu_blocks must be at least 1");
+        ensure!(
+            self.num_cpu_prefix_blocks <= self.num_cpu_blocks,
+            Value,
+            "num_cpu_prefix_blocks ({}) exceeds num_cpu_blocks ({})",
+            self.num_cpu_prefix_blocks,
+            self.num_cpu_blocks
+        );
+        ensure!(
+            self.num_cpu_prefix_blocks == 0 || self.enable_prefix_caching,
+            Value,
+            "a host prefix tier (num_cpu_prefix_blocks) needs enable_prefix_caching"
+        );
         Ok(())
     }
 }

@@ -62,6 +62,13 @@ pub struct SchedulerOutput {
     /// Prefills finishing this iteration whose KV moves to the host pool: copy each layer's
     /// blocks right after that layer writes them. The device blocks are freed by `update()`.
     pub prefill_to_host: SwapPlan,
+    /// Prefix blocks the device cache evicted this iteration, into the host tier: gather them
+    /// with the swap-outs, before anything writes the device blocks (handed out again in this
+    /// plan); nothing reads the host blocks before the next plan.
+    pub cache_to_host: SwapPlan,
+    /// Host-tier prefix hits into the device blocks of the requests that found them: apply with
+    /// the swap-ins, before the forward pass.
+    pub cache_to_device: SwapPlan,
     /// Preempted this iteration; their KV was dropped and will be recomputed.
     pub recomputed: Vec<RequestId>,
     pub inputs: ModelInputs,

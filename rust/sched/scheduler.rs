@@ -7,6 +7,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 
 mod invariants;
 mod neo;
+mod prefix_tiers;
 
 pub use neo::MAX_HOST_PREFILL_DEFERS;
 
@@ -15,7 +16,7 @@ use super::output::{ModelInputs, ScheduledRequest, SchedulerOutput, StageTimes};
 use super::perf::PerfPredictor;
 use super::request::{FinishReason, Request, RequestId, RequestStatus};
 use crate::error::{ensure, Result};
-use crate::kv::{Device, KvManager, PrefixHit, SwapPlan};
+use crate::kv::{BlockId, Device, KvManager, PrefixHit, SwapPlan};
 
 /// One `schedule()` call's growing plan.
 struct Step {
@@ -24,6 +25,8 @@ struct Step {
     swap_out: SwapPlan,
     swap_in: SwapPlan,
     to_host: SwapPlan,
+    cache_to_host: SwapPlan,
+    cache_to_device: SwapPlan,
     recomputed: Vec<RequestId>,
     /// Requests whose KV this plan moves between pools (swaps); a failed step must drop them.
     moved: Vec<RequestId>,
@@ -57,6 +60,11 @@ pub struct SchedulerStats {
     /// the tokens whose KV was found there.
     pub prefix_cache_queries: u64,
     pub prefix_cache_hits: u64,
+    /// Of the prompt tokens looked up, those found in the host tier.
+    pub prefix_cache_host_hits: u64,
+    /// Blocks copied into the host tier (evicted from the device cache), and out of it (hits).
+    pub num_cache_blocks_to_host: u64,
+    pub num_cache_blocks_to_device: u64,
 }
 
 #[derive(Debug)]
@@ -86,14 +94,24 @@ pub struct Scheduler {
     cpu_idle_steps: u32,
     /// `neo`: consecutive iterations whose plan dropped every host-bound prefill.
     host_prefill_defers: u32,
+    /// The last plan's host-tier blocks being filled, and requests given device copies of
+    /// host-tier blocks (registered in the device cache once they land).
+    stored_in_flight: Vec<BlockId>,
+    host_hit_copies: Vec<RequestId>,
 }
 
 impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Result<Self> {
         config.validate()?;
+        let mut gpu =
+            KvManager::new(Device::Gpu, config.num_gpu_blocks, config.block_size, config.enable_prefix_caching);
+        let tier = config.num_cpu_prefix_blocks as usize;
+        if tier > 0 {
+            gpu.record_evictions();
+        }
         Ok(Scheduler {
-            gpu: KvManager::new(Device::Gpu, config.num_gpu_blocks, config.block_size, config.enable_prefix_caching),
-            cpu: KvManager::new(Device::Cpu, config.num_cpu_blocks, config.block_size, false),
+            gpu,
+            cpu: KvManager::new(Device::Cpu, config.num_cpu_blocks, config.block_size, false).limit_cache(tier),
             config,
             requests: HashMap::new(),
             waiting: VecDeque::new(),
@@ -108,6 +126,8 @@ impl Scheduler {
             predictor: PerfPredictor::synthetic(),
             cpu_idle_steps: 0,
             host_prefill_defers: 0,
+            stored_in_flight: Vec::new(),
+            host_hit_copies: Vec::new(),
         })
     }
 
@@ -227,6 +247,8 @@ impl Scheduler {
             swap_out: SwapPlan::new(Device::Gpu, Device::Cpu),
             swap_in: SwapPlan::new(Device::Cpu, Device::Gpu),
             to_host: SwapPlan::new(Device::Gpu, Device::Cpu),
+            cache_to_host: SwapPlan::new(Device::Gpu, Device::Cpu),
+            cache_to_device: SwapPlan::new(Device::Cpu, Device::Gpu),
             recomputed: Vec::new(),
             moved: Vec::new(),
             pipelined: false,
@@ -243,6 +265,7 @@ impl Scheduler {
             }
             OffloadMode::Neo => self.schedule_neo(&mut step),
         }
+        self.store_evicted(&mut step);
         self.stats.num_pipelined_steps += u64::from(step.pipelined);
 
         // Batch order: sub-batch 0's GPU decodes, CPU decodes and prefill chunks, then sub-batch
@@ -275,6 +298,8 @@ impl Scheduler {
             swap_out: step.swap_out,
             swap_in: step.swap_in,
             prefill_to_host: step.to_host,
+            cache_to_host: step.cache_to_host,
+            cache_to_device: step.cache_to_device,
             recomputed: step.recomputed,
             inputs,
             predicted,
@@ -295,7 +320,7 @@ impl Scheduler {
             let n = req.num_pending_tokens().min(step.budget);
             let target = req.num_computed_tokens + n;
             let to_host = self.prefill_goes_to_host(req, req.num_computed_tokens, n);
-            if to_host && !self.host_has_room(target) {
+            if to_host && !self.host_has_room(target, 0) {
                 i += 1; // its last chunk waits for host room
                 continue;
             }
@@ -363,7 +388,12 @@ impl Scheduler {
         while self.swapped.is_empty() && step.budget > 0 && self.running.len() < self.config.max_num_seqs {
             let Some(&id) = self.waiting.front() else { break };
             let req = &self.requests[&id];
-            let hit = self.prefix_hit(req);
+            let mut hit = self.prefix_hit(req);
+            if self.config.offload == OffloadMode::AllCpu && !self.host_has_room(req.num_tokens(), hit.host.len()) {
+                // Its KV ends in the host pool: room for it comes before pinning the tier's
+                // blocks, which would otherwise keep it waiting for good.
+                hit.drop_host();
+            }
             let computed = req.num_computed_tokens + hit.num_blocks() * self.config.block_size;
             let n = (req.num_tokens() - computed).min(step.budget);
             let target = computed + n;
@@ -380,9 +410,13 @@ impl Scheduler {
                 step.push(self.scheduled(id, n));
                 continue;
             }
-            if (to_host && !self.host_has_room(target)) || !self.gpu.allocate_with_prefix(id, &hit, target) {
+            if (to_host && !self.host_has_room(target, hit.host.len()))
+                || !self.gpu.allocate_with_prefix(id, &hit, target)
+            {
                 break;
             }
+            self.cpu.pin_host_hit(&hit);
+            self.copy_host_hit(id, &hit, step);
             self.waiting.pop_front();
             self.count_prefix_hit(id, &hit);
             self.admit(id);
@@ -393,35 +427,16 @@ impl Scheduler {
         }
     }
 
-    /// The device prefix-cache blocks a waiting request could start from (none once it has
-    /// computed anything: a recomputed request looks up again when its KV was dropped).
-    fn prefix_hit(&self, req: &Request) -> PrefixHit {
-        match req.num_computed_tokens {
-            0 => self.gpu.lookup(&req.token_ids),
-            _ => PrefixHit::default(),
-        }
-    }
-
-    /// An admitted prefill starts after its cached prefix (none for one bound straight for the
-    /// host pool): count the lookup and skip the hit tokens.
-    fn count_prefix_hit(&mut self, id: RequestId, hit: &PrefixHit) {
-        let req = self.requests.get_mut(&id).expect("admitted request exists");
-        if self.gpu.prefix_caching() && req.num_computed_tokens == 0 {
-            let cached = hit.num_blocks() * self.config.block_size;
-            self.stats.prefix_cache_queries += req.num_tokens() as u64;
-            self.stats.prefix_cache_hits += cached as u64;
-            req.num_computed_tokens = cached;
-        }
-    }
-
     /// Whether running `n` tokens after the first `computed` of this device-resident request
     /// finishes its prefill and its KV must then live in the host pool (every decode on the CPU).
     fn prefill_goes_to_host(&self, req: &Request, computed: usize, n: usize) -> bool {
         self.config.offload == OffloadMode::AllCpu && req.device == Device::Gpu && computed + n == req.num_tokens()
     }
 
-    fn host_has_room(&self, num_tokens: usize) -> bool {
-        self.cpu.blocks_for(num_tokens) <= self.cpu.num_free_blocks()
+    /// Whether the host pool has blocks for `num_tokens` tokens once `pinned` more of its free
+    /// (cached) blocks are pinned for a host-tier hit.
+    fn host_has_room(&self, num_tokens: usize, pinned: usize) -> bool {
+        self.cpu.blocks_for(num_tokens) + pinned <= self.cpu.num_free_blocks()
     }
 
     /// Give the request host blocks for `num_tokens` tokens and plan the layer-wise copy of its
@@ -524,7 +539,7 @@ impl Scheduler {
             req.num_computed_tokens += s.num_new_tokens;
             let bs = self.config.block_size;
             let filled = req.num_computed_tokens / bs > (req.num_computed_tokens - s.num_new_tokens) / bs;
-            if req.device == Device::Gpu && filled {
+            if req.device == Device::Gpu && (filled || self.host_hit_copies.contains(&s.id)) {
                 self.gpu.cache_full_blocks(s.id, &req.token_ids, req.num_computed_tokens);
             }
             if req.device == Device::Gpu && self.moving_to_host.contains(&s.id) {
@@ -540,6 +555,7 @@ impl Scheduler {
             }
         }
         self.moving_to_host.clear();
+        self.land_cache_copies();
         if !finished.is_empty() {
             for &(id, _) in &finished {
                 self.release(id);
@@ -562,6 +578,7 @@ impl Scheduler {
         let mut ids: Vec<RequestId> = std::mem::take(&mut self.in_flight).into_iter().map(|s| s.id).collect();
         ids.append(&mut self.in_flight_moved);
         ids.append(&mut self.moving_to_host);
+        self.drop_cache_copies();
         let mut seen = HashSet::new();
         ids.retain(|&id| seen.insert(id) && self.abort(id));
         ids

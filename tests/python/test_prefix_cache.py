@@ -1,6 +1,7 @@
 """Automatic prefix caching: prompts that share full blocks with earlier ones start after them,
 with greedy tokens identical to Hugging Face transformers and to caching off, in every offload
-mode, under preemption (swap and recompute) and aborts, and for n > 1 samples of one prompt."""
+mode, from the device cache and from its host tier, under preemption (swap and recompute) and
+aborts, and for n > 1 samples of one prompt."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from conftest import assert_all_blocks_free
 from neo_rs import LLM, LLMEngine, SamplingParams
 from neo_rs.config import EngineArgs
+from neo_rs.errors import InvalidArgumentError
 
 SYSTEM = list(range(40, 61))  # 21 tokens: two full 8-token blocks and 5 more
 PROMPTS = [
@@ -18,6 +20,7 @@ PROMPTS = [
     SYSTEM + [11],
     [3, 4, 5, 6],
     SYSTEM[:12] + [9] * 10,  # diverges inside block 1: hits block 0 only
+    list(range(100, 130)),  # shares nothing: with a small device pool, evicts the others
 ]
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -86,6 +89,25 @@ def test_hits_at_block_boundaries_and_mid_block_keep_tokens_identical(checkpoint
     assert off.scheduler.stats()["prefix_cache_hits"] == 0
 
 
+@pytest.mark.parametrize("offload", list(MODES))
+def test_prefixes_evicted_to_the_host_tier_are_copied_back(checkpoints, offload: str) -> None:
+    path = checkpoints["llama3"]
+    # A small device pool: prompt 6 evicts the tail of prompt 0's cached blocks into the host
+    # tier (a quarter of the 64 host blocks); prompts 3 and 6 again then find their first
+    # blocks on the device and the next in the host tier. Under "all" the device holds only
+    # prefills (their KV moves to the host), so it is smaller still.
+    kw = {**MODES[offload], "num_gpu_blocks": 5 if offload == "all" else 6}
+    engine = LLM(str(path), dtype="float32", block_size=8, offload=offload, **kw).engine
+    assert engine.runner.num_cpu_prefix_blocks == 16
+    order = [0, 6, 3, 6, 2]
+    tokens = one_by_one(engine, [PROMPTS[i] for i in order])
+    assert tokens == [hf_greedy(path, PROMPTS[i]) for i in order]
+    st = engine.scheduler.stats()
+    assert st["prefix_cache_host_hits"] >= 2 * 8 and st["num_cache_blocks_to_device"] >= 2, st
+    assert st["num_cache_blocks_to_host"] >= 3, st
+    assert_all_blocks_free(engine)
+
+
 @pytest.mark.parametrize(("num_cpu_blocks", "stat"), [(64, "num_swapped_out"), (0, "num_recomputed")])
 def test_preemption_and_abort_of_requests_holding_shared_blocks(
     checkpoints, num_cpu_blocks: int, stat: str
@@ -132,3 +154,20 @@ def test_server_flag_turns_it_off() -> None:
 
     assert engine_args(parse_args([])).enable_prefix_caching
     assert not engine_args(parse_args(["--no-enable-prefix-caching"])).enable_prefix_caching
+    assert engine_args(parse_args(["--cpu-prefix-cache-gib", "0.5"])).cpu_prefix_cache_gib == 0.5
+
+
+def test_host_tier_size(checkpoints) -> None:
+    path = checkpoints["llama3"]
+    sizes = {}
+    for name, kw in {
+        "default": {},
+        "none": dict(cpu_prefix_cache_gib=0),
+        "capped": dict(cpu_prefix_cache_gib=1e3),
+        "off": dict(enable_prefix_caching=False),
+    }.items():
+        args = EngineArgs(model=str(path), block_size=8, num_gpu_blocks=8, num_cpu_blocks=40, **kw)
+        sizes[name] = LLMEngine(args).runner.num_cpu_prefix_blocks
+    assert sizes == {"default": 10, "none": 0, "capped": 40, "off": 0}
+    with pytest.raises(InvalidArgumentError, match="cpu_prefix_cache_gib"):
+        LLMEngine(EngineArgs(model=str(path), cpu_prefix_cache_gib=float("nan")))

@@ -39,6 +39,9 @@ def offload_figures(r: RunResult) -> dict[str, float] | None:
     queries = _delta(r, "neo:prefix_cache_queries_total")
     return {
         "prefix_cache_hit_rate": _delta(r, "neo:prefix_cache_hits_total") / queries if queries else 0.0,
+        "prefix_cache_host_hit_rate": _delta(r, "neo:prefix_cache_hits_total", 'tier="host"') / queries
+        if queries
+        else 0.0,
         "cpu_decode_share": _delta(r, "neo:cpu_decode_requests_total") / tokens if tokens else 0.0,
         "pipelined_iteration_share": _delta(r, "neo:iterations_total", 'mode="pipelined"') / iterations
         if iterations
@@ -117,7 +120,10 @@ def table(label: str, rate: float, s: dict[str, Any]) -> str:
             f"host<->device {off['host_device_bytes_per_s'] / 1e6:.1f} MB/s, "
             f"host KV blocks mean {off['host_kv_blocks_mean']:.0f} max {off['host_kv_blocks_max']:.0f}"
         )
-        lines.append(f"  prefix cache: {off['prefix_cache_hit_rate']:.0%} of prompt tokens hit")
+        lines.append(
+            f"  prefix cache: {off['prefix_cache_hit_rate']:.0%} of prompt tokens hit "
+            f"({off['prefix_cache_host_hit_rate']:.0%} in the host tier)"
+        )
     if s["errors"]:
         lines.append(f"  errors: {s['errors']}")
     return "\n".join(lines)

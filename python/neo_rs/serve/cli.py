@@ -68,6 +68,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=True,
         help="reuse the KV of prompt prefixes shared with earlier requests (default: on)",
     )
+    p.add_argument(
+        "--cpu-prefix-cache-gib",
+        type=float,
+        help="host pool share that keeps prefix blocks evicted from the device (default: a quarter)",
+    )
     p.add_argument("--cpu-threads", type=_positive_int)
     p.add_argument(
         "--api-key", default=os.environ.get("NEO_RS_API_KEY"), help="required Bearer key (or NEO_RS_API_KEY)"
@@ -83,6 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--gpu-memory-utilization must be in (0, 1]")
     if args.max_waiting is not None and args.max_waiting < 0:
         p.error("--max-waiting must be non-negative")
+    if args.cpu_prefix_cache_gib is not None and not args.cpu_prefix_cache_gib >= 0:
+        p.error("--cpu-prefix-cache-gib must be non-negative")
     if not 0 < args.port < 65536:
         p.error("--port must be in 1..65535")
     return args
@@ -103,6 +110,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         cpu_threads=args.cpu_threads,
         offload=args.offload,
         enable_prefix_caching=args.enable_prefix_caching,
+        cpu_prefix_cache_gib=args.cpu_prefix_cache_gib,
         seed=args.seed,
     )
 

@@ -82,7 +82,14 @@ class Metrics:
             [*label, "tier"],
             registry=r,
         )
-        self._prefix_seen = (0, 0)  # scheduler totals already counted
+        self.prefix_copies = Counter(
+            "neo:prefix_cache_copied_blocks",
+            "Prefix blocks copied between the tiers: evicted from the device into the host tier "
+            "(to_host), host-tier hits into the device (to_device).",
+            [*label, "direction"],
+            registry=r,
+        )
+        self._prefix_seen: dict[str, int] = {}  # scheduler totals already counted
         self._last_token: dict[str, float] = {}  # engine thread only
 
     def on_step(self, engine: LLMEngine, stats: IterationStats | None, outputs: list[RequestOutput]) -> None:
@@ -93,11 +100,18 @@ class Metrics:
         self.waiting.labels(m).set(sched.num_waiting + sched.num_swapped)
         self.cpu_kv_width.labels(m).set(engine.runner.cpu_kv_bytes_per_token())
         totals = sched.stats()
-        queries, hits = totals["prefix_cache_queries"], totals["prefix_cache_hits"]
-        self.prefix_queries.labels(m).inc(queries - self._prefix_seen[0])
-        self.prefix_hits.labels(m, "device").inc(hits - self._prefix_seen[1])
-        self._prefix_seen = (queries, hits)
-        self.prefix_blocks.labels(m, "device").set(sched.num_cached_blocks("gpu"))
+        prefix_counters = {
+            "prefix_cache_queries": self.prefix_queries.labels(m),
+            "prefix_cache_hits": self.prefix_hits.labels(m, "device"),
+            "prefix_cache_host_hits": self.prefix_hits.labels(m, "host"),
+            "num_cache_blocks_to_host": self.prefix_copies.labels(m, "to_host"),
+            "num_cache_blocks_to_device": self.prefix_copies.labels(m, "to_device"),
+        }
+        for key, counter in prefix_counters.items():
+            counter.inc(totals[key] - self._prefix_seen.get(key, 0))
+            self._prefix_seen[key] = totals[key]
+        for tier, pool in (("device", "gpu"), ("host", "cpu")):
+            self.prefix_blocks.labels(m, tier).set(sched.num_cached_blocks(pool))
         for pool in ("gpu", "cpu"):
             total = sched.num_total_blocks(pool)
             used = total - sched.num_free_blocks(pool)

@@ -56,7 +56,7 @@ struct Tentative {
     target: usize,
     to_host: bool,
     attn_ms: f64,
-    /// Cached device blocks a device prefill starts from.
+    /// Cached blocks a device prefill starts from.
     hit: PrefixHit,
 }
 
@@ -383,7 +383,7 @@ impl Scheduler {
             let computed = req.num_computed_tokens + hit.num_blocks() * self.config.block_size;
             let n_dev = (req.num_tokens() - computed).min(budget);
             // Device blocks it takes up: new ones, and cached ones no request holds.
-            let blocks = self.gpu.blocks_for(computed + n_dev) - hit.num_blocks() + hit.evictable;
+            let blocks = self.gpu.blocks_for(computed + n_dev) - hit.blocks.len() + hit.evictable;
             let n = req.num_pending_tokens().min(budget);
             let target = req.num_computed_tokens + n;
             // Host room stays for swapping out every block the device holds (counting the
@@ -404,6 +404,9 @@ impl Scheduler {
                 let attn_ms = self.predictor.prefill_attn_ms(req.num_computed_tokens, n);
                 Tentative { id, n, target, to_host, attn_ms, hit: PrefixHit::default() }
             } else {
+                // Its host-tier blocks are pinned while copied: no room for others this plan
+                // (counted twice when two prefills pin one block: a safe overestimate).
+                free_cpu = free_cpu.saturating_sub(hit.host.len());
                 free_gpu -= blocks;
                 on_device += 1;
                 let attn_ms = self.predictor.prefill_attn_ms(computed, n_dev);
@@ -417,16 +420,18 @@ impl Scheduler {
     }
 
     fn commit_prefills(&mut self, step: &mut Step, prefills: &[Tentative]) {
-        // Every device prefill takes its cached prefix first: the new blocks of one must not
-        // evict another's (cached blocks no request held when the plan was made).
+        // Every device prefill takes its cached prefix first, on both tiers: the new blocks of
+        // one must not evict another's (cached blocks no request held when the plan was made).
         for p in prefills.iter().filter(|p| !p.to_host) {
             self.gpu.take_prefix(p.id, &p.hit);
+            self.cpu.pin_host_hit(&p.hit);
         }
         for p in prefills {
             debug_assert_eq!(self.waiting.front(), Some(&p.id));
             let kv = if p.to_host { &mut self.cpu } else { &mut self.gpu };
             let grown = kv.allocate_slots(p.id, p.target);
             assert!(grown, "tentative prefills were counted against the free blocks");
+            self.copy_host_hit(p.id, &p.hit, step);
             self.count_prefix_hit(p.id, &p.hit);
             self.waiting.pop_front();
             self.admit_to(p.id, if p.to_host { Device::Cpu } else { Device::Gpu });
@@ -483,6 +488,7 @@ mod tests {
             kv_bytes_per_token,
             force_pipeline: false,
             enable_prefix_caching: false,
+            num_cpu_prefix_blocks: 0,
         })
         .unwrap()
     }

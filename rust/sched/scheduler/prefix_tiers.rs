@@ -1,0 +1,82 @@
+//! Prefix caching across both pools: a waiting prompt's lookup runs through the device cache,
+//! then on into the host tier (`kv/manager/host_tier.rs`), whose blocks are copied into new
+//! device blocks ahead of the prefill. Device blocks the cache evicts are copied into the host
+//! tier at the end of each plan, before anything can write them.
+
+use super::*;
+
+impl Scheduler {
+    /// The cached blocks a waiting request could start from, device first, then the host tier
+    /// (none once it has computed anything: a recomputed request looks up again when its KV
+    /// was dropped).
+    pub(super) fn prefix_hit(&self, req: &Request) -> PrefixHit {
+        if req.num_computed_tokens > 0 {
+            return PrefixHit::default();
+        }
+        let mut hit = self.gpu.lookup(&req.token_ids);
+        if self.config.num_cpu_prefix_blocks > 0 {
+            self.cpu.extend_hit(&mut hit, &req.token_ids);
+        }
+        hit
+    }
+
+    /// An admitted prefill starts after its cached prefix (none for one bound straight for the
+    /// host pool): count the lookup and skip the hit tokens.
+    pub(super) fn count_prefix_hit(&mut self, id: RequestId, hit: &PrefixHit) {
+        let req = self.requests.get_mut(&id).expect("admitted request exists");
+        if self.gpu.prefix_caching() && req.num_computed_tokens == 0 {
+            let bs = self.config.block_size;
+            self.stats.prefix_cache_queries += req.num_tokens() as u64;
+            self.stats.prefix_cache_hits += (hit.blocks.len() * bs) as u64;
+            self.stats.prefix_cache_host_hits += (hit.host.len() * bs) as u64;
+            req.num_computed_tokens = hit.num_blocks() * bs;
+        }
+    }
+
+    /// Plan the copy of `hit`'s host blocks into the device blocks that follow its device
+    /// blocks in the request's table (just allocated). The host blocks must be pinned
+    /// (`KvManager::pin_host_hit`) since the lookup; the device copies are registered in the
+    /// cache by `update()`, once they hold the bytes.
+    pub(super) fn copy_host_hit(&mut self, id: RequestId, hit: &PrefixHit, step: &mut Step) {
+        if hit.host.is_empty() {
+            return;
+        }
+        let dst = &self.gpu.table(id)[hit.blocks.len()..hit.num_blocks()];
+        step.cache_to_device.pairs.extend(hit.host.iter().copied().zip(dst.iter().copied()));
+        self.stats.num_cache_blocks_to_device += hit.host.len() as u64;
+        self.host_hit_copies.push(id);
+    }
+
+    /// Copy the device blocks this plan evicted from the cache into the host tier. Their ids
+    /// are handed out again in this plan; the runner gathers them before anything writes them.
+    /// Skipped when the plan freed host blocks its other copies touch: a swap-in's sources
+    /// (still read) and, when it also recomputed requests, perhaps a swap-out's destinations
+    /// (one host block is written by one copy per iteration).
+    pub(super) fn store_evicted(&mut self, step: &mut Step) {
+        let evicted = self.gpu.take_evicted();
+        let swapped_out_and_freed = !step.swap_out.pairs.is_empty() && !step.recomputed.is_empty();
+        if !step.swap_in.pairs.is_empty() || swapped_out_and_freed {
+            return;
+        }
+        step.cache_to_host.pairs = self.cpu.store(&evicted);
+        self.stored_in_flight.extend(step.cache_to_host.pairs.iter().map(|p| p.1));
+        self.stats.num_cache_blocks_to_host += step.cache_to_host.pairs.len() as u64;
+    }
+
+    /// `update()`: the copies of the last plan have landed.
+    pub(super) fn land_cache_copies(&mut self) {
+        self.cpu.unpin_all();
+        self.stored_in_flight.clear();
+        self.host_hit_copies.clear();
+    }
+
+    /// `abort_step()`: the copies of the failed plan may never have run. Host blocks they were
+    /// to fill leave the cache; the requests given device copies are aborted by the caller.
+    pub(super) fn drop_cache_copies(&mut self) {
+        self.cpu.unpin_all();
+        if !self.stored_in_flight.is_empty() {
+            self.cpu.forget(&std::mem::take(&mut self.stored_in_flight));
+        }
+        self.host_hit_copies.clear();
+    }
+}
