@@ -111,9 +111,11 @@ fn check_plan(s: &Scheduler, out: &SchedulerOutput) -> Result<(), TestCaseError>
         prop_assert_eq!(req.status, RequestStatus::Running);
         prop_assert_eq!(sr.sub_batch == 1, i >= out.sub_batch1_start);
         if i < out.sub_batch1_start {
-            // Sub-batch 0: GPU decodes, CPU decodes, device prefills, host prefills.
+            // Sub-batch 0: GPU decodes, CPU attention (decodes, prompts decoded in place over
+            // host blocks), device prefills, host prefills.
             let host_prefill = i >= out.sub_batch1_start - out.num_host_prefills;
-            prop_assert_eq!(i < out.num_decodes, sr.num_new_tokens == 1);
+            prop_assert_eq!(i < num_gpu_decodes, sr.device == Device::Gpu && sr.num_new_tokens == 1);
+            prop_assert_eq!(i >= num_gpu_decodes && i < out.num_decodes, sr.attends_on_cpu());
             prop_assert_eq!((i >= num_gpu_decodes && i < out.num_decodes) || host_prefill, sr.device == Device::Cpu);
             if host_prefill {
                 prop_assert!(sr.num_computed_tokens == 0 && sr.sample && c.offload != OffloadMode::GpuOnly);
@@ -123,9 +125,11 @@ fn check_plan(s: &Scheduler, out: &SchedulerOutput) -> Result<(), TestCaseError>
             prop_assert!(sr.num_new_tokens == 1 && sr.device == Device::Cpu);
         }
         prop_assert!(sr.num_new_tokens >= 1);
-        if sr.device == Device::Cpu && sr.num_new_tokens == 1 {
-            // A CPU decode is a real decode: its prompt is done (no prefill crawls on the CPU).
+        if sr.attends_on_cpu() {
+            // CPU attention finishes a prompt in one go (no prefill crawls on the CPU), and only
+            // under `neo` runs more than one row of a request.
             prop_assert!(sr.sample, "request {} decodes on the CPU before its prefill is done", sr.id);
+            prop_assert!(sr.num_new_tokens == 1 || (c.offload == OffloadMode::Neo && sr.sub_batch == 0));
         }
         prop_assert_eq!(sr.sample, sr.num_computed_tokens + sr.num_new_tokens == req.num_tokens());
         let table = s.kv(sr.device).table(sr.id);
@@ -138,7 +142,7 @@ fn check_plan(s: &Scheduler, out: &SchedulerOutput) -> Result<(), TestCaseError>
             prop_assert_eq!(m.input_ids[start + k], i64::from(req.token_ids[pos]));
             prop_assert_eq!(m.positions[start + k], pos as i64);
             let slot = m.slot_mapping[start + k];
-            if sr.device == Device::Cpu && sr.num_new_tokens == 1 {
+            if sr.attends_on_cpu() {
                 prop_assert_eq!(slot, -1);
                 continue;
             }

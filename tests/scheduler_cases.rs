@@ -441,3 +441,46 @@ fn evicted_prefix_blocks_go_to_the_host_tier_and_hits_there_are_copied_back() {
     let bad = SchedulerConfig { num_cpu_prefix_blocks: 4, ..config(4, 8, 64) };
     assert!(Scheduler::new(bad).is_err());
 }
+
+#[test]
+fn under_neo_a_host_bound_prompt_decodes_in_place_over_host_tier_blocks() {
+    let cfg = SchedulerConfig {
+        offload: OffloadMode::Neo,
+        enable_prefix_caching: true,
+        num_cpu_prefix_blocks: 8,
+        ..config(8, 32, 64)
+    };
+    let mut s = Scheduler::new(cfg).unwrap();
+    let system: Vec<u32> = (100..112).collect();
+    let with = |t: u32| system.iter().copied().chain([t; 3]).collect::<Vec<_>>();
+    s.add_request(RequestId(1), with(1), 1).unwrap();
+    drain(&mut s);
+    // A long request takes the whole device pool, evicting the system prompt's three cached
+    // blocks into the host tier as it grows.
+    s.add_request(RequestId(2), (200..216).collect(), 16).unwrap();
+    while s.kv(Device::Gpu).num_free_blocks() > 0 {
+        let out = s.schedule().unwrap();
+        s.update(&vec![7; out.inputs.sample_ids.len()], &[]).unwrap();
+    }
+    let tier: Vec<_> = {
+        let mut b = s.kv(Device::Cpu).lookup(&with(2)).blocks;
+        b.sort();
+        b
+    };
+    assert_eq!(tier.len(), 3);
+    // The system prompt again finds no device room: its three last tokens attend on the CPU
+    // over the host blocks, where it then decodes.
+    s.add_request(RequestId(3), with(2), 4).unwrap();
+    let out = s.schedule().unwrap();
+    let r3 = out.scheduled.iter().find(|r| r.id == RequestId(3)).unwrap();
+    assert!(r3.attends_on_cpu() && r3.sample);
+    assert_eq!((r3.num_computed_tokens, r3.num_new_tokens), (12, 3));
+    let mut head = s.kv(Device::Cpu).table(RequestId(3))[..3].to_vec();
+    head.sort();
+    assert_eq!(head, tier);
+    assert!(out.cache_to_device.pairs.is_empty() && out.prefill_to_host.pairs.is_empty());
+    assert_eq!(s.stats().prefix_cache_host_hits, 12);
+    s.update(&vec![7; out.inputs.sample_ids.len()], &[]).unwrap();
+    drain(&mut s);
+    assert_eq!(s.kv(Device::Cpu).num_free_blocks(), 32);
+}

@@ -9,6 +9,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -49,13 +50,14 @@ class DecodeRows:
 @dataclass
 class AttentionBatch:
     """The per-iteration metadata every layer's attention shares, for one sub-batch. Rows: GPU
-    decodes, CPU decodes, device prefill chunks, host prefills."""
+    decodes, CPU attention (decodes, and prompts decoded in place over host-tier blocks, a row
+    per token), device prefill chunks, host prefills."""
 
     tokens: slice  # this sub-batch's rows of the whole batch
     device_writes: list[tuple[slice, Slots]]  # rows whose K/V go to the device pool
     host_writes: tuple[slice, Slots] | None  # whole prompts whose K/V go to the host pool
     gpu_decodes: DecodeRows  # tables on the device
-    cpu_decodes: DecodeRows  # tables in CPU memory (the host pool's)
+    cpu_decodes: DecodeRows  # tables in CPU memory (the host pool's), a row per token
     prefills: list[Prefill]
 
     @staticmethod
@@ -102,9 +104,15 @@ class AttentionBatch:
             )
         t0, t1 = int(plan.query_start_loc[lo]), int(plan.query_start_loc[hi])
         slots = plan.slot_mapping[t0:t1]
-        # Rows: GPU decodes, CPU decodes (the kernel appends their K/V), device prefills, then
+        # Rows: GPU decodes, CPU attention (the kernel appends their K/V), device prefills, then
         # host prefills (the last rows). Slots are split once here, not once per layer.
         cpu_start, cpu_end, host = int(qsl[ngd]), int(qsl[nd]), int(qsl[hi - lo - nhp])
+        cpu_tables, cpu_lens = tables[ngd:nd], seq_lens[ngd:nd]
+        if cpu_end - cpu_start > nd - ngd:
+            # A prompt decoded in place over host blocks has several rows: each attends as a
+            # decode at its own position, over its request's table.
+            cpu_tables = cpu_tables.repeat_interleave(torch.from_numpy(np.diff(qsl[ngd : nd + 1])), dim=0)
+            cpu_lens = torch.from_numpy(plan.positions[t0 + cpu_start : t0 + cpu_end] + 1).to(torch.int32)
         to_device = [r for r in (slice(0, cpu_start), slice(cpu_end, host)) if r.stop > r.start]
         host_rows = slice(host, t1 - t0)
         return AttentionBatch(
@@ -117,7 +125,7 @@ class AttentionBatch:
                 0, ngd, up(tables[:ngd]), up(seq_lens[:ngd]), int(lens[:ngd].max(initial=0))
             ),
             cpu_decodes=DecodeRows(
-                ngd, nd, tables[ngd:nd], seq_lens[ngd:nd], int(lens[ngd:nd].max(initial=0))
+                cpu_start, cpu_end, cpu_tables, cpu_lens, int(lens[ngd:nd].max(initial=0))
             ),
             prefills=prefills,
         )

@@ -20,15 +20,24 @@ pub struct ScheduledRequest {
     pub sub_batch: u8,
 }
 
-/// Flat inputs of one forward pass, rows in batch order (GPU decodes, CPU decodes, prefills).
+impl ScheduledRequest {
+    /// Whether its rows attend on the CPU over the host pool (the kernel appends their K/V):
+    /// a CPU decode, or under `neo` a prompt decoded in place over host-tier prefix blocks.
+    /// Host prefills (whole prompts bound for the host pool) attend on the device.
+    pub fn attends_on_cpu(&self) -> bool {
+        self.device == Device::Cpu && self.num_computed_tokens > 0
+    }
+}
+
+/// Flat inputs of one forward pass, rows in batch order (GPU decodes, CPU attention, prefills).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ModelInputs {
     /// `[num_tokens]` token ids and their positions.
     pub input_ids: Vec<i64>,
     pub positions: Vec<i64>,
     /// `[num_tokens]` flat slot `block * block_size + offset` each token's K/V goes to: in the
-    /// device pool, or for host prefills in the host pool; -1 for CPU decodes (the CPU kernel
-    /// appends their K/V to the host pool itself).
+    /// device pool, or for host prefills in the host pool; -1 for rows attending on the CPU
+    /// (the CPU kernel appends their K/V to the host pool itself).
     pub slot_mapping: Vec<i64>,
     /// `[num_reqs + 1]` start row of each request (cumulative `num_new_tokens`).
     pub query_start_loc: Vec<i32>,
@@ -44,8 +53,10 @@ pub struct ModelInputs {
 
 #[derive(Debug, Clone)]
 pub struct SchedulerOutput {
-    /// Batch order: the first `num_decodes` run one token each (the last `num_cpu_decodes` of
-    /// them on the CPU, over the host pool), the rest are prefill chunks.
+    /// Batch order: the first `num_decodes` attend over paged KV, GPU decodes (one token each)
+    /// then the last `num_cpu_decodes` on the CPU over the host pool (a token each, or a
+    /// prompt's rest after host-tier blocks it decodes in place over); the rest are prefill
+    /// chunks.
     pub scheduled: Vec<ScheduledRequest>,
     pub num_decodes: usize,
     pub num_cpu_decodes: usize,
@@ -130,8 +141,7 @@ impl ModelInputs {
             m.input_ids.extend(req.token_ids[range.clone()].iter().map(|&t| i64::from(t)));
             for pos in range.clone() {
                 m.positions.push(pos as i64);
-                let cpu_decode = s.device == Device::Cpu && s.num_new_tokens == 1;
-                let slot = if cpu_decode { -1 } else { (table[pos / bs].0 as usize * bs + pos % bs) as i64 };
+                let slot = if s.attends_on_cpu() { -1 } else { (table[pos / bs].0 as usize * bs + pos % bs) as i64 };
                 m.slot_mapping.push(slot);
             }
             let row = &mut m.block_tables[i * max_blocks..i * max_blocks + table.len()];

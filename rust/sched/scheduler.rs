@@ -268,21 +268,21 @@ impl Scheduler {
         self.store_evicted(&mut step);
         self.stats.num_pipelined_steps += u64::from(step.pipelined);
 
-        // Batch order: sub-batch 0's GPU decodes, CPU decodes and prefill chunks, then sub-batch
-        // 1 (CPU decodes only); stable, so FCFS within each group.
+        // Batch order: sub-batch 0's GPU decodes, CPU attention, device prefill chunks and host
+        // prefills, then sub-batch 1 (CPU decodes only); stable, so FCFS within each group.
+        let group = |s: &ScheduledRequest| match (s.sub_batch, s.device) {
+            (1, _) => 4,
+            (_, Device::Gpu) if s.num_new_tokens == 1 => 0,
+            _ if s.attends_on_cpu() => 1,
+            (_, Device::Gpu) => 2,
+            (_, Device::Cpu) => 3,
+        };
         let mut scheduled = step.scheduled;
-        scheduled.sort_by_key(|s| match (s.sub_batch, s.num_new_tokens, s.device) {
-            (1, ..) => 4,
-            (_, 1, Device::Gpu) => 0,
-            (_, 1, Device::Cpu) => 1,
-            (_, _, Device::Gpu) => 2,
-            (_, _, Device::Cpu) => 3,
-        });
-        let sub_batch1_start = scheduled.iter().take_while(|s| s.sub_batch == 0).count();
-        let sub0 = &scheduled[..sub_batch1_start];
-        let num_decodes = sub0.iter().take_while(|s| s.num_new_tokens == 1).count();
-        let num_cpu_decodes = sub0[..num_decodes].iter().filter(|s| s.device == Device::Cpu).count();
-        let num_host_prefills = sub0[num_decodes..].iter().filter(|s| s.device == Device::Cpu).count();
+        scheduled.sort_by_key(group);
+        let count = |g: u8| scheduled.iter().filter(|s| group(s) == g).count();
+        let (num_gpu_decodes, num_cpu_decodes, num_host_prefills) = (count(0), count(1), count(3));
+        let num_decodes = num_gpu_decodes + num_cpu_decodes;
+        let sub_batch1_start = scheduled.len() - count(4);
         let requests = &self.requests;
         let inputs = ModelInputs::build(&scheduled, |id| &requests[&id], &self.gpu, &self.cpu);
         let predicted = self.price(&scheduled);
@@ -404,7 +404,7 @@ impl Scheduler {
                     break;
                 }
                 self.waiting.pop_front();
-                self.count_prefix_hit(id, &hit);
+                self.count_prefix_hit(id, &hit, false);
                 self.admit_to(id, Device::Cpu);
                 self.stats.num_prefills_to_host += 1;
                 step.push(self.scheduled(id, n));
@@ -418,7 +418,7 @@ impl Scheduler {
             self.cpu.pin_host_hit(&hit);
             self.copy_host_hit(id, &hit, step);
             self.waiting.pop_front();
-            self.count_prefix_hit(id, &hit);
+            self.count_prefix_hit(id, &hit, false);
             self.admit(id);
             if to_host {
                 self.stage_to_host(id, target, step);
@@ -539,8 +539,13 @@ impl Scheduler {
             req.num_computed_tokens += s.num_new_tokens;
             let bs = self.config.block_size;
             let filled = req.num_computed_tokens / bs > (req.num_computed_tokens - s.num_new_tokens) / bs;
-            if req.device == Device::Gpu && (filled || self.host_hit_copies.contains(&s.id)) {
-                self.gpu.cache_full_blocks(s.id, &req.token_ids, req.num_computed_tokens);
+            match req.device {
+                Device::Gpu if filled || self.host_hit_copies.contains(&s.id) => {
+                    self.gpu.cache_full_blocks(s.id, &req.token_ids, req.num_computed_tokens);
+                }
+                // With a host tier, the host pool caches its requests' blocks too.
+                Device::Cpu if filled => self.cpu.cache_full_blocks(s.id, &req.token_ids, req.num_computed_tokens),
+                _ => {}
             }
             if req.device == Device::Gpu && self.moving_to_host.contains(&s.id) {
                 // The staging blocks (cached first); the KV is in the host pool now.

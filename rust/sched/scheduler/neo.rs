@@ -56,8 +56,16 @@ struct Tentative {
     target: usize,
     to_host: bool,
     attn_ms: f64,
-    /// Cached blocks a device prefill starts from.
+    /// Cached blocks it starts from: on the device (then the host tier's, copied in) for a
+    /// device prefill; the host blocks it attends over in place for a host-bound one.
     hit: PrefixHit,
+}
+
+impl Tentative {
+    /// A host-bound prompt with host blocks to start from: its rows attend on the CPU.
+    fn in_place(&self) -> bool {
+        self.to_host && !self.hit.blocks.is_empty()
+    }
 }
 
 impl Scheduler {
@@ -218,8 +226,8 @@ impl Scheduler {
         let mut loads = [Load::default(); 2];
         for s in scheduled {
             let b = &mut loads[usize::from(s.sub_batch)];
-            if s.device == Device::Cpu && s.num_new_tokens == 1 {
-                add_cpu_decode(b, s.num_computed_tokens + 1, 1);
+            if s.attends_on_cpu() {
+                add_cpu_rows(b, s.num_computed_tokens, s.num_new_tokens, 1);
             } else {
                 if s.device == Device::Cpu {
                     b.host_kv_tokens += s.num_new_tokens;
@@ -384,34 +392,34 @@ impl Scheduler {
             let n_dev = (req.num_tokens() - computed).min(budget);
             // Device blocks it takes up: new ones, and cached ones no request holds.
             let blocks = self.gpu.blocks_for(computed + n_dev) - hit.blocks.len() + hit.evictable;
-            let n = req.num_pending_tokens().min(budget);
-            let target = req.num_computed_tokens + n;
             // Host room stays for swapping out every block the device holds (counting the
             // device prefills placed above): a preempted device request must find it, or it
             // is recomputed. NEO's reference caps host-bound prefills at cpu_blocks - gpu_blocks.
             let swap_reserve = self.gpu.num_total_blocks() - free_gpu;
-            let to_host = if !host_bound && blocks + max_headroom.min(on_device) <= free_gpu {
-                false
-            } else if n == req.num_pending_tokens() && self.cpu.blocks_for(target) + swap_reserve <= free_cpu {
-                true
-            } else {
-                break;
-            };
-            // Once one prefill goes to the host, later ones follow (FCFS fairness).
-            host_bound |= to_host;
-            let t = if to_host {
-                free_cpu -= self.cpu.blocks_for(target);
-                let attn_ms = self.predictor.prefill_attn_ms(req.num_computed_tokens, n);
-                Tentative { id, n, target, to_host, attn_ms, hit: PrefixHit::default() }
-            } else {
+            let t = if !host_bound && blocks + max_headroom.min(on_device) <= free_gpu {
                 // Its host-tier blocks are pinned while copied: no room for others this plan
                 // (counted twice when two prefills pin one block: a safe overestimate).
                 free_cpu = free_cpu.saturating_sub(hit.host.len());
                 free_gpu -= blocks;
                 on_device += 1;
-                let attn_ms = self.predictor.prefill_attn_ms(computed, n_dev);
-                Tentative { id, n: n_dev, target: computed + n_dev, to_host, attn_ms, hit }
+                // Priced with a layer's share of copying its host-tier blocks in.
+                let copied = hit.host.len() * self.config.block_size * self.config.kv_bytes_per_token;
+                let attn_ms = self.predictor.prefill_attn_ms(computed, n_dev) + self.predictor.transfer_ms(copied);
+                Tentative { id, n: n_dev, target: computed + n_dev, to_host: false, attn_ms, hit }
+            } else {
+                // The whole prompt, after the host blocks it starts with (decoded in place).
+                let place = self.in_place_hit(req);
+                let n = req.num_pending_tokens() - place.blocks.len() * self.config.block_size;
+                let host_blocks = self.cpu.blocks_for(req.num_tokens()) - place.blocks.len() + place.evictable;
+                if n > budget || host_blocks + swap_reserve > free_cpu {
+                    break;
+                }
+                free_cpu -= host_blocks;
+                let attn_ms = self.predictor.prefill_attn_ms(req.num_computed_tokens, n);
+                Tentative { id, n, target: req.num_tokens(), to_host: true, attn_ms, hit: place }
             };
+            // Once one prefill goes to the host, later ones follow (FCFS fairness).
+            host_bound |= t.to_host;
             budget -= t.n;
             seats -= 1;
             out.push(t);
@@ -420,19 +428,25 @@ impl Scheduler {
     }
 
     fn commit_prefills(&mut self, step: &mut Step, prefills: &[Tentative]) {
-        // Every device prefill takes its cached prefix first, on both tiers: the new blocks of
-        // one must not evict another's (cached blocks no request held when the plan was made).
-        for p in prefills.iter().filter(|p| !p.to_host) {
-            self.gpu.take_prefix(p.id, &p.hit);
-            self.cpu.pin_host_hit(&p.hit);
+        // Every prefill takes its cached prefix first, on both tiers: the new blocks of one must
+        // not evict another's (cached blocks no request held when the plan was made).
+        for p in prefills {
+            if p.to_host {
+                self.cpu.take_prefix(p.id, &p.hit);
+            } else {
+                self.gpu.take_prefix(p.id, &p.hit);
+                self.cpu.pin_host_hit(&p.hit);
+            }
         }
         for p in prefills {
             debug_assert_eq!(self.waiting.front(), Some(&p.id));
             let kv = if p.to_host { &mut self.cpu } else { &mut self.gpu };
             let grown = kv.allocate_slots(p.id, p.target);
             assert!(grown, "tentative prefills were counted against the free blocks");
-            self.copy_host_hit(p.id, &p.hit, step);
-            self.count_prefix_hit(p.id, &p.hit);
+            if !p.to_host {
+                self.copy_host_hit(p.id, &p.hit, step);
+            }
+            self.count_prefix_hit(p.id, &p.hit, p.to_host);
             self.waiting.pop_front();
             self.admit_to(p.id, if p.to_host { Device::Cpu } else { Device::Gpu });
             self.stats.num_prefills_to_host += u64::from(p.to_host);
@@ -455,6 +469,10 @@ impl Scheduler {
 
 /// Add (`sign` 1) or take back (-1) one tentative prefill.
 fn add_prefill(b: &mut Load, p: &Tentative, sign: isize) {
+    if p.in_place() {
+        add_cpu_rows(b, p.target - p.n, p.n, sign);
+        return;
+    }
     let step = |x: &mut usize, by: usize| *x = x.wrapping_add_signed(sign * by as isize);
     step(&mut b.reqs, 1);
     step(&mut b.tokens, p.n);
@@ -464,11 +482,17 @@ fn add_prefill(b: &mut Load, p: &Tentative, sign: isize) {
 
 /// Add (`sign` 1) or take back (-1) one CPU decode of context `ctx`.
 fn add_cpu_decode(b: &mut Load, ctx: usize, sign: isize) {
+    add_cpu_rows(b, ctx - 1, 1, sign);
+}
+
+/// Add (`sign` 1) or take back (-1) one request's `n` rows attending on the CPU after its
+/// first `computed` tokens: each costs the kernel a decode over its own context.
+fn add_cpu_rows(b: &mut Load, computed: usize, n: usize, sign: isize) {
     let step = |x: &mut usize, by: usize| *x = x.wrapping_add_signed(sign * by as isize);
     step(&mut b.reqs, 1);
-    step(&mut b.tokens, 1);
-    step(&mut b.cpu_seqs, 1);
-    step(&mut b.cpu_ctx, ctx);
+    step(&mut b.tokens, n);
+    step(&mut b.cpu_seqs, n);
+    step(&mut b.cpu_ctx, n * computed + n * (n + 1) / 2);
 }
 
 #[cfg(test)]

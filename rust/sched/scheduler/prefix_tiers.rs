@@ -20,15 +20,26 @@ impl Scheduler {
         hit
     }
 
-    /// An admitted prefill starts after its cached prefix (none for one bound straight for the
-    /// host pool): count the lookup and skip the hit tokens.
-    pub(super) fn count_prefix_hit(&mut self, id: RequestId, hit: &PrefixHit) {
+    /// Under `neo`, the host blocks a host-bound prompt starts with (the host tier's, and those
+    /// of the host pool's requests): the prompt's rest attends on the CPU over them, in place,
+    /// and it decodes there.
+    pub(super) fn in_place_hit(&self, req: &Request) -> PrefixHit {
+        match (self.config.num_cpu_prefix_blocks, req.num_computed_tokens) {
+            (1.., 0) => self.cpu.lookup(&req.token_ids),
+            _ => PrefixHit::default(),
+        }
+    }
+
+    /// An admitted prefill starts after its cached prefix: count the lookup and skip the hit
+    /// tokens. `in_place`: the hit's blocks are host blocks (`in_place_hit`).
+    pub(super) fn count_prefix_hit(&mut self, id: RequestId, hit: &PrefixHit, in_place: bool) {
         let req = self.requests.get_mut(&id).expect("admitted request exists");
         if self.gpu.prefix_caching() && req.num_computed_tokens == 0 {
             let bs = self.config.block_size;
+            let on_host = hit.host.len() + if in_place { hit.blocks.len() } else { 0 };
             self.stats.prefix_cache_queries += req.num_tokens() as u64;
-            self.stats.prefix_cache_hits += (hit.blocks.len() * bs) as u64;
-            self.stats.prefix_cache_host_hits += (hit.host.len() * bs) as u64;
+            self.stats.prefix_cache_hits += ((hit.num_blocks() - on_host) * bs) as u64;
+            self.stats.prefix_cache_host_hits += (on_host * bs) as u64;
             req.num_computed_tokens = hit.num_blocks() * bs;
         }
     }
