@@ -463,7 +463,7 @@ fn under_neo_a_host_bound_prompt_decodes_in_place_over_host_tier_blocks() {
         s.update(&vec![7; out.inputs.sample_ids.len()], &[]).unwrap();
     }
     let tier: Vec<_> = {
-        let mut b = s.kv(Device::Cpu).lookup(&with(2)).blocks;
+        let mut b = s.kv(Device::Cpu).lookup(&with(2), None).blocks;
         b.sort();
         b
     };
@@ -483,4 +483,25 @@ fn under_neo_a_host_bound_prompt_decodes_in_place_over_host_tier_blocks() {
     s.update(&vec![7; out.inputs.sample_ids.len()], &[]).unwrap();
     drain(&mut s);
     assert_eq!(s.kv(Device::Cpu).num_free_blocks(), 32);
+}
+
+#[test]
+fn cache_salts_keep_prefix_caches_apart() {
+    let cfg = SchedulerConfig { enable_prefix_caching: true, ..config(32, 0, 64) };
+    let mut s = Scheduler::new(cfg).unwrap();
+    let prompt: Vec<u32> = (100..113).collect(); // three full blocks and a token
+                                                 // The prompt's tokens found cached when it is scheduled, run to completion.
+    let mut cached = |id: u64, salt: Option<&str>| {
+        s.add_salted_request(RequestId(id), prompt.clone(), 1, salt).unwrap();
+        let computed = s.schedule().unwrap().scheduled[0].num_computed_tokens;
+        s.update(&[7], &[]).unwrap();
+        drain(&mut s);
+        computed
+    };
+    assert_eq!(cached(1, Some("tenant a")), 0);
+    assert_eq!(cached(2, Some("tenant a")), 12);
+    assert_eq!(cached(3, Some("tenant b")), 0);
+    assert_eq!(cached(4, None), 0);
+    assert_eq!(cached(5, None), 12);
+    assert!(s.add_salted_request(RequestId(6), prompt, 1, Some("")).is_err());
 }

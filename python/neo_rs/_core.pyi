@@ -154,8 +154,11 @@ class Scheduler:
         prompts start after the full device blocks they share with earlier ones.
         ``num_cpu_prefix_blocks``: host blocks that keep prefix blocks the device evicts (the
         host tier; needs ``enable_prefix_caching``)."""
-    def add_request(self, request_id: int, prompt_token_ids: list[int], max_tokens: int) -> None:
-        """Queue a request; ``InvalidArgumentError`` if it can never run (empty, too long, duplicate)."""
+    def add_request(
+        self, request_id: int, prompt_token_ids: list[int], max_tokens: int, cache_salt: str | None = None
+    ) -> None:
+        """Queue a request; ``InvalidArgumentError`` if it can never run (empty, too long, duplicate).
+        ``cache_salt``: it shares prefix-cache blocks only with requests of the same salt."""
     def abort(self, request_id: int) -> bool:
         """Drop a request wherever it is and free its blocks; ``False`` if unknown."""
     def schedule(self) -> SchedulerOutput:

@@ -140,9 +140,14 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         prompt_ids: list[int] | None = None,
+        cache_salt: str | None = None,
     ) -> str:
-        """Queue a request (text, or token ids); raises ``InvalidArgumentError`` before queuing anything."""
+        """Queue a request (text, or token ids); raises ``InvalidArgumentError`` before queuing
+        anything. ``cache_salt`` (vLLM's): the request shares prefix-cache blocks only with
+        requests of the same salt, so one tenant cannot learn another's prompts from timing."""
         params = params or SamplingParams()
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidArgumentError("cache_salt must be a non-empty string")
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._requests:
             raise InvalidArgumentError(f"request id {request_id!r} is already in use")
@@ -163,7 +168,7 @@ class LLMEngine:
         added: list[int] = []
         try:
             for seq in req.seqs:
-                self.scheduler.add_request(seq.seq_id, prompt_ids, max_tokens)
+                self.scheduler.add_request(seq.seq_id, prompt_ids, max_tokens, cache_salt)
                 added.append(seq.seq_id)
         except Exception:
             for seq_id in added:  # all n sequences or none

@@ -50,6 +50,8 @@ impl SwapPlan {
 /// tier's blocks that continue the chain (`KvManager::extend_hit`), copied to the device.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PrefixHit {
+    /// The namespace it was looked up in (its first block's parent).
+    salt: Option<BlockHash>,
     pub blocks: Vec<BlockId>,
     hashes: Vec<BlockHash>,
     /// Of the device blocks, how many no request holds (taking them uses up free blocks).
@@ -210,11 +212,11 @@ impl KvManager {
     }
 
     /// The cached full blocks `tokens` starts with, at most `(len - 1) / block_size` of them (the
-    /// last token is always computed, for its logits, into a block of the request's own).
-    /// Empty without prefix caching.
-    pub fn lookup(&self, tokens: &[u32]) -> PrefixHit {
-        let mut hit = PrefixHit::default();
-        let (blocks, hashes) = self.walk(None, tokens, 0);
+    /// last token is always computed, for its logits, into a block of the request's own), in
+    /// the namespace `salt` (`Request::salt`). Empty without prefix caching.
+    pub fn lookup(&self, tokens: &[u32], salt: Option<BlockHash>) -> PrefixHit {
+        let mut hit = PrefixHit { salt, ..PrefixHit::default() };
+        let (blocks, hashes) = self.walk(salt, tokens, 0);
         hit.evictable = blocks.iter().filter(|b| self.refs[b.0 as usize] == 0).count();
         (hit.blocks, hit.hashes) = (blocks, hashes);
         hit
@@ -280,15 +282,16 @@ impl KvManager {
     }
 
     /// Register the request's full blocks among its first `num_computed` tokens (`tokens`: its
-    /// prompt and outputs) for later prompts to reuse. A no-op without prefix caching.
-    pub fn cache_full_blocks(&mut self, id: RequestId, tokens: &[u32], num_computed: usize) {
+    /// prompt and outputs; `salt`: its namespace) for later prompts to reuse. A no-op without
+    /// prefix caching.
+    pub fn cache_full_blocks(&mut self, id: RequestId, tokens: &[u32], num_computed: usize, salt: Option<BlockHash>) {
         let Some(cache) = &mut self.cache else { return };
         let Some(table) = self.tables.get(&id) else { return };
         let chain = self.chains.entry(id).or_default();
         let full = (num_computed / self.block_size).min(table.len());
         for i in chain.len()..full {
             let block = &tokens[i * self.block_size..(i + 1) * self.block_size];
-            let hash = cache.register(table[i], chain.last().copied(), block);
+            let hash = cache.register(table[i], chain.last().copied().or(salt), block);
             chain.push(hash);
         }
     }
@@ -395,9 +398,9 @@ mod tests {
 
     /// Run a request through the cache: look up, allocate, "compute" everything, register.
     fn run_request(m: &mut KvManager, id: RequestId, toks: &[u32]) -> PrefixHit {
-        let hit = m.lookup(toks);
+        let hit = m.lookup(toks, None);
         assert!(m.allocate_with_prefix(id, &hit, toks.len()));
-        m.cache_full_blocks(id, toks, toks.len());
+        m.cache_full_blocks(id, toks, toks.len(), None);
         m.check().unwrap();
         hit
     }
@@ -415,20 +418,20 @@ mod tests {
         assert_eq!(&m.table(RequestId(2))[..2], &m.table(RequestId(1))[..2]);
         // A prompt of exactly two cached blocks recomputes its last token into a block of its own.
         let c = a[..8].to_vec();
-        assert_eq!(m.lookup(&c).num_blocks(), 1);
+        assert_eq!(m.lookup(&c, None).num_blocks(), 1);
         // A different first block breaks the chain even when later blocks match.
         let mut d = a.clone();
         d[0] = 5;
-        assert_eq!(m.lookup(&d).num_blocks(), 0);
+        assert_eq!(m.lookup(&d, None).num_blocks(), 0);
         // Freed, the blocks stay cached and are found again, now evictable.
         m.free(RequestId(1));
         m.free(RequestId(2));
         m.check().unwrap();
         assert_eq!(m.num_free_blocks(), 16);
-        let hit = m.lookup(&b);
+        let hit = m.lookup(&b, None);
         assert_eq!((hit.num_blocks(), hit.evictable), (2, 2));
         let off = KvManager::new(Device::Gpu, 16, 4, false);
-        assert_eq!(off.lookup(&a).num_blocks(), 0);
+        assert_eq!(off.lookup(&a, None).num_blocks(), 0);
     }
 
     #[test]
@@ -448,13 +451,13 @@ mod tests {
         assert_eq!(m.num_cached_blocks(), 4);
         assert!(m.allocate_slots(RequestId(3), 3 * 2));
         assert_eq!(m.table(RequestId(3))[2], ta[1]);
-        assert_eq!(m.lookup(&a).num_blocks(), 1);
+        assert_eq!(m.lookup(&a, None).num_blocks(), 1);
         assert!(m.allocate_slots(RequestId(3), 4 * 2));
-        assert_eq!(m.lookup(&a).num_blocks(), 0);
-        assert_eq!(m.lookup(&b).num_blocks(), 2);
+        assert_eq!(m.lookup(&a, None).num_blocks(), 0);
+        assert_eq!(m.lookup(&b, None).num_blocks(), 2);
         m.check().unwrap();
         // A hit takes its evictable blocks back out of the LRU: they are no room for new ones.
-        let hit = m.lookup(&b);
+        let hit = m.lookup(&b, None);
         assert!(!m.allocate_with_prefix(RequestId(4), &hit, 5));
         m.check().unwrap();
         assert!(m.allocate_with_prefix(RequestId(4), &hit, 4));

@@ -33,6 +33,15 @@ pub struct Evicted {
     pub tokens: Vec<u32>,
 }
 
+/// The namespace of a request's `cache_salt`: its first block's parent hash. Deterministic, and
+/// apart from every block hash (a distinct domain is hashed in).
+pub fn salt_hash(salt: &str) -> BlockHash {
+    let mut h = DefaultHasher::new();
+    "neo_rs cache_salt".hash(&mut h);
+    salt.hash(&mut h);
+    h.finish()
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Entry {
     hash: BlockHash,

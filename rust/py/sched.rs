@@ -127,8 +127,15 @@ impl Scheduler {
         Ok(Scheduler { inner: sched::Scheduler::new(config)? })
     }
 
-    fn add_request(&mut self, request_id: u64, prompt_token_ids: Vec<u32>, max_tokens: usize) -> PyResult<()> {
-        Ok(self.inner.add_request(RequestId(request_id), prompt_token_ids, max_tokens)?)
+    #[pyo3(signature = (request_id, prompt_token_ids, max_tokens, cache_salt = None))]
+    fn add_request(
+        &mut self,
+        request_id: u64,
+        prompt_token_ids: Vec<u32>,
+        max_tokens: usize,
+        cache_salt: Option<&str>,
+    ) -> PyResult<()> {
+        Ok(self.inner.add_salted_request(RequestId(request_id), prompt_token_ids, max_tokens, cache_salt)?)
     }
 
     fn abort(&mut self, request_id: u64) -> bool {

@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use crate::kv::Device;
+use crate::kv::{BlockHash, Device};
 
 /// Caller-chosen request id (Python numbers its requests).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -60,6 +60,9 @@ pub struct Request {
     pub device: Device,
     /// Order of arrival; FCFS ties and preemption victims follow it.
     pub arrival: u64,
+    /// Its prefix-cache namespace (`cache_salt`): the parent hash of its first block, so it
+    /// shares cached blocks only with requests of the same salt. `None`: the common namespace.
+    pub salt: Option<BlockHash>,
 }
 
 impl Request {

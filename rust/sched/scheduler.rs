@@ -16,7 +16,7 @@ use super::output::{ModelInputs, ScheduledRequest, SchedulerOutput, StageTimes};
 use super::perf::PerfPredictor;
 use super::request::{FinishReason, Request, RequestId, RequestStatus};
 use crate::error::{ensure, Result};
-use crate::kv::{BlockId, Device, KvManager, PrefixHit, SwapPlan};
+use crate::kv::{salt_hash, BlockId, Device, KvManager, PrefixHit, SwapPlan};
 
 /// One `schedule()` call's growing plan.
 struct Step {
@@ -178,6 +178,19 @@ impl Scheduler {
     /// Queue a request. Fails (nothing queued) on a duplicate id, an empty prompt, no token to
     /// generate, or a request that could never fit the context or the device pool.
     pub fn add_request(&mut self, id: RequestId, prompt: Vec<u32>, max_tokens: usize) -> Result<()> {
+        self.add_salted_request(id, prompt, max_tokens, None)
+    }
+
+    /// `add_request` with a `cache_salt`: the request shares prefix-cache blocks only with
+    /// requests of the same salt (vLLM's isolation between tenants). `Some("")` is an error.
+    pub fn add_salted_request(
+        &mut self,
+        id: RequestId,
+        prompt: Vec<u32>,
+        max_tokens: usize,
+        cache_salt: Option<&str>,
+    ) -> Result<()> {
+        ensure!(cache_salt != Some(""), Value, "request {id}: cache_salt must be a non-empty string");
         ensure!(!self.requests.contains_key(&id), Value, "request id {id} is already in use");
         ensure!(!prompt.is_empty(), Value, "request {id}: the prompt is empty");
         ensure!(max_tokens >= 1, Value, "request {id}: max_tokens must be at least 1");
@@ -212,6 +225,7 @@ impl Scheduler {
             status: RequestStatus::Waiting,
             device: Device::Gpu,
             arrival: self.next_arrival,
+            salt: cache_salt.map(salt_hash),
         };
         self.next_arrival += 1;
         self.requests.insert(id, request);
@@ -541,10 +555,12 @@ impl Scheduler {
             let filled = req.num_computed_tokens / bs > (req.num_computed_tokens - s.num_new_tokens) / bs;
             match req.device {
                 Device::Gpu if filled || self.host_hit_copies.contains(&s.id) => {
-                    self.gpu.cache_full_blocks(s.id, &req.token_ids, req.num_computed_tokens);
+                    self.gpu.cache_full_blocks(s.id, &req.token_ids, req.num_computed_tokens, req.salt);
                 }
                 // With a host tier, the host pool caches its requests' blocks too.
-                Device::Cpu if filled => self.cpu.cache_full_blocks(s.id, &req.token_ids, req.num_computed_tokens),
+                Device::Cpu if filled => {
+                    self.cpu.cache_full_blocks(s.id, &req.token_ids, req.num_computed_tokens, req.salt);
+                }
                 _ => {}
             }
             if req.device == Device::Gpu && self.moving_to_host.contains(&s.id) {

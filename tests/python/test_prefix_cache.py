@@ -176,6 +176,23 @@ def test_n_samples_of_one_prompt_share_its_blocks(checkpoints) -> None:
     assert_all_blocks_free(llm.engine)
 
 
+def test_cache_salt_keeps_tenants_apart(checkpoints) -> None:
+    path = checkpoints["llama3"]
+    engine = LLM(str(path), dtype="float32", block_size=8, num_gpu_blocks=64).engine
+
+    def hit_tokens(salt: str | None) -> int:
+        before = engine.scheduler.stats()["prefix_cache_hits"]
+        engine.add_request(PROMPTS[0], GREEDY, cache_salt=salt)
+        while engine.has_unfinished():
+            engine.step()
+        return engine.scheduler.stats()["prefix_cache_hits"] - before
+
+    assert [hit_tokens(s) for s in ("a", "a", "b", None, None)] == [0, 16, 0, 0, 16]
+    with pytest.raises(InvalidArgumentError, match="cache_salt"):
+        engine.add_request(PROMPTS[0], GREEDY, cache_salt="")
+    assert_all_blocks_free(engine)
+
+
 def test_server_flag_turns_it_off() -> None:
     from neo_rs.serve.cli import engine_args, parse_args
 

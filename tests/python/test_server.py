@@ -57,6 +57,19 @@ def test_prefix_cache_metrics(server: Server, client: openai.OpenAI) -> None:
     assert server.metric("neo:prefix_cache_blocks", tier="device") >= 1
 
 
+def test_cache_salt_keeps_prefix_caches_apart(server: Server, client: openai.OpenAI) -> None:
+    prompt = "Another long system prompt, this one shared only within a tenant's salt. " * 4
+
+    def hits_of(salt: str) -> float:
+        before = server.metric("neo:prefix_cache_hits_total", tier="device")
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, extra_body={"cache_salt": salt})
+        return server.metric("neo:prefix_cache_hits_total", tier="device") - before
+
+    assert hits_of("tenant a") == 0
+    assert hits_of("tenant a") >= 16
+    assert hits_of("tenant b") == 0
+
+
 def test_completion_stream_matches_non_stream(client: openai.OpenAI) -> None:
     kw = dict(model=MODEL, prompt="The quick brown fox", max_tokens=24, temperature=0)
     full = client.completions.create(**kw)
@@ -202,6 +215,8 @@ def _bad_cases() -> list[tuple[str, str, object, int]]:
         ("POST", c, {"prompt": "a", "stream_options": {"include_usage": True}}, 400),
         ("POST", c, {"prompt": "a", "model": "gpt-9"}, 404),
         ("POST", c, {"prompt": "a", "model": 3}, 400),
+        ("POST", c, {"prompt": "a", "cache_salt": ""}, 400),
+        ("POST", ch, {"messages": ok_msgs, "cache_salt": 7}, 400),
         ("POST", ch, {"messages": []}, 400),
         ("POST", ch, {"messages": "hi"}, 400),
         ("POST", ch, {"messages": [{"role": "wizard", "content": "x"}]}, 400),

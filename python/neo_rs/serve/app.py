@@ -224,7 +224,13 @@ class _Run:
         except QueueFull as e:
             raise ApiError(429, str(e), "RateLimitError") from e
         return [
-            self.engine.generate(f"{base}-{i}", text if text is not None else ids, ids, self.parsed.params)
+            self.engine.generate(
+                f"{base}-{i}",
+                text if text is not None else ids,
+                ids,
+                self.parsed.params,
+                self.parsed.cache_salt,
+            )
             for i, (text, ids) in enumerate(self.prompts)
         ]
 

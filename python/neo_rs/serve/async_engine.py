@@ -41,6 +41,7 @@ class _Add:
     prompt: str | list[int]
     prompt_ids: list[int]
     params: SamplingParams
+    cache_salt: str | None
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue[RequestOutput | BaseException]
 
@@ -155,7 +156,13 @@ class AsyncEngine:
             cmd.loop.call_soon_threadsafe(cmd.outputs.put_nowait, self.fatal_error)
             return
         try:
-            engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id, prompt_ids=cmd.prompt_ids)
+            engine.add_request(
+                cmd.prompt,
+                cmd.params,
+                request_id=cmd.request_id,
+                prompt_ids=cmd.prompt_ids,
+                cache_salt=cmd.cache_salt,
+            )
         except BaseException as e:
             cmd.loop.call_soon_threadsafe(cmd.outputs.put_nowait, e)
             return
@@ -207,13 +214,18 @@ class AsyncEngine:
             raise QueueFull(f"the waiting queue is full ({self.max_waiting} requests); retry later")
 
     async def generate(
-        self, request_id: str, prompt: str | list[int], prompt_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        prompt_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they come; leaving early (a disconnect) aborts it."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._num_pending += 1
-        self._inbox.put(_Add(request_id, prompt, prompt_ids, params, loop, outputs))
+        self._inbox.put(_Add(request_id, prompt, prompt_ids, params, cache_salt, loop, outputs))
         finished = False
         try:
             while not finished:

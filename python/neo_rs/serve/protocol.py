@@ -72,6 +72,8 @@ class _Sampling(_Strict):
     logit_bias: dict[str, float] | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     user: str | None = None  # an end-user id for the caller's own logs; no effect here
+    # vLLM's: prefix-cache blocks are shared only between requests of the same salt.
+    cache_salt: str | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         kw = {k: v for k, v in self.model_dump(include=_SAMPLING_FIELDS).items() if v is not None}
@@ -84,7 +86,14 @@ class _Sampling(_Strict):
 
 
 # The fields that pass straight through to ``SamplingParams``.
-_SAMPLING_FIELDS = set(_Sampling.model_fields) - {"model", "stream", "stream_options", "user", "logit_bias"}
+_SAMPLING_FIELDS = set(_Sampling.model_fields) - {
+    "model",
+    "stream",
+    "stream_options",
+    "user",
+    "logit_bias",
+    "cache_salt",
+}
 
 
 class _CompletionBody(_Sampling):
@@ -158,11 +167,14 @@ class ParsedRequest:
     echo: bool = False
     logprobs: int | None = None
     messages: list[dict[str, str]] = field(default_factory=list)
+    cache_salt: str | None = None
 
 
 def _common(req: _Sampling, served: str) -> tuple[dict[str, Any], StreamOptions]:
     if req.model is not None and req.model != served:
         raise ApiError(404, f"The model `{req.model}` does not exist.", "NotFoundError", "model")
+    if req.cache_salt == "":
+        raise bad("'cache_salt' must be a non-empty string", "cache_salt")
     if req.stream_options is not None and not req.stream:
         raise bad("'stream_options' is only allowed with 'stream': true", "stream_options")
     opts = req.stream_options or _StreamOptions()
@@ -201,7 +213,16 @@ def parse_completion(body: Any, served: str) -> ParsedRequest:
         if not 0 <= req.logprobs <= MAX_LOGPROBS:
             raise bad(f"'logprobs' must be in [0, {MAX_LOGPROBS}]", "logprobs")
         kw["logprobs"] = req.logprobs
-    return ParsedRequest(served, prompts, _params(kw), req.stream, so, echo=req.echo, logprobs=req.logprobs)
+    return ParsedRequest(
+        served,
+        prompts,
+        _params(kw),
+        req.stream,
+        so,
+        echo=req.echo,
+        logprobs=req.logprobs,
+        cache_salt=req.cache_salt,
+    )
 
 
 def parse_chat(body: Any, served: str) -> ParsedRequest:
@@ -220,7 +241,16 @@ def parse_chat(body: Any, served: str) -> ParsedRequest:
     elif req.top_logprobs is not None:
         raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    return ParsedRequest(served, [], _params(kw), req.stream, so, logprobs=logprobs, messages=messages)
+    return ParsedRequest(
+        served,
+        [],
+        _params(kw),
+        req.stream,
+        so,
+        logprobs=logprobs,
+        messages=messages,
+        cache_salt=req.cache_salt,
+    )
 
 
 def new_id(prefix: str) -> str:

@@ -31,7 +31,7 @@ impl KvManager {
 
     /// Extend a device `hit` with this pool's cached blocks that continue its chain.
     pub fn extend_hit(&self, hit: &mut PrefixHit, tokens: &[u32]) {
-        let (blocks, hashes) = self.walk(hit.hashes.last().copied(), tokens, hit.blocks.len());
+        let (blocks, hashes) = self.walk(hit.hashes.last().copied().or(hit.salt), tokens, hit.blocks.len());
         (hit.host, hit.host_hashes) = (blocks, hashes);
     }
 
@@ -129,13 +129,13 @@ mod tests {
         let (mut gpu, mut cpu) = tiers(3, 8, 4);
         let a = tokens(1, 7); // 3 full blocks, looked up at most 3
         assert!(gpu.allocate_slots(RequestId(1), 6));
-        gpu.cache_full_blocks(RequestId(1), &a, 6);
+        gpu.cache_full_blocks(RequestId(1), &a, 6, None);
         let chain = gpu.chain(RequestId(1)).to_vec();
         gpu.free(RequestId(1)); // tail first: block 2 is the oldest to evict
         assert!(gpu.allocate_slots(RequestId(2), 2)); // evicts a's third block
         let pairs = demote(&mut gpu, &mut cpu);
         assert_eq!(pairs.len(), 1);
-        let mut hit = gpu.lookup(&a);
+        let mut hit = gpu.lookup(&a, None);
         assert_eq!(hit.blocks.len(), 2);
         cpu.extend_hit(&mut hit, &a);
         assert_eq!((hit.host.as_slice(), hit.num_blocks()), (&[pairs[0].1][..], 3));
@@ -143,7 +143,7 @@ mod tests {
         // Its chain, not its tokens alone: another prefix with the same third block misses.
         let mut b = a.clone();
         b[0] = 9;
-        let mut other = gpu.lookup(&b);
+        let mut other = gpu.lookup(&b, None);
         cpu.extend_hit(&mut other, &b);
         assert_eq!(other.num_blocks(), 0);
         // Pinned while copied back, it is no room for others and is not evicted; then unheld.
@@ -169,7 +169,7 @@ mod tests {
             let id = RequestId(seed.into());
             let t = tokens(seed, 8);
             assert!(gpu.allocate_slots(id, 8));
-            gpu.cache_full_blocks(id, &t, 8);
+            gpu.cache_full_blocks(id, &t, 8, None);
             gpu.free(id);
         }
         // Three prompts of four cached blocks through a pool of four: eight evictions, the
@@ -178,7 +178,7 @@ mod tests {
         assert_eq!(evicted.len(), 8);
         let pairs = cpu.store(&evicted);
         assert_eq!(pairs.iter().map(|p| p.0).collect::<Vec<_>>(), [evicted[7].block, evicted[6].block]);
-        let mut hit = gpu.lookup(&tokens(2, 8));
+        let mut hit = gpu.lookup(&tokens(2, 8), None);
         cpu.extend_hit(&mut hit, &tokens(2, 8));
         assert_eq!(hit.host, [pairs[0].1, pairs[1].1]);
         assert_eq!((cpu.num_cached_blocks(), cpu.num_free_blocks()), (2, 6));

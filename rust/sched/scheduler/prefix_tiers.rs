@@ -13,7 +13,7 @@ impl Scheduler {
         if req.num_computed_tokens > 0 {
             return PrefixHit::default();
         }
-        let mut hit = self.gpu.lookup(&req.token_ids);
+        let mut hit = self.gpu.lookup(&req.token_ids, req.salt);
         if self.config.num_cpu_prefix_blocks > 0 {
             self.cpu.extend_hit(&mut hit, &req.token_ids);
         }
@@ -25,7 +25,7 @@ impl Scheduler {
     /// and it decodes there.
     pub(super) fn in_place_hit(&self, req: &Request) -> PrefixHit {
         match (self.config.num_cpu_prefix_blocks, req.num_computed_tokens) {
-            (1.., 0) => self.cpu.lookup(&req.token_ids),
+            (1.., 0) => self.cpu.lookup(&req.token_ids, req.salt),
             _ => PrefixHit::default(),
         }
     }
