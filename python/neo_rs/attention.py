@@ -59,6 +59,8 @@ class AttentionBatch:
     gpu_decodes: DecodeRows  # tables on the device
     cpu_decodes: DecodeRows  # tables in CPU memory (the host pool's), a row per token
     prefills: list[Prefill]
+    # The GPU decodes' K/V is appended by the decode kernel (not in ``device_writes``).
+    append_decodes: bool = False
 
     @staticmethod
     def from_plan(plan: SchedulerOutput, transfer: HostTransfer, block_size: int) -> list[AttentionBatch]:
@@ -107,13 +109,17 @@ class AttentionBatch:
         # Rows: GPU decodes, CPU attention (the kernel appends their K/V), device prefills, then
         # host prefills (the last rows). Slots are split once here, not once per layer.
         cpu_start, cpu_end, host = int(qsl[ngd]), int(qsl[nd]), int(qsl[hi - lo - nhp])
+        # A device pool in CPU memory: the Rust kernel appends the GPU decodes' K/V itself, unless
+        # blocks are staged to the host pool (copied in each layer's pre stage, after its writes).
+        append_decodes = transfer.device.type == "cpu" and not len(plan.prefill_to_host)
+        decodes_written = 0 if append_decodes else cpu_start
         cpu_tables, cpu_lens = tables[ngd:nd], seq_lens[ngd:nd]
         if cpu_end - cpu_start > nd - ngd:
             # A prompt decoded in place over host blocks has several rows: each attends as a
             # decode at its own position, over its request's table.
             cpu_tables = cpu_tables.repeat_interleave(torch.from_numpy(np.diff(qsl[ngd : nd + 1])), dim=0)
             cpu_lens = torch.from_numpy(plan.positions[t0 + cpu_start : t0 + cpu_end] + 1).to(torch.int32)
-        to_device = [r for r in (slice(0, cpu_start), slice(cpu_end, host)) if r.stop > r.start]
+        to_device = [r for r in (slice(0, decodes_written), slice(cpu_end, host)) if r.stop > r.start]
         host_rows = slice(host, t1 - t0)
         return AttentionBatch(
             tokens=slice(t0, t1),
@@ -128,6 +134,7 @@ class AttentionBatch:
                 cpu_start, cpu_end, cpu_tables, cpu_lens, int(lens[ngd:nd].max(initial=0))
             ),
             prefills=prefills,
+            append_decodes=append_decodes,
         )
 
 
@@ -202,13 +209,34 @@ class Attention:
         use_triton = transfer.device.type == "cuda" and device_attention() != "torch"
         self.device_decode = _triton_decode() if use_triton else None
 
-    def decode(self, q: torch.Tensor, pool: KvPool, layer: int, rows: DecodeRows, out: torch.Tensor) -> None:
-        """Device-pool decodes (their K/V already written), into ``out``."""
+    def decode(
+        self,
+        q: torch.Tensor,
+        pool: KvPool,
+        layer: int,
+        rows: DecodeRows,
+        out: torch.Tensor,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """Device-pool decodes into ``out``: their K/V already written, or ``new_kv`` to append
+        first (a pool in CPU memory only: the Rust kernel appends and attends in one call)."""
         if pool.device.type == "cpu":
+            new_k, new_v = (t.contiguous() for t in new_kv) if new_kv is not None else (None, None)
             self.cpu_attention.forward(
-                q.contiguous(), pool.k, pool.v, layer, rows.block_tables, rows.seq_lens, self.scale, out
+                q.contiguous(),
+                pool.k,
+                pool.v,
+                layer,
+                rows.block_tables,
+                rows.seq_lens,
+                self.scale,
+                out,
+                new_k=new_k,
+                new_v=new_v,
             )
-        elif self.device_decode is not None:
+            return
+        assert new_kv is None, "only the Rust kernel appends to the device pool"
+        if self.device_decode is not None:
             self.device_decode(q, pool, layer, rows, self.scale, out)
         else:
             out.copy_(paged_decode_torch(q, pool, layer, rows.block_tables, rows.seq_lens, self.scale))
@@ -315,7 +343,9 @@ class Attention:
         g = batch.gpu_decodes
         if len(g):
             with clock.span("gpu_decode"):
-                self.decode(q[g.start : g.end], pool, layer, g, out[g.start : g.end])
+                rows = slice(g.start, g.end)
+                new_kv = (k[rows], v[rows]) if batch.append_decodes else None
+                self.decode(q[rows], pool, layer, g, out[rows], new_kv)
         if batch.prefills:
             with clock.span("prefill_attn"):
                 for p in batch.prefills:

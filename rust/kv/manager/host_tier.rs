@@ -48,15 +48,15 @@ impl KvManager {
         self.release_blocks(&pins);
     }
 
-    /// Cache the content of evicted device blocks here, unheld, the most recent first and at
-    /// most the tier's cap of them: each takes a clean block while the tier is under its cap,
-    /// else the tier's oldest block (never one stored by this call: every destination is
-    /// distinct). Content cached here already is skipped. Returns the `(device, host)` pairs
-    /// to copy.
+    /// Cache the content of evicted device blocks here, unheld: the latest the tier's cap of
+    /// them, in eviction order (so a sequence's head, evicted after its tail, also stays here
+    /// longer). Each takes a clean block while the tier is under its cap, else the tier's
+    /// oldest block (never one stored by this call: every destination is distinct). Content
+    /// cached here already is skipped. Returns the `(device, host)` pairs to copy.
     pub fn store(&mut self, evicted: &[Evicted]) -> Vec<(BlockId, BlockId)> {
         let mut pairs: Vec<(BlockId, BlockId)> = Vec::new();
         let Some(cache) = &mut self.cache else { return pairs };
-        for e in evicted.iter().rev().take(self.cache_cap) {
+        for e in &evicted[evicted.len().saturating_sub(self.cache_cap)..] {
             if cache.contains(e.hash) {
                 continue;
             }
@@ -177,10 +177,12 @@ mod tests {
         let evicted = gpu.take_evicted();
         assert_eq!(evicted.len(), 8);
         let pairs = cpu.store(&evicted);
-        assert_eq!(pairs.iter().map(|p| p.0).collect::<Vec<_>>(), [evicted[7].block, evicted[6].block]);
+        assert_eq!(pairs.iter().map(|p| p.0).collect::<Vec<_>>(), [evicted[6].block, evicted[7].block]);
         let mut hit = gpu.lookup(&tokens(2, 8), None);
         cpu.extend_hit(&mut hit, &tokens(2, 8));
-        assert_eq!(hit.host, [pairs[0].1, pairs[1].1]);
+        assert_eq!(hit.host, [pairs[1].1, pairs[0].1]);
+        // The head (stored last) is the tier's newest: its tail goes first.
+        assert_eq!(cpu.cache.as_ref().unwrap().oldest(), Some(pairs[0].1));
         assert_eq!((cpu.num_cached_blocks(), cpu.num_free_blocks()), (2, 6));
         // Swap-outs take the tier's blocks when no clean block is left.
         assert!(cpu.allocate_slots(RequestId(9), 12));

@@ -1,7 +1,8 @@
 //! Prefix caching across both pools: a waiting prompt's lookup runs through the device cache,
 //! then on into the host tier (`kv/manager/host_tier.rs`), whose blocks are copied into new
-//! device blocks ahead of the prefill. Device blocks the cache evicts are copied into the host
-//! tier at the end of each plan, before anything can write them.
+//! device blocks ahead of the prefill; under `neo` a prompt bound for the host pool instead
+//! attends over the host blocks it starts with, in place. Device blocks the cache evicts are
+//! copied into the host tier at the end of each plan, before anything can write them.
 
 use super::*;
 
