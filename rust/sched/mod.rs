@@ -7,9 +7,11 @@ mod output;
 mod perf;
 mod request;
 mod scheduler;
+mod stats;
 
 pub use config::{OffloadMode, SchedulerConfig};
 pub use output::{ModelInputs, ScheduledRequest, SchedulerOutput, StageTimes};
 pub use perf::{PerfPredictor, Table1, Table2, Term};
 pub use request::{FinishReason, Request, RequestId, RequestStatus};
-pub use scheduler::{Scheduler, SchedulerStats, MAX_HOST_PREFILL_DEFERS};
+pub use scheduler::{Scheduler, MAX_HOST_PREFILL_DEFERS};
+pub use stats::SchedulerStats;
