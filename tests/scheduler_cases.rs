@@ -52,14 +52,20 @@ fn chunked_prefill_splits_a_long_prompt_and_decodes_ride_along() {
     assert!(!plans[1].scheduled[1].sample);
 }
 
-#[test]
-fn full_device_pool_swaps_out_then_back_in() {
-    // 3 requests of 8 prompt tokens fill 6 blocks; their first decode needs a 7th.
-    let mut s = Scheduler::new(config(6, 16, 64)).unwrap();
+/// Three requests of 8 prompt tokens fill a 6-block device pool; their first decode needs a
+/// 7th block. Driven to completion with `cpu` host blocks.
+fn crowded(cpu: u32) -> (Scheduler, Vec<SchedulerOutput>) {
+    let mut s = Scheduler::new(config(6, cpu, 64)).unwrap();
     for id in 0..3 {
         s.add_request(RequestId(id), vec![3; 8], 4).unwrap();
     }
     let plans = drain(&mut s);
+    (s, plans)
+}
+
+#[test]
+fn full_device_pool_swaps_out_then_back_in() {
+    let (s, plans) = crowded(16);
     let out = plans.iter().position(|p| !p.swap_out.pairs.is_empty()).expect("a swap-out happened");
     assert_eq!(plans[out].swap_out.pairs.len(), 2);
     assert!(plans[out + 1..].iter().any(|p| !p.swap_in.pairs.is_empty()));
@@ -71,11 +77,7 @@ fn full_device_pool_swaps_out_then_back_in() {
 
 #[test]
 fn no_host_room_means_recompute() {
-    let mut s = Scheduler::new(config(6, 0, 64)).unwrap();
-    for id in 0..3 {
-        s.add_request(RequestId(id), vec![3; 8], 4).unwrap();
-    }
-    let plans = drain(&mut s);
+    let (_, plans) = crowded(0);
     assert!(plans.iter().any(|p| !p.recomputed.is_empty()));
     assert!(plans.iter().all(|p| p.swap_out.pairs.is_empty()));
     // A recomputed request prefills its prompt and its outputs so far again.

@@ -144,10 +144,9 @@ class LLMEngine:
     ) -> str:
         """Queue a request (text, or token ids); raises ``InvalidArgumentError`` before queuing
         anything. ``cache_salt`` (vLLM's): the request shares prefix-cache blocks only with
-        requests of the same salt, so one tenant cannot learn another's prompts from timing."""
+        requests of the same salt, so one tenant cannot learn another's prompts from timing (an
+        empty salt is an ``InvalidArgumentError`` from the scheduler)."""
         params = params or SamplingParams()
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise InvalidArgumentError("cache_salt must be a non-empty string")
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._requests:
             raise InvalidArgumentError(f"request id {request_id!r} is already in use")

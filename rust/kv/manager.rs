@@ -155,13 +155,14 @@ impl KvManager {
         let mut blocks = self.pool.allocate(clean).expect("counted free");
         if let Some(cache) = &mut self.cache {
             for _ in clean..n {
-                let Some(evicted) = &mut self.evicted else {
-                    blocks.push(cache.evict().expect("counted evictable"));
-                    continue;
-                };
-                let e = cache.evict_entry().expect("counted evictable");
-                blocks.push(e.block);
-                evicted.push(e);
+                match &mut self.evicted {
+                    Some(evicted) => {
+                        let e = cache.evict_entry().expect("counted evictable");
+                        blocks.push(e.block);
+                        evicted.push(e);
+                    }
+                    None => blocks.push(cache.evict().expect("counted evictable")),
+                }
             }
         }
         for b in &blocks {
@@ -215,11 +216,9 @@ impl KvManager {
     /// last token is always computed, for its logits, into a block of the request's own), in
     /// the namespace `salt` (`Request::salt`). Empty without prefix caching.
     pub fn lookup(&self, tokens: &[u32], salt: Option<BlockHash>) -> PrefixHit {
-        let mut hit = PrefixHit { salt, ..PrefixHit::default() };
         let (blocks, hashes) = self.walk(salt, tokens, 0);
-        hit.evictable = blocks.iter().filter(|b| self.refs[b.0 as usize] == 0).count();
-        (hit.blocks, hit.hashes) = (blocks, hashes);
-        hit
+        let evictable = blocks.iter().filter(|b| self.refs[b.0 as usize] == 0).count();
+        PrefixHit { salt, blocks, hashes, evictable, ..PrefixHit::default() }
     }
 
     /// The cached blocks that hold `tokens`' full blocks from block `from` on, the first one's

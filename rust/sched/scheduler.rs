@@ -271,10 +271,13 @@ impl Scheduler {
         };
         let mut scheduled = step.scheduled;
         scheduled.sort_by_key(group);
-        let count = |g: u8| scheduled.iter().filter(|s| group(s) == g).count();
-        let (num_gpu_decodes, num_cpu_decodes, num_host_prefills) = (count(0), count(1), count(3));
-        let num_decodes = num_gpu_decodes + num_cpu_decodes;
-        let sub_batch1_start = scheduled.len() - count(4);
+        let mut count = [0usize; 5];
+        for s in &scheduled {
+            count[group(s)] += 1;
+        }
+        let (num_cpu_decodes, num_host_prefills) = (count[1], count[3]);
+        let num_decodes = count[0] + num_cpu_decodes;
+        let sub_batch1_start = scheduled.len() - count[4];
         let requests = &self.requests;
         let inputs = ModelInputs::build(&scheduled, |id| &requests[&id], &self.gpu, &self.cpu);
         let predicted = self.price(&scheduled);

@@ -387,7 +387,8 @@ impl Scheduler {
                 break;
             }
             let req = &self.requests[&id];
-            let hit = self.prefix_hit(req);
+            // Once host-bound, no later prompt goes to the device: no device lookup for it.
+            let hit = if host_bound { PrefixHit::default() } else { self.prefix_hit(req) };
             let computed = req.num_computed_tokens + hit.num_blocks() * self.config.block_size;
             let n_dev = (req.num_tokens() - computed).min(budget);
             // Device blocks it takes up: new ones, and cached ones no request holds.
