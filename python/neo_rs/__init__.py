@@ -19,6 +19,7 @@ from neo_rs.errors import (
 from neo_rs.llm import LLM
 from neo_rs.sampling import RequestOutputKind, SamplingParams
 from neo_rs.sequence import CompletionOutput, RequestOutput
+from neo_rs.structured import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -41,6 +42,7 @@ __all__ = [
     "Scheduler",
     "SchedulerOutput",
     "ShapeError",
+    "StructuredOutputsParams",
     "simd_tiers",
     "__version__",
 ]

@@ -8,6 +8,7 @@ import itertools
 import logging
 import time
 import uuid
+from concurrent.futures import wait
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ from neo_rs.runner import ModelRunner, resolve_device
 from neo_rs.sampling import RequestOutputKind, SamplingParams, sample
 from neo_rs.sequence import RequestMetrics, RequestOutput, Sequence
 from neo_rs.stats import IterationStats, calibrate
+from neo_rs.structured import Grammars
 from neo_rs.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,9 @@ class LLMEngine:
         self.runner = ModelRunner(args, model_dir, cfg, self.dtype, self.device, self.max_model_len)
         self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(model_dir)
         self.eos_ids = eos_token_ids(model_dir, self.tokenizer)
+        self.grammars = (
+            None if self.tokenizer is None else Grammars(self.tokenizer, cfg.vocab_size, self.eos_ids)
+        )
         self.scheduler = Scheduler(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -154,6 +159,11 @@ class LLMEngine:
         if prompt_ids is None:
             prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         max_tokens = self.check_prompt(prompt_ids, params)
+        so = params.structured_outputs
+        if so is not None:
+            if self.grammars is None:
+                raise InvalidArgumentError("structured outputs need a tokenizer (skip_tokenizer_init is set)")
+            self.grammars.compile(so)  # a bad grammar fails here, before anything is queued
         req = _Request(request_id, text, prompt_ids, [], RequestMetrics(arrival_time=time.monotonic()))
         for i in range(params.n):
             gen = None
@@ -162,7 +172,8 @@ class LLMEngine:
             detok = None
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
-            seq = Sequence(next(self._seq_ids), i, params, prompt_ids, self.eos_ids, gen, detok)
+            matcher = self.grammars.acquire(so) if so is not None and self.grammars is not None else None
+            seq = Sequence(next(self._seq_ids), i, params, prompt_ids, self.eos_ids, gen, detok, matcher)
             req.seqs.append(seq)
         added: list[int] = []
         try:
@@ -172,6 +183,8 @@ class LLMEngine:
         except Exception:
             for seq_id in added:  # all n sequences or none
                 self.scheduler.abort(seq_id)
+            for seq in req.seqs:
+                self._release(seq)
             raise
         for seq in req.seqs:
             self._seqs[seq.seq_id] = (seq, req)
@@ -185,11 +198,18 @@ class LLMEngine:
             return None
         for seq in req.seqs:
             self._seqs.pop(seq.seq_id, None)
+            self._release(seq)
             if not seq.finished:
                 self.scheduler.abort(seq.seq_id)
                 seq.finish_reason = "abort"
         req.finish(time.monotonic())
         return req.output()
+
+    def _release(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence's grammar matcher."""
+        if seq.matcher is not None and self.grammars is not None:
+            seq.matcher = None
+            self.grammars.release()
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -209,11 +229,15 @@ class LLMEngine:
             metrics = self._seqs[seq_id][1].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
+        masks = None
         try:
+            seqs = [self._seqs[i][0] for i in plan.sample_ids.tolist()]
+            # The grammars' masks for this step's tokens are computed while the model runs.
+            masks = self.grammars.start_masks([s.matcher for s in seqs]) if self.grammars else None
             self.runner.apply_swaps(plan)
             logits = self.runner.execute(plan)
-            seqs = [self._seqs[i][0] for i in plan.sample_ids.tolist()]
-            result = sample(logits, [s.sample_row() for s in seqs], self.generator)
+            mask = masks.result() if masks is not None else None
+            result = sample(logits, [s.sample_row() for s in seqs], self.generator, mask)
             stopped = [
                 s.seq_id
                 for s, tok, lp in zip(seqs, result.token_ids, result.logprobs, strict=True)
@@ -221,6 +245,8 @@ class LLMEngine:
             ]
             finished = self.scheduler.update(result.token_ids, stopped)
         except BaseException as e:
+            if masks is not None:
+                wait([masks])  # the worker reads the matchers the failure is about to drop
             failure = self._fail_step(e)
             if not isinstance(e, Exception):  # KeyboardInterrupt and the like go on as they are
                 raise
@@ -236,6 +262,7 @@ class LLMEngine:
         for seq_id, reason in finished:
             seq, req = self._seqs.pop(seq_id)
             seq.finish_reason = reason
+            self._release(seq)
             touched[req.request_id] = req
         outputs = []
         for req in touched.values():

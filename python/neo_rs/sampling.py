@@ -1,6 +1,6 @@
-"""Sampling parameters (vLLM's names and defaults) and the batched sampler: penalties,
-temperature, top-k, top-p, min-p, then greedy or a draw from each request's own generator, so a
-seeded request gets the same tokens whatever else is in the batch."""
+"""Sampling parameters (vLLM's names and defaults) and the batched sampler: grammar masks,
+penalties, temperature, top-k, top-p, min-p, then greedy or a draw from each request's own
+generator, so a seeded request gets the same tokens whatever else is in the batch."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from neo_rs.errors import InvalidArgumentError
+from neo_rs.structured import StructuredOutputsParams, TokenMask
 
 MAX_LOGPROBS = 20
 SEED_RANGE = (-(2**63), 2**63 - 1)  # torch.Generator's; vLLM bounds the API's seed the same way
@@ -49,8 +50,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None  # or its fields as a dict
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise InvalidArgumentError(f"structured_outputs: {e}") from e
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -105,6 +112,10 @@ class SamplingParams:
             is_int(t) and t >= 0 and is_number(b) and -100 <= b <= 100 for t, b in self.logit_bias.items()
         ):
             raise bad("logit_bias must map token ids to biases in [-100, 100]")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise bad("structured_outputs must be a StructuredOutputsParams or a dict of its fields")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
@@ -222,12 +233,23 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch.Generator) -> SampleResult:
-    """Sample one token per row of float32 ``logits`` ``[len(rows), vocab]``."""
+def sample(
+    logits: torch.Tensor,
+    rows: list[SampleRow],
+    default_generator: torch.Generator,
+    mask: TokenMask | None = None,
+) -> SampleResult:
+    """Sample one token per row of float32 ``logits`` ``[len(rows), vocab]``; ``mask``: the tokens
+    the constrained rows' grammars allow (logprobs stay those of the model)."""
     want_logprobs = [r.params.logprobs is not None for r in rows]
     raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
+    if mask is not None:
+        dev = logits.device
+        logits = logits.index_add(0, mask.index.to(dev), mask.additive.to(dev))
     if any(r.params.has_penalties or r.params.logit_bias or r.banned_ids for r in rows):
-        logits = logits.clone()
+        if mask is None:
+            logits = logits.clone()
+        constrained = set(mask.rows) if mask is not None else set()
         for i, r in enumerate(rows):
             if r.params.has_penalties:
                 _apply_penalties(logits[i], r)
@@ -236,8 +258,13 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch
                 logits[i, list(bias)] += torch.tensor(
                     list(bias.values()), dtype=logits.dtype, device=logits.device
                 )
-            if r.banned_ids:
+            if r.banned_ids and i not in constrained:
                 logits[i, r.banned_ids] = float("-inf")
+            elif r.banned_ids:  # EOS waits for min_tokens, unless the grammar allows nothing else
+                kept = logits[i].clone()
+                kept[r.banned_ids] = float("-inf")
+                if bool(kept.isfinite().any()):
+                    logits[i] = kept
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:

@@ -1,15 +1,17 @@
 """One generated sequence (a request has ``n`` of them) and the outputs handed to users: its
-tokens and text, stop checks (EOS, stop ids, stop strings, after ``min_tokens``), logprobs and
-timing. Finish reasons and ``stop_reason`` follow vLLM."""
+tokens and text, stop checks (EOS, stop ids, stop strings, after ``min_tokens``; a completed
+grammar), logprobs and timing. Finish reasons and ``stop_reason`` follow vLLM."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from neo_rs.sampling import RequestOutputKind, SampleRow, SamplingParams
+from neo_rs.structured import advance
 from neo_rs.tokenizer import IncrementalDetokenizer
 
 
@@ -57,6 +59,7 @@ class Sequence:
     eos_ids: set[int]
     generator: torch.Generator | None
     detokenizer: IncrementalDetokenizer | None
+    matcher: Any | None = None  # the llguidance matcher of its structured output
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[dict[int, float]] | None = None
@@ -90,6 +93,8 @@ class Sequence:
             self.cumulative_logprob += logprobs[token]
         delta = self.detokenizer.add(token) if self.detokenizer else ""
         self.text += delta
+        if self.matcher is not None and advance(self.matcher, token):
+            return True  # the grammar is complete: nothing may follow
         p = self.params
         if len(self.output_ids) < p.min_tokens:
             return False

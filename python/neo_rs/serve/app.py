@@ -175,6 +175,13 @@ async def _prompt_ids(
     return ids
 
 
+async def _compile_grammar(engine: AsyncEngine, parsed: ParsedRequest) -> None:
+    try:
+        await engine.compile_grammar(parsed.params)
+    except InvalidArgumentError as e:
+        raise bad(f"'{parsed.structured_field}': {e}", parsed.structured_field) from e
+
+
 async def _merged(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of several requests as they come, tagged with the request's index."""
     if len(gens) == 1:
@@ -356,6 +363,7 @@ async def _stream(run: _Run, gens: list[AsyncIterator[RequestOutput]]) -> web.St
 async def completions(request: web.Request) -> web.StreamResponse:
     engine = _ready(request)
     parsed = parse_completion(await _json_body(request), request.app[STATE].served_model_name)
+    await _compile_grammar(engine, parsed)
     run = _Run(request, parsed, chat=False)
     for p in parsed.prompts:
         ids = await _prompt_ids(engine, p, parsed.params, special=True)
@@ -372,6 +380,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise bad(str(e), "messages") from e
     except Exception as e:  # a template that rejects these messages
         raise bad(f"the chat template failed: {e}", "messages") from e
+    await _compile_grammar(engine, parsed)
     run = _Run(request, parsed, chat=True)
     run.prompts.append((text, await _prompt_ids(engine, text, parsed.params, special=False)))
     return await _respond(run)

@@ -197,6 +197,19 @@ class AsyncEngine:
             lambda: tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
         )
 
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile a request's structured output on the tokenizer threads (raises
+        ``InvalidArgumentError``), so a bad schema is answered before a stream starts; the engine
+        thread then finds it compiled."""
+        so = params.structured_outputs
+        if so is None:
+            return
+        assert self.engine is not None
+        grammars = self.engine.grammars
+        if grammars is None:
+            raise InvalidArgumentError("structured outputs need a tokenizer")
+        await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, grammars.compile, so)
+
     def token_text(self, token_id: int) -> str:
         return "" if self._tokenizer is None else str(self._tokenizer.decode([token_id]))
 

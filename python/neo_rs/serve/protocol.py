@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from neo_rs.errors import InvalidArgumentError
 from neo_rs.sampling import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 from neo_rs.sequence import CompletionOutput, RequestOutput
+from neo_rs.structured import StructuredOutputsParams
 
 
 class ApiError(Exception):
@@ -48,6 +49,32 @@ class _StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
+class _JsonSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # our schemas are always enforced
+
+
+class _ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: _JsonSchemaFormat | None = None
+
+
+class _StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs`` (v0.11 on): one field, checked by ``StructuredOutputsParams``."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+# vLLM's older spellings of the same (``guided_json`` is ``structured_outputs.json``, ...).
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
 class _Sampling(_Strict):
     """Fields both endpoints share; their ranges are ``SamplingParams``' to check."""
 
@@ -74,6 +101,42 @@ class _Sampling(_Strict):
     user: str | None = None  # an end-user id for the caller's own logs; no effect here
     # vLLM's: prefix-cache blocks are shared only between requests of the same salt.
     cache_salt: str | None = None
+    response_format: _ResponseFormat | None = None
+    structured_outputs: _StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The request's structured output, if any, and the field that asked for it."""
+        asked: list[tuple[str, dict[str, Any]]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            asked.append(("response_format", {"json_object": True}))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise bad(
+                    "'response_format' of type json_schema needs 'json_schema.schema'", "response_format"
+                )
+            asked.append(("response_format", {"json": fmt.json_schema.schema_}))
+        if self.structured_outputs is not None:
+            asked.append(
+                ("structured_outputs", self.structured_outputs.model_dump(by_alias=True, exclude_none=True))
+            )
+        asked += [
+            (name, {name[len("guided_") :]: v}) for name in _GUIDED if (v := getattr(self, name)) is not None
+        ]
+        if not asked:
+            return None, None
+        if len(asked) > 1:
+            names = ", ".join(f"'{name}'" for name, _ in asked)
+            raise bad(f"a request may constrain its output once; it gave {names}", asked[1][0])
+        name, fields = asked[0]
+        try:
+            return StructuredOutputsParams(**fields), name
+        except InvalidArgumentError as e:
+            raise bad(f"'{name}': {e}", name) from e
 
     def sampling_kwargs(self) -> dict[str, Any]:
         kw = {k: v for k, v in self.model_dump(include=_SAMPLING_FIELDS).items() if v is not None}
@@ -93,6 +156,9 @@ _SAMPLING_FIELDS = set(_Sampling.model_fields) - {
     "user",
     "logit_bias",
     "cache_salt",
+    "response_format",
+    "structured_outputs",
+    *_GUIDED,
 }
 
 
@@ -168,9 +234,10 @@ class ParsedRequest:
     logprobs: int | None = None
     messages: list[dict[str, str]] = field(default_factory=list)
     cache_salt: str | None = None
+    structured_field: str | None = None  # the field that constrained the output, for its errors
 
 
-def _common(req: _Sampling, served: str) -> tuple[dict[str, Any], StreamOptions]:
+def _common(req: _Sampling, served: str) -> tuple[dict[str, Any], StreamOptions, str | None]:
     if req.model is not None and req.model != served:
         raise ApiError(404, f"The model `{req.model}` does not exist.", "NotFoundError", "model")
     if req.cache_salt == "":
@@ -179,10 +246,11 @@ def _common(req: _Sampling, served: str) -> tuple[dict[str, Any], StreamOptions]
         raise bad("'stream_options' is only allowed with 'stream': true", "stream_options")
     opts = req.stream_options or _StreamOptions()
     kw = req.sampling_kwargs()
+    kw["structured_outputs"], structured_field = req.structured()
     # A stream takes what is new at each step (its cost does not grow with its length); a
     # plain response takes the final output only.
     kw["output_kind"] = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-    return kw, StreamOptions(opts.include_usage, opts.continuous_usage_stats)
+    return kw, StreamOptions(opts.include_usage, opts.continuous_usage_stats), structured_field
 
 
 def _params(kw: dict[str, Any]) -> SamplingParams:
@@ -194,7 +262,7 @@ def _params(kw: dict[str, Any]) -> SamplingParams:
 
 def parse_completion(body: Any, served: str) -> ParsedRequest:
     req = _validated(_CompletionBody, body)
-    kw, so = _common(req, served)
+    kw, so, structured_field = _common(req, served)
     if req.max_tokens is None:
         kw["max_tokens"] = 16  # the completions API's default
     prompt = req.prompt
@@ -222,12 +290,13 @@ def parse_completion(body: Any, served: str) -> ParsedRequest:
         echo=req.echo,
         logprobs=req.logprobs,
         cache_salt=req.cache_salt,
+        structured_field=structured_field,
     )
 
 
 def parse_chat(body: Any, served: str) -> ParsedRequest:
     req = _validated(_ChatBody, body)
-    kw, so = _common(req, served)
+    kw, so, structured_field = _common(req, served)
     if not req.messages:
         raise bad("'messages' must be a non-empty list", "messages")
     if req.max_completion_tokens is not None:
@@ -250,6 +319,7 @@ def parse_chat(body: Any, served: str) -> ParsedRequest:
         logprobs=logprobs,
         messages=messages,
         cache_salt=req.cache_salt,
+        structured_field=structured_field,
     )
 
 
