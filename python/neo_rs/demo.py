@@ -15,10 +15,17 @@ from neo_rs.config import build_atomically, cache_dir
 
 log = logging.getLogger(__name__)
 
-VERSION = 2
+VERSION = 3
 BOS, EOS = "<s>", "</s>"
+# Hermes-style tools: offered in a system block, earlier calls rendered as <tool_call> tags.
+# (Transformers renders with trim_blocks, so the newline after a message's calls is an expression.)
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{{ bos_token }}{% if tools %}<|system|>\n<tools>{{ tools | tojson }}</tools>\n"
+    'Call a tool with <tool_call>{"name": ..., "arguments": ...}</tool_call>\n{% endif %}'
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}"
+    "</tool_call>{% endfor %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 CONFIG = {

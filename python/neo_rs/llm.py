@@ -17,7 +17,7 @@ from neo_rs.sequence import RequestOutput
 Prompt = str | list[int]
 # vLLM's prompt dicts: {"prompt": text} (TextPrompt) or {"prompt_token_ids": ids} (TokensPrompt).
 PromptDict = dict[str, Any]
-Message = dict[str, str]
+Message = dict[str, Any]
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
@@ -65,15 +65,19 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of ``{"role", "content"}``) or several, through the chat template."""
+        """One conversation (a list of ``{"role", "content"}``) or several, through the chat
+        template; ``tools`` (OpenAI's tool objects) are passed to it, as vLLM's ``LLM.chat`` does."""
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise InvalidArgumentError("this model has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         items: list[tuple[Prompt, list[int] | None]] = []
         for conv in conversations:
-            text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+            text = tok.apply_chat_template(
+                conv, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
             items.append((text, self.engine.tokenize(text, add_special_tokens=False)))
         return self._run(items, sampling_params, use_tqdm)
 

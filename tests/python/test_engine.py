@@ -135,6 +135,11 @@ def test_chat_uses_the_template(checkpoints) -> None:
     assert out.prompt == "<s><|system|>\nBe brief.\n<|user|>\nHi!\n<|assistant|>\n"
     assert out.prompt_token_ids == tok.encode(out.prompt, add_special_tokens=False)
     assert out.prompt_token_ids[0] == 256 and len(out.outputs[0].token_ids) == 4
+    tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}
+    with_tools = llm.chat(conv, SamplingParams(max_tokens=1), use_tqdm=False, tools=[tool])[0]
+    assert with_tools.prompt.startswith(
+        '<s><|system|>\n<tools>[{"type": "function", "function": {"name": "now"'
+    )
     assert_all_blocks_free(llm.engine)
 
 

@@ -257,6 +257,10 @@ def _bad_cases() -> list[tuple[str, str, object, int]]:
         ("POST", c, {"prompt": "a", "best_of": 2}, 400),
         ("POST", c, {"prompt": "a", "suffix": "z"}, 400),
         ("POST", c, {"prompt": "a", "no_such_field": 1}, 400),
+        # Tools: well-formed, and a tool_choice only with tools (more in test_tools.py).
+        ("POST", ch, {"messages": ok_msgs, "tools": [{"type": "function"}]}, 400),
+        ("POST", ch, {"messages": ok_msgs, "tool_choice": "auto"}, 400),
+        ("POST", c, {"prompt": "a", "tools": []}, 400),
         # Structured outputs: one constraint per request, and one that compiles.
         ("POST", ch, {"messages": ok_msgs, "response_format": {"type": "json_schema"}}, 400),
         ("POST", ch, {"messages": ok_msgs, "response_format": {"type": "xml"}}, 400),
@@ -287,8 +291,6 @@ def _bad_cases() -> list[tuple[str, str, object, int]]:
             {"prompt": "a", "structured_outputs": {"json": {"$ref": "#/$defs/missing"}}},
             400,
         ),
-        ("POST", ch, {"messages": ok_msgs, "tools": [{"type": "function"}]}, 400),
-        ("POST", ch, {"messages": ok_msgs, "tool_choice": "auto"}, 400),
         ("POST", ch, {"messages": ok_msgs, "logprobs": 1}, 400),
         ("POST", ch, {"messages": [{"role": "tool", "content": "x"}]}, 400),
         ("POST", ch, {"messages": [{"role": "user"}]}, 400),

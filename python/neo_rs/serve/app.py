@@ -35,6 +35,7 @@ from neo_rs.serve.protocol import (
     parse_completion,
     usage,
 )
+from neo_rs.serve.tools import PARSERS, ToolStream
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("neo_rs.access")
@@ -47,6 +48,7 @@ MAX_BODY_BYTES = 4 << 20
 class ServerState:
     served_model_name: str
     api_key: str | None = None
+    tool_parser: str | None = None  # --tool-call-parser: how ``auto`` finds the model's calls
     draining: bool = False
     started: float = field(default_factory=time.time)
 
@@ -223,6 +225,8 @@ class _Run:
         self.engine = request.app[ENGINE]
         self.env = Envelope(new_id("chatcmpl" if chat else "cmpl"), parsed.model)
         self.prompts: list[tuple[str | None, list[int]]] = []
+        self.tool_parser = request.app[STATE].tool_parser
+        self.tool_streams: dict[int, ToolStream] = {}
 
     def start(self) -> list[AsyncIterator[RequestOutput]]:
         base = self.request["request_id"]
@@ -260,9 +264,30 @@ class _Run:
             return chat_logprobs(out, t0, t1, self.engine.token_text, self.parsed.logprobs)
         return completion_logprobs(out, t0, t1, self.engine.token_text, offset)
 
+    def reply(self, idx: int, out: CompletionOutput) -> tuple[dict[str, Any], dict[str, Any]]:
+        """A choice's new text as response fields (``text``; ``content`` and any ``tool_calls``
+        found so far), and its finish fields."""
+        if not self.chat:
+            return {"text": out.text}, _finish(out)
+        if self.parsed.tool_choice is None:
+            return {"content": out.text}, _finish(out)
+        stream = self.tool_streams.setdefault(idx, ToolStream(self.parsed.tool_choice, self.tool_parser))
+        content, calls = stream.feed(out.text, final=out.finish_reason is not None)
+        fields: dict[str, Any] = {"content": content} if content or not calls else {}
+        if calls:
+            fields["tool_calls"] = calls
+        return fields, {**_finish(out), "finish_reason": stream.finish_reason(out.finish_reason)}
+
 
 def _finish(out: CompletionOutput) -> dict[str, Any]:
     return {"finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+
+
+def _message(fields: dict[str, Any]) -> dict[str, Any]:
+    """A whole chat reply: ``content`` is null beside tool calls with no text, as OpenAI's."""
+    calls = [{k: v for k, v in c.items() if k != "index"} for c in fields.get("tool_calls", [])]
+    content = (fields.get("content") or None) if calls else fields.get("content", "")
+    return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
 
 
 async def _respond(run: _Run) -> web.StreamResponse:
@@ -282,8 +307,8 @@ async def _respond(run: _Run) -> web.StreamResponse:
             idx = run.choice_index(i, o.index)
             lp = run.logprobs(o, 0, len(o.token_ids), 0)
             if run.chat:
-                msg = {"role": "assistant", "content": o.text}
-                choices.append({"index": idx, "message": msg, "logprobs": lp, **_finish(o)})
+                fields, fin = run.reply(idx, o)
+                choices.append({"index": idx, "message": _message(fields), "logprobs": lp, **fin})
             else:
                 text = (run.echo_text(i) + o.text) if run.parsed.echo else o.text
                 choices.append({"index": idx, "text": text, "logprobs": lp, **_finish(o)})
@@ -342,11 +367,12 @@ async def _stream(run: _Run, gens: list[AsyncIterator[RequestOutput]]) -> web.St
                 offset = sent_chars.get(idx, 0)
                 sent_chars[idx] = offset + len(o.text)
                 produced += len(o.token_ids)
-                fin = _finish(o) if o.finish_reason else {"finish_reason": None}
+                fields, fin = run.reply(idx, o)
+                fin = fin if o.finish_reason else {"finish_reason": None}
                 lp = run.logprobs(o, 0, len(o.token_ids), offset)
-                if not o.text and lp is None and not o.finish_reason:
-                    continue  # a token that completes no character yet
-                body = {"delta": {"content": o.text}} if run.chat else {"text": o.text}
+                if not any(fields.values()) and lp is None and not o.finish_reason:
+                    continue  # a token that completes no character (or no call) yet
+                body = {"delta": fields} if run.chat else fields
                 await send(run.env.wrap(obj, [{"index": idx, **body, "logprobs": lp, **fin}], **extra()))
                 if o.finish_reason:
                     finished.add(idx)
@@ -373,9 +399,17 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = _ready(request)
-    parsed = parse_chat(await _json_body(request), request.app[STATE].served_model_name)
+    state = request.app[STATE]
+    parsed = parse_chat(await _json_body(request), state.served_model_name)
+    tools = parsed.tool_choice
+    if tools is not None and tools.kind == "auto" and state.tool_parser is None:
+        raise bad(
+            "'tool_choice' auto (the default with 'tools') needs a server started with --tool-call-parser "
+            f"({' or '.join(PARSERS)}); 'required' or a named function work without one",
+            "tool_choice",
+        )
     try:
-        text = await engine.apply_chat_template(parsed.messages)
+        text = await engine.apply_chat_template(parsed.messages, tools.tools if tools else None)
     except InvalidArgumentError as e:
         raise bad(str(e), "messages") from e
     except Exception as e:  # a template that rejects these messages

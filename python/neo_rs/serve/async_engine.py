@@ -187,14 +187,19 @@ class AsyncEngine:
             lambda: list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens)),
         )
 
-    async def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+    async def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """The prompt of a conversation; ``tools`` reach the model if its template renders them."""
         tok = self._tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise InvalidArgumentError("this model has no chat template")
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
             self._tokenize_pool,
-            lambda: tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+            lambda: tok.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=True
+            ),
         )
 
     async def compile_grammar(self, params: SamplingParams) -> None:

@@ -20,6 +20,7 @@ from neo_rs.model.registry import DEFAULT_MODEL, DEMO_MODEL, served_name
 from neo_rs.serve.app import ServerState, create_app
 from neo_rs.serve.async_engine import AsyncEngine
 from neo_rs.serve.metrics import Metrics
+from neo_rs.serve.tools import PARSERS
 
 log = logging.getLogger("neo_rs.serve")
 
@@ -79,6 +80,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--max-waiting", type=int, help="429 beyond this many waiting requests")
     p.add_argument(
+        "--tool-call-parser",
+        choices=PARSERS,
+        help="how tool_choice auto finds the calls (hermes: Qwen/Hermes tags; llama3_json: Llama 3.1)",
+    )
+    p.add_argument(
         "--shutdown-timeout", type=float, default=30.0, help="seconds to let requests finish on SIGTERM"
     )
     p.add_argument("--seed", type=int, default=0)
@@ -120,7 +126,7 @@ async def serve(args: argparse.Namespace) -> int:
     engine = AsyncEngine(engine_args(args), max_waiting=args.max_waiting)
     metrics = Metrics(name)
     engine.on_step = metrics.on_step
-    state = ServerState(served_model_name=name, api_key=args.api_key)
+    state = ServerState(served_model_name=name, api_key=args.api_key, tool_parser=args.tool_call_parser)
     runner = web.AppRunner(create_app(engine, state, metrics), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)

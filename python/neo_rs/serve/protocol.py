@@ -5,6 +5,7 @@ handlers in ``app.py`` do the I/O."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from neo_rs.errors import InvalidArgumentError
 from neo_rs.sampling import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 from neo_rs.sequence import CompletionOutput, RequestOutput
+from neo_rs.serve.tools import ToolChoice
 from neo_rs.structured import StructuredOutputsParams
 
 
@@ -173,12 +175,72 @@ class _TextPart(_Strict):
     text: str
 
 
+class _CalledFunction(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class _ToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: _CalledFunction
+
+
 class _Message(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[_TextPart]
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[_TextPart] | None = None
+    tool_calls: list[_ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # the call a tool message answers
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates expect it (a call's arguments as a dict, as vLLM passes them)."""
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise bad(f"a {self.role} message needs 'content'", "messages")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise bad("only assistant messages carry 'tool_calls'", "messages")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise bad("a tool message, and only a tool message, needs 'tool_call_id'", "messages")
+        msg: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            calls = []
+            for c in self.tool_calls:
+                try:
+                    args = json.loads(c.function.arguments)
+                except ValueError as e:
+                    raise bad(f"tool call {c.id!r}: 'arguments' is not JSON", "messages") from e
+                calls.append(
+                    {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}}
+                )
+            msg["tool_calls"] = calls
+        return msg
+
+
+class _FunctionDef(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the arguments always follow the schema under required / named
+
+
+class _Tool(_Strict):
+    type: Literal["function"]
+    function: _FunctionDef
+
+
+class _FunctionName(_Strict):
+    name: str
+
+
+class _NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: _FunctionName
 
 
 class _ChatBody(_Sampling):
@@ -186,13 +248,36 @@ class _ChatBody(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[_Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | _NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    def tool_choice_of(self) -> ToolChoice | None:
+        if self.tools is None:
+            if self.tool_choice not in (None, "none"):
+                raise bad("'tool_choice' needs 'tools'", "tool_choice")
+            return None
+        if not self.tools:
+            raise bad("'tools' must not be empty", "tools")
+        names = [t.function.name for t in self.tools]
+        if len(set(names)) != len(names):
+            raise bad("tool names must be unique", "tools")
+        tools = [t.model_dump(exclude_none=True) for t in self.tools]
+        choice = self.tool_choice or "auto"  # OpenAI's default when tools are given
+        if isinstance(choice, _NamedToolChoice):
+            if choice.function.name not in names:
+                raise bad(
+                    f"'tool_choice' names {choice.function.name!r}, which is not in 'tools'", "tool_choice"
+                )
+            return ToolChoice("named", tools, choice.function.name, self.parallel_tool_calls)
+        return ToolChoice(choice, tools, None, self.parallel_tool_calls)
 
 
 # What a type error on these fields says (pydantic's own words name the union's branches).
 _SHAPES = {
     "prompt": "'prompt' must be a non-empty string, list of strings, or token ids",
-    "messages": "each message needs a 'role' of system, user or assistant and a string (or text parts) "
-    "'content'",
+    "messages": "each message needs a 'role' of system, user, assistant or tool and a string (or text "
+    "parts) 'content'; assistant messages may carry 'tool_calls', tool messages a 'tool_call_id'",
 }
 
 
@@ -232,7 +317,8 @@ class ParsedRequest:
     stream_options: StreamOptions
     echo: bool = False
     logprobs: int | None = None
-    messages: list[dict[str, str]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    tool_choice: ToolChoice | None = None
     cache_salt: str | None = None
     structured_field: str | None = None  # the field that constrained the output, for its errors
 
@@ -309,7 +395,12 @@ def parse_chat(body: Any, served: str) -> ParsedRequest:
         kw["logprobs"] = logprobs
     elif req.top_logprobs is not None:
         raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    messages = [m.for_template() for m in req.messages]
+    tool_choice = req.tool_choice_of()
+    if tool_choice is not None and (forced := tool_choice.grammar()) is not None:
+        if kw["structured_outputs"] is not None:
+            raise bad(f"'tool_choice' {tool_choice.kind} already constrains the output", structured_field)
+        kw["structured_outputs"], structured_field = forced, "tools"
     return ParsedRequest(
         served,
         [],
@@ -318,6 +409,7 @@ def parse_chat(body: Any, served: str) -> ParsedRequest:
         so,
         logprobs=logprobs,
         messages=messages,
+        tool_choice=tool_choice,
         cache_salt=req.cache_salt,
         structured_field=structured_field,
     )
