@@ -161,6 +161,8 @@ class Scheduler:
         ``cache_salt``: it shares prefix-cache blocks only with requests of the same salt."""
     def abort(self, request_id: int) -> bool:
         """Drop a request wherever it is and free its blocks; ``False`` if unknown."""
+    def num_cached_tokens(self, request_id: int) -> int:
+        """Prompt tokens its first admission found in the prefix cache (0 if none, or unknown)."""
     def schedule(self) -> SchedulerOutput:
         """Plan one iteration; ``BackendError`` if the previous one got no ``update``/``abort_step``."""
     def update(self, sampled: list[int], stopped: list[int]) -> list[tuple[int, str]]:

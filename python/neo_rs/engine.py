@@ -38,6 +38,7 @@ class _Request:
     prompt_ids: list[int]
     seqs: list[Sequence]
     metrics: RequestMetrics
+    num_cached_tokens: int | None = None  # read from the scheduler with its first token
 
     @property
     def finished(self) -> bool:
@@ -54,7 +55,13 @@ class _Request:
     def output(self) -> RequestOutput:
         outputs = [s.output(self.kind) for s in self.seqs]
         return RequestOutput(
-            self.request_id, self.prompt, self.prompt_ids, outputs, self.finished, self.metrics
+            self.request_id,
+            self.prompt,
+            self.prompt_ids,
+            outputs,
+            self.finished,
+            self.metrics,
+            self.num_cached_tokens or 0,
         )
 
 
@@ -238,6 +245,10 @@ class LLMEngine:
             logits = self.runner.execute(plan)
             mask = masks.result() if masks is not None else None
             result = sample(logits, [s.sample_row() for s in seqs], self.generator, mask)
+            for s in seqs:  # read before update() lets a finished request go
+                req = self._seqs[s.seq_id][1]
+                if req.num_cached_tokens is None:
+                    req.num_cached_tokens = self.scheduler.num_cached_tokens(s.seq_id)
             stopped = [
                 s.seq_id
                 for s, tok, lp in zip(seqs, result.token_ids, result.logprobs, strict=True)

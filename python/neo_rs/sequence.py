@@ -48,6 +48,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (vLLM's)
 
 
 @dataclass

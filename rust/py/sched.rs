@@ -142,6 +142,12 @@ impl Scheduler {
         self.inner.abort(RequestId(request_id))
     }
 
+    /// Prompt tokens the request's first admission found in the prefix cache (0 before it is
+    /// admitted, with prefix caching off, or for an unknown id). Read once per request.
+    fn num_cached_tokens(&self, request_id: u64) -> usize {
+        self.inner.request(RequestId(request_id)).and_then(|r| r.num_cached_tokens).unwrap_or(0)
+    }
+
     fn schedule(&mut self, py: Python<'_>) -> PyResult<SchedulerOutput> {
         let out = py.detach(|| self.inner.schedule())?;
         let s = &out.scheduled;

@@ -63,6 +63,9 @@ pub struct Request {
     /// Its prefix-cache namespace (`cache_salt`): the parent hash of its first block, so it
     /// shares cached blocks only with requests of the same salt. `None`: the common namespace.
     pub salt: Option<BlockHash>,
+    /// Prompt tokens its first admission found in the prefix cache, either tier (vLLM's
+    /// `num_cached_tokens`); `None` until admitted, or with prefix caching off.
+    pub num_cached_tokens: Option<usize>,
 }
 
 impl Request {

@@ -204,6 +204,7 @@ impl Scheduler {
             device: Device::Gpu,
             arrival: self.next_arrival,
             salt: cache_salt.map(salt_hash),
+            num_cached_tokens: None,
         };
         self.next_arrival += 1;
         self.requests.insert(id, request);

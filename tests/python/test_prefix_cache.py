@@ -51,9 +51,13 @@ def hf_greedy(path, prompt: list[int]) -> list[int]:  # noqa: ANN001
 
 
 def one_by_one(
-    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams = GREEDY
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    params: SamplingParams = GREEDY,
+    cached: list[int] | None = None,
 ) -> list[list[int]]:
-    """Each prompt after the previous one finished, so that its prefix is cached."""
+    """Each prompt after the previous one finished, so that its prefix is cached; ``cached``
+    collects each one's ``num_cached_tokens``."""
     outs = []
     for i, p in enumerate(prompts):
         engine.add_request(p, params, request_id=str(i))
@@ -61,6 +65,8 @@ def one_by_one(
             for o in engine.step():
                 if o.finished:
                     outs.append(o.outputs[0].token_ids)
+                    if cached is not None:
+                        cached.append(o.num_cached_tokens)
     return outs
 
 
@@ -68,8 +74,10 @@ def one_by_one(
 def test_hits_at_block_boundaries_and_mid_block_keep_tokens_identical(checkpoints, offload: str) -> None:
     path = checkpoints["llama3"]
     engine = LLM(str(path), dtype="float32", block_size=8, offload=offload, **MODES[offload]).engine
-    tokens = one_by_one(engine, PROMPTS)
+    cached: list[int] = []
+    tokens = one_by_one(engine, PROMPTS, cached=cached)
     assert tokens == [hf_greedy(path, p) for p in PROMPTS]
+    assert cached == [0, 8, 16, 16, 0, 8, 0]  # what each request reports (usage's cached_tokens)
     st = engine.scheduler.stats()
     assert st["prefix_cache_queries"] == sum(len(p) for p in PROMPTS), st
     # Prompt 1 hits 8 tokens, 2 and 3 hit 16, 5 hits 8 (prompts 0 and 4 miss). Under "all"
@@ -85,8 +93,9 @@ def test_hits_at_block_boundaries_and_mid_block_keep_tokens_identical(checkpoint
         enable_prefix_caching=False,
         **MODES[offload],
     ).engine
-    assert one_by_one(off, PROMPTS) == tokens
-    assert off.scheduler.stats()["prefix_cache_hits"] == 0
+    cached.clear()
+    assert one_by_one(off, PROMPTS, cached=cached) == tokens
+    assert off.scheduler.stats()["prefix_cache_hits"] == 0 and cached == [0] * len(PROMPTS)
 
 
 @pytest.mark.parametrize("offload", list(MODES))

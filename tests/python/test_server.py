@@ -49,10 +49,15 @@ def test_models_health_version_metrics(server: Server, client: openai.OpenAI) ->
 def test_prefix_cache_metrics(server: Server, client: openai.OpenAI) -> None:
     prompt = "A long shared system prompt that fills more than one block of tokens. " * 4
     before = server.metric("neo:prefix_cache_hits_total", tier="device")
-    for _ in range(2):
-        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    cached = []
+    for stream in (False, True):
+        kw = {"stream_options": {"include_usage": True}} if stream else {}
+        resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, stream=stream, **kw)
+        usage = [c for c in resp][-1].usage if stream else resp.usage
+        cached.append(usage.prompt_tokens_details.cached_tokens)
     # The second request found at least the first block of the first one's prompt.
-    assert server.metric("neo:prefix_cache_hits_total", tier="device") >= before + 16
+    assert cached[0] == 0 and cached[1] >= 16 and cached[1] % 16 == 0, cached
+    assert server.metric("neo:prefix_cache_hits_total", tier="device") >= before + cached[1]
     assert server.metric("neo:prefix_cache_queries_total") >= 2 * 16
     assert server.metric("neo:prefix_cache_blocks", tier="device") >= 1
 

@@ -227,6 +227,7 @@ class _Run:
         self.prompts: list[tuple[str | None, list[int]]] = []
         self.tool_parser = request.app[STATE].tool_parser
         self.tool_streams: dict[int, ToolStream] = {}
+        self.cached: dict[int, int] = {}  # prompt index -> its prompt tokens found in the prefix cache
 
     def start(self) -> list[AsyncIterator[RequestOutput]]:
         base = self.request["request_id"]
@@ -250,6 +251,9 @@ class _Run:
 
     def prompt_tokens(self) -> int:
         return sum(len(ids) for _, ids in self.prompts)
+
+    def usage(self, completion_tokens: int) -> dict[str, Any]:
+        return usage(self.prompt_tokens(), completion_tokens, sum(self.cached.values()))
 
     def echo_text(self, prompt_index: int) -> str:
         text, ids = self.prompts[prompt_index]
@@ -297,6 +301,7 @@ async def _respond(run: _Run) -> web.StreamResponse:
     finals: dict[int, RequestOutput] = {}
     try:
         async for i, out in _merged(gens):
+            run.cached[i] = out.num_cached_tokens
             if out.finished:
                 finals[i] = out
     except EngineStepError as e:
@@ -314,7 +319,7 @@ async def _respond(run: _Run) -> web.StreamResponse:
                 choices.append({"index": idx, "text": text, "logprobs": lp, **_finish(o)})
     completion = sum(num_output_tokens(f) for f in finals.values())
     obj = "chat.completion" if run.chat else "text_completion"
-    return web.json_response(run.env.wrap(obj, choices, usage=usage(run.prompt_tokens(), completion)))
+    return web.json_response(run.env.wrap(obj, choices, usage=run.usage(completion)))
 
 
 async def _stream(run: _Run, gens: list[AsyncIterator[RequestOutput]]) -> web.StreamResponse:
@@ -332,7 +337,7 @@ async def _stream(run: _Run, gens: list[AsyncIterator[RequestOutput]]) -> web.St
         await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
 
     def extra() -> dict[str, Any]:
-        return {"usage": usage(run.prompt_tokens(), produced)} if opts.continuous_usage_stats else {}
+        return {"usage": run.usage(produced)} if opts.continuous_usage_stats else {}
 
     if run.chat:
         first = [
@@ -360,6 +365,7 @@ async def _stream(run: _Run, gens: list[AsyncIterator[RequestOutput]]) -> web.St
         await send(run.env.wrap(obj, echo, **extra()))
     try:
         async for i, out in _merged(gens):
+            run.cached[i] = out.num_cached_tokens
             for o in out.outputs:
                 idx = run.choice_index(i, o.index)
                 if idx in finished or not (o.token_ids or o.text or o.finish_reason):
@@ -380,7 +386,7 @@ async def _stream(run: _Run, gens: list[AsyncIterator[RequestOutput]]) -> web.St
         await send(_engine_failed(e).body())
     else:
         if opts.include_usage:
-            await send(run.env.wrap(obj, [], usage=usage(run.prompt_tokens(), produced)))
+            await send(run.env.wrap(obj, [], usage=run.usage(produced)))
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp

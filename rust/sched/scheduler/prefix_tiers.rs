@@ -42,6 +42,7 @@ impl Scheduler {
             self.stats.prefix_cache_hits += ((hit.num_blocks() - on_host) * bs) as u64;
             self.stats.prefix_cache_host_hits += (on_host * bs) as u64;
             req.num_computed_tokens = hit.num_blocks() * bs;
+            req.num_cached_tokens.get_or_insert(req.num_computed_tokens);
         }
     }
 
