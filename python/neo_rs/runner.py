@@ -18,6 +18,7 @@ from neo_rs.config import EngineArgs, ModelConfig, emulate_async_copies
 from neo_rs.errors import InvalidArgumentError
 from neo_rs.kv_cache import KvLayout, KvPool, block_pairs
 from neo_rs.model import load_model
+from neo_rs.model.packed import pack_linears, packing_applies
 from neo_rs.timing import HostWaits, MeasuredTimes, StageClock
 from neo_rs.transfer import HostTransfer, Pairs, Staged
 
@@ -59,6 +60,8 @@ class ModelRunner:
     ) -> None:
         self.device = device
         self.model = load_model(model_dir, cfg, dtype, device, max_model_len)
+        if packing_applies(device, dtype):
+            log.info("prepacked %d bf16 linears for oneDNN", pack_linears(self.model, args.max_num_seqs))
         self.layout = KvLayout(cfg.num_layers, cfg.num_kv_heads, args.block_size, cfg.head_dim, dtype)
         per_block = self.layout.bytes_per_block()
         int8 = args.cpu_kv_dtype == "int8"
