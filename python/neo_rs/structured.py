@@ -72,7 +72,9 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k))
+        """Which one was given (``json={}``, any JSON value, counts)."""
+        given = (k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None)
+        return next(given, "json_object")
 
     def source(self) -> str:
         """The llguidance grammar text; raises ``InvalidArgumentError`` if it cannot be built."""
