@@ -10,6 +10,7 @@ import time
 import uuid
 from concurrent.futures import wait
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -167,10 +168,11 @@ class LLMEngine:
             prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         max_tokens = self.check_prompt(prompt_ids, params)
         so = params.structured_outputs
+        matchers: list[Any] = [None] * params.n
         if so is not None:
             if self.grammars is None:
                 raise InvalidArgumentError("structured outputs need a tokenizer (skip_tokenizer_init is set)")
-            self.grammars.compile(so)  # a bad grammar fails here, before anything is queued
+            matchers = self.grammars.acquire(so, params.n)  # a bad grammar fails before anything is queued
         req = _Request(request_id, text, prompt_ids, [], RequestMetrics(arrival_time=time.monotonic()))
         for i in range(params.n):
             gen = None
@@ -179,8 +181,7 @@ class LLMEngine:
             detok = None
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
-            matcher = self.grammars.acquire(so) if so is not None and self.grammars is not None else None
-            seq = Sequence(next(self._seq_ids), i, params, prompt_ids, self.eos_ids, gen, detok, matcher)
+            seq = Sequence(next(self._seq_ids), i, params, prompt_ids, self.eos_ids, gen, detok, matchers[i])
             req.seqs.append(seq)
         added: list[int] = []
         try:

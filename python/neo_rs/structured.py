@@ -161,11 +161,13 @@ class Grammars:
             self._cache.move_to_end(source)
             return template.deep_copy()
 
-    def acquire(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
-        """``compile``, counted in ``active`` until ``release``."""
-        matcher = self.compile(params)
-        self.active += 1
-        return matcher
+    def acquire(self, params: StructuredOutputsParams, n: int) -> list[llguidance.LLMatcher]:
+        """``n`` matchers from one ``compile`` (which raises before any is taken), each counted in
+        ``active`` until ``release``."""
+        first = self.compile(params)
+        matchers = [first] + [first.deep_copy() for _ in range(n - 1)]
+        self.active += n
+        return matchers
 
     def release(self) -> None:
         self.active -= 1

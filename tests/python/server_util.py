@@ -11,6 +11,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import openai
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -55,6 +57,10 @@ class Server:
             time.sleep(0.2)
         self.stop()
         raise RuntimeError(f"server did not become ready:\n{self.log.read_text()}")
+
+    def client(self) -> openai.OpenAI:
+        """The real openai client, pointed at this server (no retries: tests see every error)."""
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
 
     def metric(self, name: str, **labels: str) -> float:
         """The value of one sample from /metrics (0 if absent)."""

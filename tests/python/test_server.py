@@ -30,7 +30,7 @@ def server() -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return server.client()
 
 
 def test_models_health_version_metrics(server: Server, client: openai.OpenAI) -> None:

@@ -213,7 +213,7 @@ def server() -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return server.client()
 
 
 async def _chat(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> list[str]:

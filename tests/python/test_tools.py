@@ -132,7 +132,7 @@ def server() -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return server.client()
 
 
 def _chat(client: openai.OpenAI, stream: bool, **kw: Any) -> list[dict[str, Any]]:
@@ -248,7 +248,7 @@ def test_auto_finds_hermes_calls(client: openai.OpenAI) -> None:
 def test_auto_needs_a_parser_and_other_bad_tool_requests() -> None:
     s = Server("--max-num-seqs", "8")  # no --tool-call-parser
     try:
-        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        c = s.client()
         msgs = [{"role": "user", "content": "hi"}]
         bad: list[dict[str, Any]] = [
             {"tools": TOOLS},  # auto (the default) without a parser
