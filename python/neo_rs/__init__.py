@@ -10,6 +10,7 @@ from neo_rs.engine import LLMEngine
 from neo_rs.errors import (
     BackendError,
     DTypeError,
+    EngineDeadError,
     EngineStepError,
     InvalidArgumentError,
     ModelLoadError,
@@ -31,6 +32,7 @@ __all__ = [
     "CpuAttention",
     "DTypeError",
     "EngineArgs",
+    "EngineDeadError",
     "EngineStepError",
     "InvalidArgumentError",
     "LLMEngine",

@@ -197,6 +197,14 @@ def fail_steps() -> str:
     return os.environ.get("NEO_RS_FAIL_STEPS", "")
 
 
+def fail_rank() -> int:
+    """``NEO_RS_FAIL_RANK``: the tensor-parallel rank ``NEO_RS_FAIL_STEPS`` applies to (default 0)."""
+    try:
+        return int(os.environ.get("NEO_RS_FAIL_RANK", "0"))
+    except ValueError as e:
+        raise InvalidArgumentError("NEO_RS_FAIL_RANK must be an integer") from e
+
+
 def resolve_dtype(name: str | torch.dtype, auto: torch.dtype) -> torch.dtype:
     """``name`` as a torch dtype; ``auto`` is what "auto" stands for (the checkpoint's dtype)."""
     if isinstance(name, torch.dtype):
@@ -241,6 +249,10 @@ class EngineArgs:
     cpu_prefix_cache_gib: float | None = None
     seed: int = 0
     skip_tokenizer_init: bool = False
+    # Ranks the model is split over (Megatron-style, ``neo_rs.parallel``): the engine starts
+    # ranks 1..N-1 itself. Each rank holds its heads' KV in its own pools (``cpu_kv_gib`` is per
+    # rank) and gets an equal share of the host's cores.
+    tensor_parallel_size: int = 1
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:
@@ -264,6 +276,10 @@ class EngineArgs:
         if self.cpu_kv_dtype not in CPU_KV_DTYPES:
             raise InvalidArgumentError(
                 f"cpu_kv_dtype must be one of {', '.join(CPU_KV_DTYPES)}, got {self.cpu_kv_dtype!r}"
+            )
+        if self.tensor_parallel_size < 1:
+            raise InvalidArgumentError(
+                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
             )
         if self.cpu_kv_gib < 0:
             raise InvalidArgumentError(f"cpu_kv_gib must be non-negative, got {self.cpu_kv_gib}")

@@ -14,11 +14,14 @@ from typing import Any
 
 import torch
 
+from neo_rs import faults
 from neo_rs._core import Scheduler, SchedulerOutput
-from neo_rs.config import EngineArgs, ModelConfig, cache_dir, fail_steps, resolve_dtype
-from neo_rs.errors import EngineStepError, InvalidArgumentError
-from neo_rs.faults import failing, parse_calls
+from neo_rs.config import EngineArgs, ModelConfig, cache_dir, resolve_dtype
+from neo_rs.errors import EngineDeadError, EngineStepError, InvalidArgumentError
 from neo_rs.model.registry import DEMO_MODEL, resolve_model
+from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel
+from neo_rs.parallel.shards import TpShard
+from neo_rs.parallel.workers import TpWorkers, budget_threads, rank_device
 from neo_rs.profiler import load_or_profile
 from neo_rs.runner import ModelRunner, resolve_device
 from neo_rs.sampling import RequestOutputKind, SamplingParams, sample
@@ -82,7 +85,24 @@ class LLMEngine:
             )
         self.max_model_len = args.max_model_len or limit
         self.max_num_seqs = args.max_num_seqs
-        self.runner = ModelRunner(args, model_dir, cfg, self.dtype, self.device, self.max_model_len)
+        self.workers: TpWorkers | None = None
+        tp = SINGLE_PROCESS
+        if args.tensor_parallel_size > 1:
+            TpShard(0, args.tensor_parallel_size).check(cfg)
+            args = budget_threads(args, args.tensor_parallel_size)
+            self.device = rank_device(self.device, 0)
+            self.workers = TpWorkers(args, model_dir, cfg, self.dtype, self.device, self.max_model_len)
+            tp = self.workers.tp
+        try:
+            self._build(args, tp)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _build(self, args: EngineArgs, tp: TensorParallel) -> None:
+        """The runner (rank 0's under tensor parallelism), the tokenizer and the scheduler."""
+        model_dir, cfg = self.model_dir, self.model_config
+        self.runner = ModelRunner(args, model_dir, cfg, self.dtype, self.device, self.max_model_len, tp)
         self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(model_dir)
         self.eos_ids = eos_token_ids(model_dir, self.tokenizer)
         self.grammars = (
@@ -104,9 +124,11 @@ class LLMEngine:
         )
         if args.offload == "neo":
             budget = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-            load_or_profile(self.runner, budget, self.max_model_len, cache_dir()).apply(self.scheduler)
-        if faults := parse_calls(fail_steps()):
-            self.runner.execute = failing(self.runner.execute, faults)  # type: ignore[method-assign]
+            on_profile = self.workers.profile if self.workers is not None else None
+            load_or_profile(self.runner, budget, self.max_model_len, cache_dir(), on_profile).apply(
+                self.scheduler
+            )
+        faults.inject(self.runner, 0)
         self.last_stats: IterationStats | None = None
         self.generator = torch.Generator(self.device).manual_seed(args.seed)
         self._requests: dict[str, _Request] = {}
@@ -222,11 +244,23 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
+    def dead(self) -> EngineDeadError | None:
+        """Why this engine can no longer run (a tensor-parallel rank is gone), else None."""
+        reason = self.workers.dead() if self.workers is not None else None
+        return EngineDeadError(f"the engine is stopped: {reason}", list(self._requests)) if reason else None
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (the engine cannot step afterwards)."""
+        if self.workers is not None:
+            self.workers.stop()
+
     # -- the step loop ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """One iteration; outputs of every request that got a token or finished."""
         self.last_stats = None
+        if (dead := self.dead()) is not None:
+            raise dead
         plan = self.scheduler.schedule()
         if len(plan.req_ids) == 0:
             self.scheduler.update([], [])
@@ -242,6 +276,8 @@ class LLMEngine:
             seqs = [self._seqs[i][0] for i in plan.sample_ids.tolist()]
             # The grammars' masks for this step's tokens are computed while the model runs.
             masks = self.grammars.start_masks([s.matcher for s in seqs]) if self.grammars else None
+            if self.workers is not None:
+                self.workers.step(plan)
             self.runner.apply_swaps(plan)
             logits = self.runner.execute(plan)
             mask = masks.result() if masks is not None else None
@@ -288,10 +324,20 @@ class LLMEngine:
 
     def _fail_step(self, cause: BaseException) -> EngineStepError:
         """The iteration failed between ``schedule`` and ``update``: abort every request it ran
-        or swapped (their KV may be half written), freeing their blocks in both pools."""
+        or swapped (their KV may be half written), freeing their blocks in both pools. Under
+        tensor parallelism the ranks' collectives no longer line up: the workers are stopped,
+        every request is aborted, and the engine is dead."""
         self.runner.discard_pending()
         request_ids = []
-        for seq_id in self.scheduler.abort_step():
+        aborted = self.scheduler.abort_step()
+        if self.workers is not None:
+            self.workers.kill()
+            dead = self.dead()
+            reason = dead.args[0] if dead is not None else "the engine is stopped"
+            for request_id in list(self._requests):
+                self.abort(request_id)
+            return EngineDeadError(f"{reason}; the iteration failed ({type(cause).__name__}: {cause})", [])
+        for seq_id in aborted:
             entry = self._seqs.get(seq_id)
             if entry is not None and entry[1].request_id not in request_ids:
                 request_ids.append(entry[1].request_id)

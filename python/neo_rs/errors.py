@@ -35,9 +35,15 @@ class EngineStepError(NeoRsError, RuntimeError):
         self.request_ids = request_ids
 
 
+class EngineDeadError(EngineStepError):
+    """The engine cannot go on (a tensor-parallel rank died or its ranks fell out of step): every
+    open request is aborted, and every later call raises this again."""
+
+
 __all__ = [
     "BackendError",
     "DTypeError",
+    "EngineDeadError",
     "EngineStepError",
     "InvalidArgumentError",
     "ModelLoadError",

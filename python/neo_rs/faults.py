@@ -1,6 +1,7 @@
 """Fault injection, the seam tests use to reach the engine's error paths: with
 ``NEO_RS_FAIL_STEPS`` set (e.g. ``5`` or ``5,9-12``), those 1-based calls of the model runner's
-``execute`` raise ``InjectedFault`` instead of running."""
+``execute`` raise ``InjectedFault`` instead of running, on tensor-parallel rank
+``NEO_RS_FAIL_RANK`` (default 0, the engine's own)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
+from neo_rs.config import fail_rank, fail_steps
 from neo_rs.errors import InvalidArgumentError
 
 
@@ -38,3 +40,9 @@ def failing(fn: Callable[..., Any], calls: frozenset[int]) -> Callable[..., Any]
         return fn(*args, **kwargs)
 
     return wrapper
+
+
+def inject(runner: Any, rank: int) -> None:
+    """Make ``runner.execute`` fail as the environment says, if this is the rank it names."""
+    if rank == fail_rank() and (calls := parse_calls(fail_steps())):
+        runner.execute = failing(runner.execute, calls)

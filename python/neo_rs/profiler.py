@@ -88,6 +88,7 @@ def profile_key(runner: ModelRunner, max_tokens: int) -> str:
         "block_size": runner.layout.block_size,
         "device": _device_name(runner.device),
         "threads": [runner.attention.cpu_attention.num_threads, torch.get_num_threads()],
+        "tensor_parallel_size": runner.tp.size,
         "max_tokens": max_tokens,
     }
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:20]
@@ -225,7 +226,11 @@ def _round_trip(x: torch.Tensor) -> None:
 
 
 @torch.inference_mode()
-def profile(runner: ModelRunner, max_tokens: int, max_model_len: int) -> PerfTables:
+def profile(
+    runner: ModelRunner, max_tokens: int, max_model_len: int, show_progress: bool = True
+) -> PerfTables:
+    """Under tensor parallelism every rank runs this in step (the linear stages all-reduce);
+    rank 0's tables are the ones used."""
     bs = runner.layout.block_size
     linear_grid = _pow2_grid(1, max_tokens)
     prefill_grid = _pow2_grid(16, max(16, min(max_model_len, max_tokens)))
@@ -244,7 +249,7 @@ def profile(runner: ModelRunner, max_tokens: int, max_model_len: int) -> PerfTab
         + len(transfer_grid)
         + 1
     )
-    with tqdm(total=total, desc="Profiling stage times", unit="pt") as bar:
+    with tqdm(total=total, desc="Profiling stage times", unit="pt", disable=not show_progress) as bar:
         p = _Profiler(runner, bar)
         return PerfTables(
             linear=p.linear(linear_grid, max_model_len),
@@ -256,7 +261,15 @@ def profile(runner: ModelRunner, max_tokens: int, max_model_len: int) -> PerfTab
         )
 
 
-def load_or_profile(runner: ModelRunner, max_tokens: int, max_model_len: int, cache: Path) -> PerfTables:
+def load_or_profile(
+    runner: ModelRunner,
+    max_tokens: int,
+    max_model_len: int,
+    cache: Path,
+    on_profile: Callable[[int, int], None] | None = None,
+) -> PerfTables:
+    """The cached tables, or a fresh profile (``on_profile(max_tokens, max_model_len)`` first:
+    tensor parallelism's workers join it)."""
     path = cache / "profiles" / f"{profile_key(runner, max_tokens)}.json"
     if path.is_file():
         try:
@@ -266,6 +279,8 @@ def load_or_profile(runner: ModelRunner, max_tokens: int, max_model_len: int, ca
         except (ValueError, TypeError, KeyError, IndexError) as e:
             log.warning("ignoring the unreadable perf profile %s (%s)", path, e)
     t = time.perf_counter()
+    if on_profile is not None:
+        on_profile(max_tokens, max_model_len)
     tables = profile(runner, max_tokens, max_model_len)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

@@ -19,6 +19,7 @@ from neo_rs.errors import InvalidArgumentError
 from neo_rs.kv_cache import KvLayout, KvPool, block_pairs
 from neo_rs.model import load_model
 from neo_rs.model.packed import pack_linears, packing_applies
+from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel
 from neo_rs.timing import HostWaits, MeasuredTimes, StageClock
 from neo_rs.transfer import HostTransfer, Pairs, Staged
 
@@ -57,17 +58,21 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         max_model_len: int,
+        tp: TensorParallel = SINGLE_PROCESS,
     ) -> None:
-        self.device = device
-        self.model = load_model(model_dir, cfg, dtype, device, max_model_len)
+        """Under tensor parallelism, rank ``tp.rank``'s runner: its shard of the model, and pools
+        of its KV heads (as many blocks on every rank)."""
+        self.device, self.tp = device, tp
+        self.model = load_model(model_dir, cfg, dtype, device, max_model_len, tp)
+        cfg = self.model.config  # this rank's shapes
         if packing_applies(device, dtype):
             log.info("prepacked %d bf16 linears for oneDNN", pack_linears(self.model, args.max_num_seqs))
         self.layout = KvLayout(cfg.num_layers, cfg.num_kv_heads, args.block_size, cfg.head_dim, dtype)
         per_block = self.layout.bytes_per_block()
         int8 = args.cpu_kv_dtype == "int8"
         host_per_block = self.layout.bytes_per_block(quantized=int8)
-        num_gpu = args.num_gpu_blocks or self._device_blocks(args, max_model_len)
-        num_cpu = (
+        num_gpu = tp.agree_min(args.num_gpu_blocks or self._device_blocks(args, max_model_len))
+        num_cpu = tp.agree_min(
             args.num_cpu_blocks
             if args.num_cpu_blocks is not None
             else int(args.cpu_kv_gib * (1 << 30)) // host_per_block
@@ -172,7 +177,7 @@ class ModelRunner:
         to_host = None
         if len(plan.prefill_to_host):
             to_host = block_pairs(plan.prefill_to_host, self.device_pool, self.host_pool)
-        x = self.model.embed_tokens(ids)
+        x = self.model.embed(ids)
         if len(batches) == 1:
             x = self._sequential(x, positions, batches[0], to_host, clock)
         else:

@@ -22,16 +22,23 @@ def free_port() -> int:
 
 class Server:
     """``model``: the ``--model`` flag (the random demo model unless told; None: the server's
-    default); ``env``: extra environment variables."""
+    default); ``env``: extra environment variables; ``launcher``: what runs ``-m neo_rs.serve``
+    (default: this Python)."""
 
-    def __init__(self, *flags: str, model: str | None = "demo", env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        *flags: str,
+        model: str | None = "demo",
+        env: dict[str, str] | None = None,
+        launcher: tuple[str, ...] = (sys.executable,),
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         log_dir = Path(os.environ.get("NEO_RS_CACHE_DIR", "/tmp"))
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log = log_dir / f"serve-{self.port}.log"
         cmd = [
-            sys.executable,
+            *launcher,
             "-m",
             "neo_rs.serve",
             "--port",

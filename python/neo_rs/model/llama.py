@@ -4,6 +4,10 @@ Each decoder layer runs as NEO's three stages so the pipeline can interleave sub
 ``pre_attention`` (norm, QKV, RoPE, KV write), attention (``neo_rs.attention``) and
 ``post_attention`` (O-proj, residual, FFN). Numerics follow Hugging Face transformers (RMSNorm in
 float32, rotate-half RoPE with float32 tables) so greedy outputs match token for token.
+
+Under tensor parallelism the model is built from a rank's local config (its heads, FFN columns and
+vocab rows, ``neo_rs.parallel.shards``), and the group's all-reduces join the partial sums of the
+row-parallel projections and the vocab-parallel embedding; with one rank they are the identity.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from neo_rs.config import ModelConfig
+from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel
 
 
 class RMSNorm(nn.Module):
@@ -60,8 +65,9 @@ class Rotary(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE_PROCESS) -> None:
         super().__init__()
+        self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -84,17 +90,21 @@ class DecoderLayer(nn.Module):
 
     def post_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Stage 3: O-proj and residual, then the SwiGLU FFN and residual."""
-        h = residual + self.o_proj(attn.reshape(attn.shape[0], -1))
+        h = residual + self.tp.all_reduce(self.o_proj(attn.reshape(attn.shape[0], -1)))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
-        return h + self.down_proj(F.silu(gate) * up)
+        return h + self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(
+        self, cfg: ModelConfig, max_positions: int, tp: TensorParallel = SINGLE_PROCESS, vocab_size: int = 0
+    ) -> None:
+        """``cfg``: this rank's shapes; ``vocab_size``: the whole vocabulary (default: ``cfg``'s)."""
         super().__init__()
-        self.config = cfg
+        self.config, self.tp = cfg, tp
+        self.vocab_size = vocab_size or cfg.vocab_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg, max_positions)
@@ -107,6 +117,16 @@ class LlamaForCausalLM(nn.Module):
             self._decoder_layers = cast(list[DecoderLayer], list(self.layers))
         return self._decoder_layers
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self.embed_tokens(ids)
+        # This rank's vocab rows; ids outside them contribute zeros to the sum over ranks.
+        local = ids - self.tp.rank * self.config.vocab_size
+        outside = (local < 0) | (local >= self.config.vocab_size)
+        x = self.embed_tokens(local.masked_fill(outside, 0))
+        return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits ``[rows, vocab]`` of the final hidden states of the sampled rows."""
-        return self.lm_head(self.norm(hidden)).float()
+        """Float32 logits ``[rows, vocab]`` of the final hidden states of the sampled rows (on
+        rank 0 under tensor parallelism; other ranks get their vocab shard)."""
+        return self.tp.gather_vocab(self.lm_head(self.norm(hidden)).float(), self.vocab_size)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,6 +17,8 @@ from tqdm import tqdm
 from neo_rs.config import ModelConfig
 from neo_rs.errors import ModelLoadError
 from neo_rs.model.llama import LlamaForCausalLM
+from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel
+from neo_rs.parallel.shards import TpShard
 
 log = logging.getLogger(__name__)
 
@@ -51,37 +54,66 @@ def shard_files(model_dir: Path) -> list[Path]:
     )
 
 
-def _target(cfg: ModelConfig, name: str) -> tuple[str, slice | None] | None:
-    """Our parameter and row slice for HF parameter ``name``; None for names we do not use."""
-    if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
-        return name.removeprefix("model."), None
+@dataclass(frozen=True)
+class _Placement:
+    """Where (part of) a checkpoint tensor goes: our parameter, its rows (None: all of it), and
+    the rows and columns of the checkpoint tensor this rank reads (None: all of it)."""
+
+    ours: str
+    rows: slice | None = None
+    src: tuple[slice, ...] | None = None
+
+
+def _span(r: range, scale: int = 1) -> slice:
+    return slice(r.start * scale, r.stop * scale)
+
+
+def _target(cfg: ModelConfig, shard: TpShard, name: str) -> _Placement | None:
+    """Where HF parameter ``name`` goes on rank ``shard``; None for names we do not use."""
+    local, d = shard.local_config(cfg), cfg.head_dim
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        vocab = shard.vocab(cfg)
+        return _Placement(name.removeprefix("model."), slice(0, len(vocab)), (_span(vocab),))
+    if name == "model.norm.weight":
+        return _Placement("norm.weight")
     m = _LAYER.match(name)
     if not m:
         return None
     layer, rest = m.groups()
     module, _, kind = rest.rpartition(".")
     if module in ("input_layernorm", "post_attention_layernorm"):
-        return f"layers.{layer}.{rest}", None
-    if module in _RENAMED:
-        return f"layers.{layer}.{_RENAMED[module]}.{kind}", None
-    if module in _FUSED:
+        return _Placement(f"layers.{layer}.{rest}")
+    if module in _RENAMED:  # row-parallel: this rank's input columns
+        cols = _span(shard.heads(cfg), d) if module == "self_attn.o_proj" else _span(shard.ffn(cfg))
+        return _Placement(f"layers.{layer}.{_RENAMED[module]}.{kind}", None, (slice(None), cols))
+    if module in _FUSED:  # column-parallel: this rank's output rows, into its part of the fused matrix
         ours, part = _FUSED[module]
         if ours == "qkv_proj":
-            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            q, kv = local.num_heads * d, local.num_kv_heads * d
             bounds = [0, q, q + kv, q + 2 * kv]
+            src = _span(shard.heads(cfg) if part == 0 else shard.kv_heads(cfg), d)
         else:
-            bounds = [0, cfg.intermediate_size, 2 * cfg.intermediate_size]
-        return f"layers.{layer}.{ours}.{kind}", slice(bounds[part], bounds[part + 1])
+            bounds = [0, local.intermediate_size, 2 * local.intermediate_size]
+            src = _span(shard.ffn(cfg))
+        return _Placement(f"layers.{layer}.{ours}.{kind}", slice(bounds[part], bounds[part + 1]), (src,))
     return None
 
 
 def load_model(
-    model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
+    model_dir: str | Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    tp: TensorParallel = SINGLE_PROCESS,
 ) -> LlamaForCausalLM:
+    """The model of checkpoint ``model_dir``, or under tensor parallelism rank ``tp.rank``'s shard
+    of it: each tensor is read through a safetensors slice, so no rank holds the whole model."""
     model_dir = Path(model_dir)
     files = shard_files(model_dir)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions).to(dtype)  # cast on meta: no float32 copy first
+    local = tp.shard.local_config(cfg)
+    with torch.device("meta"):  # cast on meta: no float32 copy first
+        model = LlamaForCausalLM(local, max_positions, tp, cfg.vocab_size).to(dtype)
     model.to_empty(device=device)
     model.rotary.fill_tables()
     params = dict(model.named_parameters())
@@ -90,21 +122,28 @@ def load_model(
     for path in tqdm(files, desc="Loading safetensors shards", unit="shard", disable=len(files) < 2):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                target = _target(cfg, name)
-                if target is None:
+                place = _target(cfg, tp.shard, name)
+                if place is None:
                     continue
-                ours, rows = target
-                if ours not in params:
+                if place.ours not in params:
                     raise ModelLoadError(f"{path.name}: unexpected parameter {name!r} for {cfg.architecture}")
-                dst = params[ours].data if rows is None else params[ours].data[rows]
-                src = f.get_tensor(name)
-                if src.shape != dst.shape:
+                param = params[place.ours].data
+                dst = param if place.rows is None else param[place.rows]
+                whole = f.get_slice(name)
+                want = _source_shape(whole.get_shape(), place.src)
+                if want != tuple(dst.shape):
                     raise ModelLoadError(
-                        f"{path.name}: {name} has shape {tuple(src.shape)}, "
-                        f"the config implies {tuple(dst.shape)}"
+                        f"{path.name}: {name} has shape {tuple(whole.get_shape())}, "
+                        f"the config implies {tuple(dst.shape)} for this rank"
                     )
-                dst.copy_(src)
-                filled[ours] += dst.shape[0]
+                dst.copy_(whole[place.src] if place.src is not None else whole[:])
+                filled[place.ours] += dst.shape[0]
+    for vocab_param in ("embed_tokens.weight", "lm_head.weight"):
+        # The last rank's padding rows (never looked up; their logits are cut off).
+        padding = params[vocab_param].data[filled[vocab_param] :]
+        if filled[vocab_param] and len(padding):
+            padding.zero_()
+            filled[vocab_param] += len(padding)
     if filled["lm_head.weight"] == 0 and cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
         filled["lm_head.weight"] = model.lm_head.weight.shape[0]
@@ -113,5 +152,14 @@ def load_model(
         raise ModelLoadError(
             f"{model_dir}: the checkpoint lacks {', '.join(missing[:5])}" + (" …" if len(missing) > 5 else "")
         )
-    log.info("loaded %s (%d layers, %s) from %s", cfg.architecture, cfg.num_layers, dtype, model_dir)
+    where = f" (rank {tp.rank} of {tp.size})" if tp.size > 1 else ""
+    log.info("loaded %s (%d layers, %s) from %s%s", cfg.architecture, cfg.num_layers, dtype, model_dir, where)
     return model.eval()
+
+
+def _source_shape(shape: list[int], src: tuple[slice, ...] | None) -> tuple[int, ...]:
+    """The shape of ``tensor[src]`` for a tensor of ``shape``."""
+    if src is None:
+        return tuple(shape)
+    picked = [len(range(*s.indices(n))) for s, n in zip(src, shape, strict=False)]
+    return (*picked, *shape[len(src) :])

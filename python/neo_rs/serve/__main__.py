@@ -2,4 +2,5 @@
 
 from neo_rs.serve.cli import main
 
-main()
+if __name__ == "__main__":  # tensor-parallel workers are spawned and import the main module
+    main()

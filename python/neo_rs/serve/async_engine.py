@@ -2,8 +2,9 @@
 requests and aborts through a queue and receives each request's outputs on an asyncio queue, so
 it never blocks on model work. Tokenization runs on a separate one-thread executor with its own
 tokenizer instance (fast tokenizers must not be shared across threads). A failed iteration fails
-only its own requests; ``MAX_CONSECUTIVE_STEP_FAILURES`` in a row make the engine fatal
-(``fatal_error``), and the server then reports 503 and exits non-zero for a supervisor to restart."""
+only its own requests; ``MAX_CONSECUTIVE_STEP_FAILURES`` in a row, or one ``EngineDeadError`` (a
+tensor-parallel rank is gone), make the engine fatal (``fatal_error``), and the server then reports
+503 and exits non-zero for a supervisor to restart."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import Any
 
 from neo_rs.config import EngineArgs
 from neo_rs.engine import LLMEngine
-from neo_rs.errors import EngineStepError, InvalidArgumentError, NeoRsError
+from neo_rs.errors import EngineDeadError, EngineStepError, InvalidArgumentError, NeoRsError
 from neo_rs.sampling import SamplingParams
 from neo_rs.sequence import RequestOutput
 from neo_rs.stats import IterationStats
@@ -85,10 +86,15 @@ class AsyncEngine:
             self.ready.set()
             return
         self.ready.set()
-        self._loop(self.engine)
+        try:
+            self._loop(self.engine)
+        finally:
+            self.engine.shutdown()  # tensor-parallel workers stop with the engine thread
 
     def _loop(self, engine: LLMEngine) -> None:
         while not self._stopping.is_set():
+            if self.fatal_error is None and (dead := engine.dead()) is not None:
+                self._step_failed(engine, dead)  # a worker rank is gone: every stream gets the error
             idle = self.fatal_error is not None or not engine.has_unfinished()
             cmds = self._take_commands(block=idle)
             if cmds is None:
@@ -124,7 +130,7 @@ class AsyncEngine:
             )
         self._consecutive_failures += 1
         request_ids = error.request_ids
-        if self._consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+        if isinstance(error, EngineDeadError) or self._consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
             log.critical("%d engine iterations failed in a row: giving up", self._consecutive_failures)
             self.fatal_error = error
             request_ids = list(self._streams)

@@ -1,7 +1,9 @@
 """``python -m neo_rs.serve``: flags (vLLM's names), logging, and the server's life: load the
 engine in the background (``/health`` says 503 until it is ready), serve, and on SIGTERM/SIGINT
 stop accepting, let running requests finish within ``--shutdown-timeout``, abort the rest and
-exit 0."""
+exit 0. With ``--tensor-parallel-size N`` it starts its N-1 worker ranks itself; under
+``torchrun --nproc-per-node N -m neo_rs.serve --tensor-parallel-size N`` rank 0 serves and the
+other ranks become its workers."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from aiohttp import web
 
 from neo_rs.config import CPU_KV_DTYPES, OFFLOAD_MODES, EngineArgs
 from neo_rs.model.registry import DEFAULT_MODEL, DEMO_MODEL, served_name
+from neo_rs.parallel.workers import launched_by_env, run_worker
 from neo_rs.serve.app import ServerState, create_app
 from neo_rs.serve.async_engine import AsyncEngine
 from neo_rs.serve.metrics import Metrics
@@ -74,7 +77,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         help="host pool share that keeps prefix blocks evicted from the device (default: a quarter)",
     )
-    p.add_argument("--cpu-threads", type=_positive_int)
+    p.add_argument("--cpu-threads", type=_positive_int, help="CPU attention threads (per rank)")
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=_positive_int,
+        default=1,
+        help="ranks the model is split over (the server starts the workers; CPU: gloo, CUDA: NCCL)",
+    )
     p.add_argument(
         "--api-key", default=os.environ.get("NEO_RS_API_KEY"), help="required Bearer key (or NEO_RS_API_KEY)"
     )
@@ -118,6 +128,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         enable_prefix_caching=args.enable_prefix_caching,
         cpu_prefix_cache_gib=args.cpu_prefix_cache_gib,
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
@@ -162,6 +173,14 @@ async def serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    launch = launched_by_env()
+    if launch is not None and launch[0] != 0:
+        # torchrun started every rank with this command: rank 0 serves, the others are its workers.
+        logging.basicConfig(
+            level=args.log_level.upper(),
+            format=f"%(asctime)s %(levelname)s [rank {launch[0]}] %(name)s: %(message)s",
+        )
+        run_worker(launch[0], launch[1], "env://")
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

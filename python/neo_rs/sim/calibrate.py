@@ -35,7 +35,7 @@ def _share(work: float, peak_per_s: float, measured_ms: float) -> float:
 
 
 def fit(cost: CostModel, tables: PerfTables) -> Efficiency:
-    m, gpu, host = cost.model, cost.gpu, cost.host
+    m, gpu, host = cost.rank_model, cost.rank_gpu, cost.rank_host
     kv = m.kv_bytes_per_token_layer()
     tokens, linear_ms = tables.linear[0][-1], tables.linear[1][-1]
     prompt, prefill_ms = tables.prefill_attn[0][-1], tables.prefill_attn[1][-1]

@@ -5,10 +5,13 @@ tracks host memory bandwidth). Users add their own from a JSON (or TOML) file.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from neo_rs.parallel.shards import rank_shapes
 
 
 @dataclass(frozen=True)
@@ -18,8 +21,21 @@ class GpuProfile:
     mem_gbps: float  # HBM/GDDR bandwidth
     tflops: float  # dense FP16/BF16 tensor
     pcie_gbps: float  # effective host<->device copy bandwidth
-    count: int = 1  # tensor-parallel GPUs the model is split over
+    count: int = 1  # tensor-parallel GPUs the model is split over (the figures above are their sum)
+    link_gbps: float = 0.0  # GPU-to-GPU bandwidth per direction, per GPU (the all-reduces)
     source: str = ""
+
+    def rank(self) -> GpuProfile:
+        """One of the ``count`` GPUs."""
+        n = self.count
+        return dataclasses.replace(
+            self,
+            mem_gib=self.mem_gib / n,
+            mem_gbps=self.mem_gbps / n,
+            tflops=self.tflops / n,
+            pcie_gbps=self.pcie_gbps / n,
+            count=1,
+        )
 
 
 @dataclass(frozen=True)
@@ -54,6 +70,12 @@ class ModelProfile:
     def kv_bytes_per_token_layer(self) -> int:
         return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
+    def shard(self, size: int) -> ModelProfile:
+        """One tensor-parallel rank's part, split as the engine splits it (``rank_shapes``)."""
+        shapes = rank_shapes(size, self.num_heads, self.num_kv_heads, self.ffn, self.vocab)
+        heads, kv_heads, ffn, vocab = shapes
+        return dataclasses.replace(self, num_heads=heads, num_kv_heads=kv_heads, ffn=ffn, vocab=vocab)
+
 
 GPUS = {
     g.name: g
@@ -76,7 +98,16 @@ GPUS = {
         GpuProfile(
             "H200", 141, 4800, 989, 50, source="NVIDIA H200 datasheet: 141 GB HBM3e, 4.8 TB/s, 989 TFLOPS"
         ),
-        GpuProfile("2xH100", 160, 6700, 1978, 100, count=2, source="two H100 SXM, tensor parallel"),
+        GpuProfile(
+            "2xH100",
+            160,
+            6700,
+            1978,
+            100,
+            count=2,
+            link_gbps=450,
+            source="two H100 SXM, tensor parallel over NVLink 4 (900 GB/s both ways per GPU)",
+        ),
     )
 }
 

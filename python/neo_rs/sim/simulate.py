@@ -43,7 +43,7 @@ def simulate(
     max_num_seqs: int = 256,
     max_num_batched_tokens: int = 4096,
 ) -> SimResult:
-    m = cost.model
+    m = cost.rank_model  # under tensor parallelism, every rank schedules the same; this is one
     sched = Scheduler(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
