@@ -1,6 +1,7 @@
 """The OpenAI-compatible server, through the real ``openai`` client and raw aiohttp: endpoints,
 streaming, sampling options, the error matrix, API keys, backpressure, disconnects, load and
-graceful shutdown. Every server runs the built-in demo model in a subprocess."""
+graceful shutdown. Every server runs the built-in demo model in a subprocess; the shared one runs
+once on one rank and once with ``--tensor-parallel-size 2``."""
 
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ from server_util import Server
 MODEL = "neo-rs-demo"
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    s = Server("--max-num-seqs", "128")
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def server(request: pytest.FixtureRequest) -> Iterator[Server]:
+    s = Server("--max-num-seqs", "128", "--tensor-parallel-size", str(request.param))
     yield s
     assert s.stop() == 0
 
