@@ -19,9 +19,9 @@ from neo_rs._core import Scheduler, SchedulerOutput
 from neo_rs.config import EngineArgs, ModelConfig, cache_dir, resolve_dtype
 from neo_rs.errors import EngineDeadError, EngineStepError, InvalidArgumentError
 from neo_rs.model.registry import DEMO_MODEL, resolve_model
-from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel
+from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel, rank_device
 from neo_rs.parallel.shards import TpShard
-from neo_rs.parallel.workers import TpWorkers, budget_threads, rank_device
+from neo_rs.parallel.workers import TpWorkers, budget_threads
 from neo_rs.profiler import load_or_profile
 from neo_rs.runner import ModelRunner, resolve_device
 from neo_rs.sampling import RequestOutputKind, SamplingParams, sample

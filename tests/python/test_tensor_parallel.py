@@ -119,17 +119,61 @@ def test_an_indivisible_model_is_refused_before_any_worker_starts(checkpoints) -
         LLM(str(checkpoints["llama"]), tensor_parallel_size=3)
 
 
+def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Elements each checkpoint read returns (``load_model``'s ``safe_open``, wrapped)."""
+    import neo_rs.model.loader as loader
+
+    read: list[int] = []
+    opened = loader.safe_open
+
+    class Slice:
+        def __init__(self, inner) -> None:  # noqa: ANN001
+            self.inner = inner
+
+        def get_shape(self) -> list[int]:
+            return self.inner.get_shape()
+
+        def __getitem__(self, index):  # noqa: ANN001, ANN204
+            t = self.inner[index]
+            read.append(t.numel())
+            return t
+
+    class File:
+        def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+            self.inner = opened(*args, **kwargs)
+
+        def __enter__(self) -> File:
+            self.f = self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc) -> None:  # noqa: ANN002
+            self.inner.__exit__(*exc)
+
+        def keys(self) -> list[str]:
+            return list(self.f.keys())
+
+        def get_slice(self, name: str) -> Slice:
+            return Slice(self.f.get_slice(name))
+
+    monkeypatch.setattr(loader, "safe_open", File)
+    return read
+
+
 @pytest.mark.parametrize("kind", ["mistral", "qwen2", "llama3"])
-def test_each_rank_loads_its_slices_of_the_checkpoint(checkpoints, kind: str) -> None:  # noqa: ANN001
+def test_each_rank_loads_its_slices_of_the_checkpoint(checkpoints, monkeypatch, kind: str) -> None:  # noqa: ANN001
     from transformers import AutoModelForCausalLM
 
     path = checkpoints[kind]
     cfg = ModelConfig.from_dir(path)
     full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
     d = cfg.head_dim
+    read = _count_reads(monkeypatch)
     for rank in range(2):
         shard = TpShard(rank, 2)
+        read.clear()
         model = load_model(path, cfg, torch.float32, torch.device("cpu"), 64, TensorParallel(shard))
+        # Only what the rank holds was read from the checkpoint, never a whole tensor to cut.
+        assert sum(read) == sum(p.numel() for p in model.parameters())
         mine = model.state_dict()
         heads, kv, ffn, vocab = shard.heads(cfg), shard.kv_heads(cfg), shard.ffn(cfg), shard.vocab(cfg)
 
@@ -174,6 +218,41 @@ def test_two_ranks_match_one_rank_and_transformers(checkpoints, kind: str, offlo
         assert stats["num_prefills_to_host"] > 0  # requests decoded over the ranks' host pools
     if offload == "neo":
         assert stats["num_pipelined_steps"] > 0
+
+
+@pytest.mark.parametrize(
+    ("offload", "cpu_kv_dtype", "counter"),
+    [
+        ("neo", "int8", "prefix_cache_host_hits"),  # prompts decoded in place over host-tier blocks
+        ("none", "auto", "num_cache_blocks_to_device"),  # prefix blocks demoted, then copied back
+    ],
+)
+def test_two_ranks_share_prefixes_as_one_rank_does(
+    checkpoints, offload: str, cpu_kv_dtype: str, counter: str
+) -> None:  # noqa: ANN001
+    shared = [7, 8, 9, 10] * 12
+    prompts = [[*shared, 20 + i, 30 + i, 40] for i in range(6)]
+    tokens, cached = {}, {}
+    for tp in (1, 2):
+        kw = {**SMALL_POOL, "enable_prefix_caching": True, "num_gpu_blocks": 14}
+        llm = LLM(
+            str(checkpoints["qwen2"]),
+            tensor_parallel_size=tp,
+            offload=offload,
+            cpu_kv_dtype=cpu_kv_dtype,
+            **kw,
+        )
+        try:
+            first = llm.generate(prompts[:3], GREEDY, use_tqdm=False)
+            later = llm.generate(prompts[3:], GREEDY, use_tqdm=False)
+            tokens[tp] = [o.outputs[0].token_ids for o in first + later]
+            cached[tp] = [o.num_cached_tokens for o in later]
+            assert llm.engine.scheduler.stats()[counter] > 0
+            assert_all_blocks_free(llm.engine)
+        finally:
+            llm.engine.shutdown()
+    assert tokens[2] == tokens[1]
+    assert cached[2] == cached[1] and min(cached[2]) >= 40
 
 
 # -- failure ------------------------------------------------------------------------------------

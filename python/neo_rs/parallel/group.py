@@ -5,6 +5,7 @@ is the identity and costs nothing, so the model has one code path."""
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import timedelta
 from typing import Any
@@ -78,6 +79,14 @@ class TensorParallel:
 SINGLE_PROCESS = TensorParallel()
 
 
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank ``rank``'s device: its node's GPU number ``LOCAL_RANK`` (or ``rank``) on CUDA, the
+    CPU otherwise."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+
+
 def join(rank: int, size: int, init_method: str, setup: Any = None) -> tuple[TensorParallel, Any]:
     """Join the group of ``size`` processes at ``init_method`` (``tcp://host:port`` or
     ``env://``) as ``rank``. Rank 0's ``setup`` (what every rank needs to build its runner; its
@@ -86,7 +95,10 @@ def join(rank: int, size: int, init_method: str, setup: Any = None) -> tuple[Ten
     box = [setup]
     dist.broadcast_object_list(box, src=0)
     setup = box[0]
-    backend = "nccl" if setup.device.type == "cuda" else "gloo"
+    backend = "gloo"
+    if setup.device.type == "cuda":
+        backend = "nccl"
+        torch.cuda.set_device(rank_device(setup.device, rank))  # NCCL's communicator binds to it
     data = dist.new_group(backend=backend, timeout=DATA_TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     return TensorParallel(TpShard(rank, size), data, control), setup

@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 from neo_rs import faults
 from neo_rs.config import EngineArgs, ModelConfig
 from neo_rs.errors import BackendError, InvalidArgumentError
-from neo_rs.parallel.group import JOIN_TIMEOUT, TensorParallel, join
+from neo_rs.parallel.group import JOIN_TIMEOUT, TensorParallel, join, rank_device
 
 if TYPE_CHECKING:
     from neo_rs._core import SchedulerOutput
@@ -68,14 +68,6 @@ def launched_by_env() -> tuple[int, int] | None:
     if not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
         return None
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-
-
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank ``rank``'s device: its node's GPU number ``LOCAL_RANK`` (or ``rank``) on CUDA, the
-    CPU otherwise."""
-    if device.type != "cuda":
-        return device
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
 
 
 def budget_threads(args: EngineArgs, size: int) -> EngineArgs:
