@@ -6,6 +6,8 @@
 //! grows with that rate against the arrival rate: about half at 256. Prompts share no block;
 //! `schedule_update_prefix_caching` is the GPU-only case with the prefix cache on (every full
 //! block hashed and registered, every prompt looked up), to compare with `schedule_update`.
+//! `schedule_update_neo_shared_prefix` is `neo` with the prefix cache on and a 1,024-token prefix
+//! common to every prompt: each iteration looks up every waiting prompt, 64 cached blocks deep.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use neo_rs::kv::Device;
@@ -14,17 +16,19 @@ use neo_rs::sched::{OffloadMode, RequestId, Scheduler, SchedulerConfig};
 struct Load {
     s: Scheduler,
     next_id: u64,
+    /// Tokens at the head of every prompt.
+    shared_prefix: u64,
 }
 
 impl Load {
-    fn new(num_running: usize, offload: OffloadMode, enable_prefix_caching: bool) -> Self {
+    fn new(num_running: usize, offload: OffloadMode, enable_prefix_caching: bool, shared_prefix: u64) -> Self {
         let block_size = 16;
         let blocks = num_running * 1400 / block_size;
         let neo = offload == OffloadMode::Neo;
         let s = Scheduler::new(SchedulerConfig {
             max_num_seqs: num_running,
             max_num_batched_tokens: num_running + 2048,
-            max_model_len: 2048,
+            max_model_len: 2048 + shared_prefix as usize,
             block_size,
             num_gpu_blocks: if neo { blocks / 4 } else { blocks } as u32,
             num_cpu_blocks: if neo { blocks } else { 0 } as u32,
@@ -39,7 +43,7 @@ impl Load {
             num_cpu_prefix_blocks: 0,
         })
         .expect("valid config");
-        let mut load = Load { s, next_id: 0 };
+        let mut load = Load { s, next_id: 0, shared_prefix };
         for _ in 0..num_running {
             load.add();
         }
@@ -64,7 +68,8 @@ impl Load {
         let id = self.next_id;
         self.next_id += 1;
         let h = id.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
-        let prompt = (0..100 + h % 900).map(|t| (id * 1000 + t) as u32).collect();
+        let shared = (0..self.shared_prefix).map(|t| t as u32);
+        let prompt = shared.chain((0..100 + h % 900).map(|t| (id * 1000 + t) as u32)).collect();
         let max_tokens = 128 + (h % 256) as usize;
         self.s.add_request(RequestId(id), prompt, max_tokens).expect("request fits");
     }
@@ -82,19 +87,25 @@ impl Load {
 fn schedule_update(c: &mut Criterion) {
     let mut group = c.benchmark_group("schedule_update");
     for n in [64, 256, 1024, 4096] {
-        let mut load = Load::new(n, OffloadMode::GpuOnly, false);
+        let mut load = Load::new(n, OffloadMode::GpuOnly, false, 0);
         group.bench_function(BenchmarkId::from_parameter(n), |b| b.iter(|| load.step()));
     }
     group.finish();
     let mut group = c.benchmark_group("schedule_update_prefix_caching");
     for n in [64, 256, 1024, 4096] {
-        let mut load = Load::new(n, OffloadMode::GpuOnly, true);
+        let mut load = Load::new(n, OffloadMode::GpuOnly, true, 0);
         group.bench_function(BenchmarkId::from_parameter(n), |b| b.iter(|| load.step()));
     }
     group.finish();
     let mut group = c.benchmark_group("schedule_update_neo");
     for n in [256, 1024, 4096] {
-        let mut load = Load::new(n, OffloadMode::Neo, false);
+        let mut load = Load::new(n, OffloadMode::Neo, false, 0);
+        group.bench_function(BenchmarkId::from_parameter(n), |b| b.iter(|| load.step()));
+    }
+    group.finish();
+    let mut group = c.benchmark_group("schedule_update_neo_shared_prefix");
+    for n in [256, 1024] {
+        let mut load = Load::new(n, OffloadMode::Neo, true, 1024);
         group.bench_function(BenchmarkId::from_parameter(n), |b| b.iter(|| load.step()));
     }
     group.finish();

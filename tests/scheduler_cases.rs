@@ -465,7 +465,7 @@ fn under_neo_a_host_bound_prompt_decodes_in_place_over_host_tier_blocks() {
         s.update(&vec![7; out.inputs.sample_ids.len()], &[]).unwrap();
     }
     let tier: Vec<_> = {
-        let mut b = s.kv(Device::Cpu).lookup(&with(2), None).blocks;
+        let mut b = s.kv(Device::Cpu).lookup(&with(2), None, &[]).blocks;
         b.sort();
         b
     };

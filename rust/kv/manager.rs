@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 
-use super::prefix::{BlockHash, Evicted, PrefixCache};
+use super::prefix::{hash_block, BlockHash, Evicted, PrefixCache};
 use super::{BlockId, BlockPool, Device};
 use crate::sched::RequestId;
 
@@ -214,21 +214,30 @@ impl KvManager {
 
     /// The cached full blocks `tokens` starts with, at most `(len - 1) / block_size` of them (the
     /// last token is always computed, for its logits, into a block of the request's own), in
-    /// the namespace `salt` (`Request::salt`). Empty without prefix caching.
-    pub fn lookup(&self, tokens: &[u32], salt: Option<BlockHash>) -> PrefixHit {
-        let (blocks, hashes) = self.walk(salt, tokens, 0);
+    /// the namespace `salt` (`Request::salt`). `known`: the hashes of the first blocks, if the
+    /// caller keeps them (`Request::block_hashes`); the rest are hashed here. Empty without
+    /// prefix caching.
+    pub fn lookup(&self, tokens: &[u32], salt: Option<BlockHash>, known: &[BlockHash]) -> PrefixHit {
+        let (blocks, hashes) = self.walk(salt, tokens, 0, known);
         let evictable = blocks.iter().filter(|b| self.refs[b.0 as usize] == 0).count();
         PrefixHit { salt, blocks, hashes, evictable, ..PrefixHit::default() }
     }
 
     /// The cached blocks that hold `tokens`' full blocks from block `from` on, the first one's
-    /// parent being `parent`, up to the lookup's cap.
-    fn walk(&self, mut parent: Option<BlockHash>, tokens: &[u32], from: usize) -> (Vec<BlockId>, Vec<BlockHash>) {
+    /// parent being `parent`, up to the lookup's cap; `known[i]` is block `i`'s hash, where given.
+    fn walk(
+        &self,
+        mut parent: Option<BlockHash>,
+        tokens: &[u32],
+        from: usize,
+        known: &[BlockHash],
+    ) -> (Vec<BlockId>, Vec<BlockHash>) {
         let (mut blocks, mut hashes) = (Vec::new(), Vec::new());
         let Some(cache) = &self.cache else { return (blocks, hashes) };
         let max_blocks = tokens.len().saturating_sub(1) / self.block_size;
-        for block in tokens.chunks_exact(self.block_size).take(max_blocks).skip(from) {
-            let Some((b, hash)) = cache.get(parent, block) else { break };
+        for (i, block) in tokens.chunks_exact(self.block_size).enumerate().take(max_blocks).skip(from) {
+            let hash = known.get(i).copied().unwrap_or_else(|| hash_block(parent, block));
+            let Some((b, hash)) = cache.get(hash, parent, block) else { break };
             blocks.push(b);
             hashes.push(hash);
             parent = Some(hash);
@@ -356,6 +365,7 @@ impl KvManager {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kv::chain_hashes;
 
     #[test]
     fn allocate_grows_and_answers_no_room() {
@@ -397,11 +407,28 @@ mod tests {
 
     /// Run a request through the cache: look up, allocate, "compute" everything, register.
     fn run_request(m: &mut KvManager, id: RequestId, toks: &[u32]) -> PrefixHit {
-        let hit = m.lookup(toks, None);
+        let hit = m.lookup(toks, None, &[]);
         assert!(m.allocate_with_prefix(id, &hit, toks.len()));
         m.cache_full_blocks(id, toks, toks.len(), None);
         m.check().unwrap();
         hit
+    }
+
+    #[test]
+    fn lookups_walk_the_hashes_they_are_given() {
+        let mut m = KvManager::new(Device::Gpu, 16, 4, true);
+        let a = tokens(1, 13);
+        run_request(&mut m, RequestId(1), &a);
+        let known = chain_hashes(None, &a, 4, 3);
+        let hit = m.lookup(&a, None, &known);
+        assert_eq!((hit.blocks.as_slice(), &hit.hashes), (&m.table(RequestId(1))[..3], &known));
+        // Fewer known hashes than blocks: the rest are hashed as the walk goes.
+        assert_eq!(m.lookup(&a, None, &known[..1]).blocks, hit.blocks);
+        // The walk trusts what it is given (the tokens still guard against a wrong block): a
+        // request's hashes, computed once, are what it looks up.
+        let mut wrong = known.clone();
+        wrong[1] ^= 1;
+        assert_eq!(m.lookup(&a, None, &wrong).num_blocks(), 1);
     }
 
     #[test]
@@ -417,20 +444,20 @@ mod tests {
         assert_eq!(&m.table(RequestId(2))[..2], &m.table(RequestId(1))[..2]);
         // A prompt of exactly two cached blocks recomputes its last token into a block of its own.
         let c = a[..8].to_vec();
-        assert_eq!(m.lookup(&c, None).num_blocks(), 1);
+        assert_eq!(m.lookup(&c, None, &[]).num_blocks(), 1);
         // A different first block breaks the chain even when later blocks match.
         let mut d = a.clone();
         d[0] = 5;
-        assert_eq!(m.lookup(&d, None).num_blocks(), 0);
+        assert_eq!(m.lookup(&d, None, &[]).num_blocks(), 0);
         // Freed, the blocks stay cached and are found again, now evictable.
         m.free(RequestId(1));
         m.free(RequestId(2));
         m.check().unwrap();
         assert_eq!(m.num_free_blocks(), 16);
-        let hit = m.lookup(&b, None);
+        let hit = m.lookup(&b, None, &[]);
         assert_eq!((hit.num_blocks(), hit.evictable), (2, 2));
         let off = KvManager::new(Device::Gpu, 16, 4, false);
-        assert_eq!(off.lookup(&a, None).num_blocks(), 0);
+        assert_eq!(off.lookup(&a, None, &[]).num_blocks(), 0);
     }
 
     #[test]
@@ -450,13 +477,13 @@ mod tests {
         assert_eq!(m.num_cached_blocks(), 4);
         assert!(m.allocate_slots(RequestId(3), 3 * 2));
         assert_eq!(m.table(RequestId(3))[2], ta[1]);
-        assert_eq!(m.lookup(&a, None).num_blocks(), 1);
+        assert_eq!(m.lookup(&a, None, &[]).num_blocks(), 1);
         assert!(m.allocate_slots(RequestId(3), 4 * 2));
-        assert_eq!(m.lookup(&a, None).num_blocks(), 0);
-        assert_eq!(m.lookup(&b, None).num_blocks(), 2);
+        assert_eq!(m.lookup(&a, None, &[]).num_blocks(), 0);
+        assert_eq!(m.lookup(&b, None, &[]).num_blocks(), 2);
         m.check().unwrap();
         // A hit takes its evictable blocks back out of the LRU: they are no room for new ones.
-        let hit = m.lookup(&b, None);
+        let hit = m.lookup(&b, None, &[]);
         assert!(!m.allocate_with_prefix(RequestId(4), &hit, 5));
         m.check().unwrap();
         assert!(m.allocate_with_prefix(RequestId(4), &hit, 4));

@@ -8,7 +8,7 @@ mod prefix;
 
 pub use block_pool::BlockPool;
 pub use manager::{KvManager, PrefixHit, SwapPlan};
-pub use prefix::{salt_hash, BlockHash, Evicted};
+pub use prefix::{chain_hashes, salt_hash, BlockHash, Evicted};
 
 use std::fmt;
 

@@ -23,6 +23,25 @@ pub fn hash_block(parent: Option<BlockHash>, tokens: &[u32]) -> BlockHash {
     h.finish()
 }
 
+/// The chained hashes of `tokens`' first `num_blocks` full blocks, the first one's parent being
+/// `parent` (a request's, computed once: lookups walk them instead of rehashing its prompt).
+pub fn chain_hashes(
+    mut parent: Option<BlockHash>,
+    tokens: &[u32],
+    block_size: usize,
+    num_blocks: usize,
+) -> Vec<BlockHash> {
+    tokens
+        .chunks_exact(block_size)
+        .take(num_blocks)
+        .map(|block| {
+            let hash = hash_block(parent, block);
+            parent = Some(hash);
+            hash
+        })
+        .collect()
+}
+
 /// A block evicted from the cache with the content it was registered under (what the host
 /// tier needs to keep it).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -94,9 +113,9 @@ impl PrefixCache {
         &self.tokens[i..i + self.block_size]
     }
 
-    /// The block holding exactly this content, if registered.
-    pub fn get(&self, parent: Option<BlockHash>, tokens: &[u32]) -> Option<(BlockId, BlockHash)> {
-        let hash = hash_block(parent, tokens);
+    /// The block holding exactly this content, `hash` being `hash_block(parent, tokens)`, if
+    /// registered.
+    pub fn get(&self, hash: BlockHash, parent: Option<BlockHash>, tokens: &[u32]) -> Option<(BlockId, BlockHash)> {
         let b = *self.by_hash.get(&hash)?;
         let e = self.entries[b.0 as usize]?;
         (e.parent == parent && self.tokens_of(b) == tokens).then_some((b, hash))

@@ -66,6 +66,10 @@ pub struct Request {
     /// Prompt tokens its first admission found in the prefix cache, either tier (vLLM's
     /// `num_cached_tokens`); `None` until admitted, or with prefix caching off.
     pub num_cached_tokens: Option<usize>,
+    /// The chained hashes of its prompt's full blocks under `salt` (as many as a lookup can
+    /// hit), computed once on arrival as vLLM does: a prompt that waits is looked up every
+    /// iteration. Empty with prefix caching off.
+    pub block_hashes: Vec<BlockHash>,
 }
 
 impl Request {

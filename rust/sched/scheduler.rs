@@ -17,7 +17,7 @@ use super::perf::PerfPredictor;
 use super::request::{FinishReason, Request, RequestId, RequestStatus};
 use super::stats::SchedulerStats;
 use crate::error::{ensure, Result};
-use crate::kv::{salt_hash, BlockId, Device, KvManager, PrefixHit, SwapPlan};
+use crate::kv::{chain_hashes, salt_hash, BlockId, Device, KvManager, PrefixHit, SwapPlan};
 
 /// One `schedule()` call's growing plan.
 struct Step {
@@ -194,6 +194,13 @@ impl Scheduler {
             "request {id}: {total} tokens need {need} KV blocks, but the host pool has {}",
             self.cpu.num_total_blocks()
         );
+        let salt = cache_salt.map(salt_hash);
+        let block_hashes = if self.gpu.prefix_caching() {
+            let bs = self.config.block_size;
+            chain_hashes(salt, &prompt, bs, (prompt.len() - 1) / bs)
+        } else {
+            Vec::new()
+        };
         let request = Request {
             id,
             num_prompt_tokens: prompt.len(),
@@ -203,8 +210,9 @@ impl Scheduler {
             status: RequestStatus::Waiting,
             device: Device::Gpu,
             arrival: self.next_arrival,
-            salt: cache_salt.map(salt_hash),
+            salt,
             num_cached_tokens: None,
+            block_hashes,
         };
         self.next_arrival += 1;
         self.requests.insert(id, request);

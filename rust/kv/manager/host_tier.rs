@@ -4,9 +4,7 @@
 //! unheld, evictable least recently stored first, and free room for every other use of the
 //! host pool (swap-outs and CPU decodes take them when no clean block is left).
 
-#[cfg(test)]
-use super::BlockHash;
-use super::{BlockId, Evicted, KvManager, PrefixCache, PrefixHit};
+use super::{BlockHash, BlockId, Evicted, KvManager, PrefixCache, PrefixHit};
 
 impl KvManager {
     /// Keep at most `cap` cached blocks that no request holds (0: no cache at all). For the
@@ -30,8 +28,9 @@ impl KvManager {
     }
 
     /// Extend a device `hit` with this pool's cached blocks that continue its chain.
-    pub fn extend_hit(&self, hit: &mut PrefixHit, tokens: &[u32]) {
-        let (blocks, hashes) = self.walk(hit.hashes.last().copied().or(hit.salt), tokens, hit.blocks.len());
+    pub fn extend_hit(&self, hit: &mut PrefixHit, tokens: &[u32], known: &[BlockHash]) {
+        let parent = hit.hashes.last().copied().or(hit.salt);
+        let (blocks, hashes) = self.walk(parent, tokens, hit.blocks.len(), known);
         (hit.host, hit.host_hashes) = (blocks, hashes);
     }
 
@@ -135,16 +134,16 @@ mod tests {
         assert!(gpu.allocate_slots(RequestId(2), 2)); // evicts a's third block
         let pairs = demote(&mut gpu, &mut cpu);
         assert_eq!(pairs.len(), 1);
-        let mut hit = gpu.lookup(&a, None);
+        let mut hit = gpu.lookup(&a, None, &[]);
         assert_eq!(hit.blocks.len(), 2);
-        cpu.extend_hit(&mut hit, &a);
+        cpu.extend_hit(&mut hit, &a, &[]);
         assert_eq!((hit.host.as_slice(), hit.num_blocks()), (&[pairs[0].1][..], 3));
         assert_eq!(hit.host_hashes, chain[2..]);
         // Its chain, not its tokens alone: another prefix with the same third block misses.
         let mut b = a.clone();
         b[0] = 9;
-        let mut other = gpu.lookup(&b, None);
-        cpu.extend_hit(&mut other, &b);
+        let mut other = gpu.lookup(&b, None, &[]);
+        cpu.extend_hit(&mut other, &b, &[]);
         assert_eq!(other.num_blocks(), 0);
         // Pinned while copied back, it is no room for others and is not evicted; then unheld.
         cpu.pin_host_hit(&hit);
@@ -178,8 +177,8 @@ mod tests {
         assert_eq!(evicted.len(), 8);
         let pairs = cpu.store(&evicted);
         assert_eq!(pairs.iter().map(|p| p.0).collect::<Vec<_>>(), [evicted[6].block, evicted[7].block]);
-        let mut hit = gpu.lookup(&tokens(2, 8), None);
-        cpu.extend_hit(&mut hit, &tokens(2, 8));
+        let mut hit = gpu.lookup(&tokens(2, 8), None, &[]);
+        cpu.extend_hit(&mut hit, &tokens(2, 8), &[]);
         assert_eq!(hit.host, [pairs[1].1, pairs[0].1]);
         // The head (stored last) is the tier's newest: its tail goes first.
         assert_eq!(cpu.cache.as_ref().unwrap().oldest(), Some(pairs[0].1));

@@ -14,9 +14,9 @@ impl Scheduler {
         if req.num_computed_tokens > 0 {
             return PrefixHit::default();
         }
-        let mut hit = self.gpu.lookup(&req.token_ids, req.salt);
+        let mut hit = self.gpu.lookup(&req.token_ids, req.salt, &req.block_hashes);
         if self.config.num_cpu_prefix_blocks > 0 {
-            self.cpu.extend_hit(&mut hit, &req.token_ids);
+            self.cpu.extend_hit(&mut hit, &req.token_ids, &req.block_hashes);
         }
         hit
     }
@@ -26,7 +26,7 @@ impl Scheduler {
     /// and it decodes there.
     pub(super) fn in_place_hit(&self, req: &Request) -> PrefixHit {
         match (self.config.num_cpu_prefix_blocks, req.num_computed_tokens) {
-            (1.., 0) => self.cpu.lookup(&req.token_ids, req.salt),
+            (1.., 0) => self.cpu.lookup(&req.token_ids, req.salt, &req.block_hashes),
             _ => PrefixHit::default(),
         }
     }
