@@ -158,3 +158,41 @@ def test_int8_host_kv_is_read_at_its_width() -> None:
     assert int8.num_gpu_blocks() == auto.num_gpu_blocks()
     slope = lambda c: c.cpu_decode_ms(1, 2e6) - c.cpu_decode_ms(1, 1e6)  # noqa: E731
     assert slope(int8) == pytest.approx(slope(auto) * ratio)
+
+
+def test_tensor_parallel_profiles_price_one_rank_with_the_engines_shapes() -> None:
+    from neo_rs.config import ModelConfig
+    from neo_rs.parallel.shards import TpShard
+
+    m = MODELS["llama-3-70b"]
+    hf = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": m.vocab,
+        "hidden_size": m.hidden,
+        "intermediate_size": m.ffn,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads,
+        "num_key_value_heads": m.num_kv_heads,
+    }
+    engine = TpShard(0, 2).local_config(ModelConfig.from_hf(hf))
+    pair = CostModel(GPUS["2xH100"], HOSTS["server"], m)
+    rank = pair.rank_model
+    assert (rank.num_heads, rank.num_kv_heads, rank.ffn, rank.vocab) == (
+        engine.num_heads,
+        engine.num_kv_heads,
+        engine.intermediate_size,
+        engine.vocab_size,
+    )
+    # One rank's KV and transfers are half the model's; its pool is one GPU's memory less its
+    # half of the weights.
+    assert pair.block_bytes() * 2 == CostModel(GPUS["H100"], HOSTS["server"], m).block_bytes()
+    assert (
+        pair.transfer_bytes_per_decode() * 2
+        == CostModel(GPUS["H100"], HOSTS["server"], m).transfer_bytes_per_decode()
+    )
+    # The all-reduces cost something, more for more tokens, and nothing on one GPU.
+    assert 0 < pair.all_reduce_ms(1) < pair.all_reduce_ms(4096)
+    assert CostModel(GPUS["H100"], HOSTS["server"], m).all_reduce_ms(4096) == 0
+    no_link = dataclasses.replace(GPUS["2xH100"], link_gbps=0)
+    with pytest.raises(ValueError, match="link_gbps"):
+        CostModel(no_link, HOSTS["server"], m).linear_ms(16)

@@ -118,6 +118,7 @@ class LlamaForCausalLM(nn.Module):
         return self._decoder_layers
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings (vocab-parallel under tensor parallelism)."""
         if self.tp.size == 1:
             return self.embed_tokens(ids)
         # This rank's vocab rows; ids outside them contribute zeros to the sum over ranks.
