@@ -357,8 +357,8 @@ def _alive(pid: int) -> bool:
 def test_server_with_two_ranks_serves_and_stops_every_rank() -> None:
     server = Server("--tensor-parallel-size", "2", "--offload", "neo")
     workers = _workers(server.proc.pid)
-    assert workers, "no worker process"
     try:
+        assert workers, "no worker process"
         client = server.client()
         done = client.completions.create(model="neo-rs-demo", prompt="hello", max_tokens=8, temperature=0)
         assert done.usage.completion_tokens == 8
@@ -378,20 +378,36 @@ def test_server_with_two_ranks_serves_and_stops_every_rank() -> None:
 
 def test_server_turns_unhealthy_and_exits_when_a_worker_dies() -> None:
     server = Server("--tensor-parallel-size", "2")
-    (worker,) = _workers(server.proc.pid)
-    os.kill(worker, signal.SIGKILL)
-    deadline, status = time.monotonic() + 10, 200
-    while status == 200 and time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(server.url + "/health", timeout=1) as r:
-                status = r.status
-        except urllib.error.HTTPError as e:
-            status = e.code
-        except OSError:
-            status = 0  # already gone
-        time.sleep(0.05)
-    assert status != 200
-    assert server.proc.wait(30) == 1
+    try:
+        (worker,) = _workers(server.proc.pid)
+        os.kill(worker, signal.SIGKILL)
+        deadline, status = time.monotonic() + 10, 200
+        while status == 200 and time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(server.url + "/health", timeout=1) as r:
+                    status = r.status
+            except urllib.error.HTTPError as e:
+                status = e.code
+            except OSError:
+                status = 0  # already gone
+            time.sleep(0.05)
+        assert status != 200
+        assert server.proc.wait(30) == 1
+    finally:
+        server.stop()
+
+
+def test_workers_exit_when_the_server_is_killed() -> None:
+    server = Server("--tensor-parallel-size", "2")
+    workers = _workers(server.proc.pid)
+    try:
+        assert len(workers) == 1
+    finally:
+        server.stop(signal.SIGKILL)  # no clean-up on rank 0: the worker sees its sockets close
+    deadline = time.monotonic() + 15
+    while [pid for pid in workers if _alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in workers if _alive(pid)]
 
 
 def test_torchrun_launch_serves_with_rank_0_and_stops_every_rank() -> None:
