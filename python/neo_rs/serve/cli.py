@@ -174,7 +174,7 @@ async def serve(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     launch = launched_by_env()
-    if launch is not None and launch[0] != 0:
+    if launch is not None and launch[0] != 0 and args.tensor_parallel_size > 1:
         # torchrun started every rank with this command: rank 0 serves, the others are its workers.
         logging.basicConfig(
             level=args.log_level.upper(),
