@@ -47,3 +47,16 @@ def prompts(n: int, lo: int = 32, hi: int = 256, seed: int = 1) -> list[list[int
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
     return [torch.randint(3, 32000, (k,), generator=g).tolist() for k in lens]
+
+
+def warm_up_and_queue(engine, batch: list[list[int]], max_tokens: int) -> None:  # noqa: ANN001 (an LLMEngine)
+    """Run one short request to completion (first-call costs out of the figures), then queue the
+    batch: greedy, ``max_tokens`` each, EOS ignored."""
+    from neo_rs import SamplingParams
+
+    engine.add_request(batch[0][:16], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for p in batch:
+        engine.add_request(p, params)

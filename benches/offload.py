@@ -18,8 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import make_model, prompts
-from neo_rs import LLMEngine, SamplingParams
+from common import make_model, prompts, warm_up_and_queue
+from neo_rs import LLMEngine
 from neo_rs.config import EngineArgs
 
 
@@ -38,12 +38,7 @@ def run(
             skip_tokenizer_init=True,
         )
     )
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    engine.add_request(batch[0][:16], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    while engine.has_unfinished():  # warm-up
-        engine.step()
-    for p in batch:
-        engine.add_request(p, params)
+    warm_up_and_queue(engine, batch, args.max_tokens)
     modes: collections.Counter[str] = collections.Counter()
     tokens = cpu_decodes = 0
     t = time.perf_counter()

@@ -17,8 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import make_model, prompts
-from neo_rs import LLMEngine, SamplingParams
+from common import make_model, prompts, warm_up_and_queue
+from neo_rs import LLMEngine
 from neo_rs.config import EngineArgs
 
 
@@ -35,12 +35,7 @@ def run(path: Path, tp: int, batch: list[list[int]], args: argparse.Namespace) -
     )
     try:
         group = engine.runner.tp
-        params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-        engine.add_request(batch[0][:16], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-        while engine.has_unfinished():  # warm-up
-            engine.step()
-        for p in batch:
-            engine.add_request(p, params)
+        warm_up_and_queue(engine, batch, args.max_tokens)
         steps, comms, tokens = [], [], 0
         started = time.perf_counter()
         while engine.has_unfinished():

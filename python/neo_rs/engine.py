@@ -23,7 +23,7 @@ from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel, rank_device
 from neo_rs.parallel.shards import TpShard
 from neo_rs.parallel.workers import TpWorkers, budget_threads
 from neo_rs.profiler import load_or_profile
-from neo_rs.runner import ModelRunner, resolve_device
+from neo_rs.runner import RunnerSetup, resolve_device
 from neo_rs.sampling import RequestOutputKind, SamplingParams, sample
 from neo_rs.sequence import RequestMetrics, RequestOutput, Sequence
 from neo_rs.stats import IterationStats, calibrate
@@ -90,19 +90,21 @@ class LLMEngine:
         if args.tensor_parallel_size > 1:
             TpShard(0, args.tensor_parallel_size).check(cfg)
             args = budget_threads(args, args.tensor_parallel_size)
+        setup = RunnerSetup(args, model_dir, cfg, self.dtype, self.device, self.max_model_len)
+        if args.tensor_parallel_size > 1:
             self.device = rank_device(self.device, 0)
-            self.workers = TpWorkers(args, model_dir, cfg, self.dtype, self.device, self.max_model_len)
+            self.workers = TpWorkers(setup)
             tp = self.workers.tp
         try:
-            self._build(args, tp)
+            self._build(setup, tp)
         except BaseException:
             self.shutdown()
             raise
 
-    def _build(self, args: EngineArgs, tp: TensorParallel) -> None:
+    def _build(self, setup: RunnerSetup, tp: TensorParallel) -> None:
         """The runner (rank 0's under tensor parallelism), the tokenizer and the scheduler."""
-        model_dir, cfg = self.model_dir, self.model_config
-        self.runner = ModelRunner(args, model_dir, cfg, self.dtype, self.device, self.max_model_len, tp)
+        args, model_dir, cfg = setup.args, self.model_dir, self.model_config
+        self.runner = setup.build(tp)
         self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(model_dir)
         self.eos_ids = eos_token_ids(model_dir, self.tokenizer)
         self.grammars = (

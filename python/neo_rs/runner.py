@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ from neo_rs.errors import InvalidArgumentError
 from neo_rs.kv_cache import KvLayout, KvPool, block_pairs
 from neo_rs.model import load_model
 from neo_rs.model.packed import pack_linears, packing_applies
-from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel
+from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel, rank_device
 from neo_rs.timing import HostWaits, MeasuredTimes, StageClock
 from neo_rs.transfer import HostTransfer, Pairs, Staged
 
@@ -47,6 +48,23 @@ def _prefix_tier_blocks(args: EngineArgs, num_cpu: int, per_block: int) -> int:
     if args.cpu_prefix_cache_gib is None:
         return num_cpu // 4
     return min(num_cpu, int(args.cpu_prefix_cache_gib * (1 << 30)) // per_block)
+
+
+@dataclass(frozen=True)
+class RunnerSetup:
+    """What a runner is built from; under tensor parallelism rank 0 broadcasts it to the
+    workers, and every rank builds its own runner from it."""
+
+    args: EngineArgs
+    model_dir: Path
+    cfg: ModelConfig
+    dtype: torch.dtype
+    device: torch.device  # rank 0's device type; each rank maps it to its own (``rank_device``)
+    max_model_len: int
+
+    def build(self, tp: TensorParallel = SINGLE_PROCESS) -> ModelRunner:
+        device = rank_device(self.device, tp.rank)
+        return ModelRunner(self.args, self.model_dir, self.cfg, self.dtype, device, self.max_model_len, tp)
 
 
 class ModelRunner:

@@ -68,9 +68,10 @@ def _span(r: range, scale: int = 1) -> slice:
     return slice(r.start * scale, r.stop * scale)
 
 
-def _target(cfg: ModelConfig, shard: TpShard, name: str) -> _Placement | None:
-    """Where HF parameter ``name`` goes on rank ``shard``; None for names we do not use."""
-    local, d = shard.local_config(cfg), cfg.head_dim
+def _target(cfg: ModelConfig, local: ModelConfig, shard: TpShard, name: str) -> _Placement | None:
+    """Where HF parameter ``name`` goes on rank ``shard`` (whose shapes are ``local``); None for
+    names we do not use."""
+    d = cfg.head_dim
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         vocab = shard.vocab(cfg)
         return _Placement(name.removeprefix("model."), slice(0, len(vocab)), (_span(vocab),))
@@ -122,7 +123,7 @@ def load_model(
     for path in tqdm(files, desc="Loading safetensors shards", unit="shard", disable=len(files) < 2):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                place = _target(cfg, tp.shard, name)
+                place = _target(cfg, local, tp.shard, name)
                 if place is None:
                     continue
                 if place.ours not in params:

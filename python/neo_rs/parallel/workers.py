@@ -19,10 +19,8 @@ import socket
 import sys
 import time
 import weakref
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, NoReturn, cast
 
@@ -30,13 +28,14 @@ import torch
 import torch.multiprocessing as mp
 
 from neo_rs import faults
-from neo_rs.config import EngineArgs, ModelConfig
+from neo_rs.config import EngineArgs
 from neo_rs.errors import BackendError, InvalidArgumentError
-from neo_rs.parallel.group import JOIN_TIMEOUT, TensorParallel, join, rank_device
+from neo_rs.parallel.group import JOIN_TIMEOUT, TensorParallel, join
+from neo_rs.profiler import profile
 
 if TYPE_CHECKING:
     from neo_rs._core import SchedulerOutput
-    from neo_rs.runner import ModelRunner
+    from neo_rs.runner import ModelRunner, RunnerSetup
 
 log = logging.getLogger(__name__)
 
@@ -70,27 +69,21 @@ def launched_by_env() -> tuple[int, int] | None:
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
-def budget_threads(args: EngineArgs, size: int) -> EngineArgs:
-    """Split the host's cores between the ranks on it (``LOCAL_WORLD_SIZE`` under torchrun):
-    torch's intra-op threads, and the CPU attention's unless ``cpu_threads`` or
-    ``NEO_RS_CPU_THREADS`` says otherwise."""
+def rank_threads(size: int) -> int:
+    """This rank's equal share of the host's cores (split between the ranks on it,
+    ``LOCAL_WORLD_SIZE`` under torchrun), given to torch's intra-op threads."""
     per_rank = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", size)))
     torch.set_num_threads(per_rank)
+    return per_rank
+
+
+def budget_threads(args: EngineArgs, size: int) -> EngineArgs:
+    """Rank 0: ``rank_threads``, and ``args`` with the CPU attention's share set to the same
+    unless ``cpu_threads`` or ``NEO_RS_CPU_THREADS`` says otherwise (the workers get these args)."""
+    per_rank = rank_threads(size)
     if args.cpu_threads is None and not os.environ.get("NEO_RS_CPU_THREADS"):
         return dataclasses.replace(args, cpu_threads=per_rank)
     return args
-
-
-@dataclass(frozen=True)
-class _Setup:
-    """Everything a worker needs to build its runner (rank 0 broadcasts it on joining)."""
-
-    args: EngineArgs
-    model_dir: Path
-    cfg: ModelConfig
-    dtype: torch.dtype
-    device: torch.device
-    max_model_len: int
 
 
 def _free_port() -> int:
@@ -102,17 +95,8 @@ def _free_port() -> int:
 class TpWorkers:
     """Ranks 1..N-1, seen from rank 0; ``tp`` is rank 0's own place in the group."""
 
-    def __init__(
-        self,
-        args: EngineArgs,
-        model_dir: Path,
-        cfg: ModelConfig,
-        dtype: torch.dtype,
-        device: torch.device,
-        max_model_len: int,
-    ) -> None:
-        size = args.tensor_parallel_size
-        setup = _Setup(args, model_dir, cfg, dtype, device, max_model_len)
+    def __init__(self, setup: RunnerSetup) -> None:
+        size = setup.args.tensor_parallel_size
         launch = launched_by_env()
         self.procs: list[BaseProcess] = []
         if launch is not None:  # the launcher started the workers
@@ -229,12 +213,9 @@ def _spawned_worker(rank: int, size: int, init_method: str, started: Connection)
 def run_worker(rank: int, size: int, init_method: str) -> NoReturn:
     """Be rank ``rank``'s worker until rank 0 says stop, then exit (1 if anything failed)."""
     try:
-        from neo_rs.runner import ModelRunner
-
         tp, setup = join(rank, size, init_method)
-        args = budget_threads(setup.args, size)
-        device = rank_device(setup.device, rank)
-        runner = ModelRunner(args, setup.model_dir, setup.cfg, setup.dtype, device, setup.max_model_len, tp)
+        rank_threads(size)  # the CPU attention's share came in rank 0's args
+        runner = setup.build(tp)
         faults.inject(runner, rank)
         _serve(runner, tp)
         tp.close()
@@ -247,8 +228,6 @@ def run_worker(rank: int, size: int, init_method: str) -> NoReturn:
 
 def _serve(runner: ModelRunner, tp: TensorParallel) -> None:
     """Run rank 0's commands until it says stop."""
-    from neo_rs.profiler import profile
-
     while True:
         cmd: tuple[Any, ...] = tp.broadcast()
         if cmd[0] == "step":
