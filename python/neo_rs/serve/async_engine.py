@@ -114,10 +114,11 @@ class AsyncEngine:
                 except Exception as e:
                     outputs += self._step_failed(engine, e)  # for the metrics; streams get the error
                 stats = engine.last_stats
-            for out in outputs:
-                self._deliver(out)
+            # Counted before delivered: a client that has its answer finds it in /metrics.
             if self.on_step is not None:
                 self.on_step(engine, stats, outputs)
+            for out in outputs:
+                self._deliver(out)
 
     def _step_failed(self, engine: LLMEngine, error: Exception) -> list[RequestOutput]:
         """Fail the requests of the iteration that raised (every open one if the engine could not
