@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 
-use neo_rs::kv::Device;
+use neo_rs::kv::{BlockId, Device};
 use neo_rs::sched::{FinishReason, OffloadMode, RequestId, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput};
 use proptest::prelude::*;
 
@@ -58,10 +58,15 @@ fn workload(mode: impl Strategy<Value = OffloadMode>) -> impl Strategy<Value = W
             num_cpu_prefix_blocks: 0,
         });
     // Prefix caching on in most workloads, with a host tier of up to the whole host pool.
-    let config = (config, prop::bool::weighted(0.7), 0u32..=24).prop_map(|(c, enable_prefix_caching, tier)| {
-        let num_cpu_prefix_blocks = if enable_prefix_caching { tier.min(c.num_cpu_blocks) } else { 0 };
-        SchedulerConfig { enable_prefix_caching, num_cpu_prefix_blocks, ..c }
-    });
+    // Copies priced from free to dearer than any compute, which moves NEO's choices (host-prefill
+    // copies, a host-tier hit copied in or attended in place).
+    let copy_cost = prop_oneof![Just(0usize), Just(1024), Just(1 << 24)];
+    let config = (config, prop::bool::weighted(0.7), 0u32..=24, copy_cost).prop_map(
+        |(c, enable_prefix_caching, tier, kv_bytes_per_token)| {
+            let num_cpu_prefix_blocks = if enable_prefix_caching { tier.min(c.num_cpu_blocks) } else { 0 };
+            SchedulerConfig { enable_prefix_caching, num_cpu_prefix_blocks, kv_bytes_per_token, ..c }
+        },
+    );
     let job = (
         (0usize..40, 0u64..3, 0usize..40),
         1usize..40,
@@ -175,14 +180,11 @@ fn check_plan(s: &Scheduler, out: &SchedulerOutput) -> Result<(), TestCaseError>
         let (gpu, cpu) = (s.kv(Device::Gpu), s.kv(Device::Cpu));
         prop_assert!(cpu.num_free_blocks() >= gpu.num_total_blocks() - gpu.num_free_blocks());
     }
-    // Host blocks this plan writes (swap-outs, evicted prefix blocks) are not among those its
-    // copies to the device read; device blocks copied into the host tier were handed out again.
-    let host_reads: std::collections::HashSet<_> =
-        out.swap_in.pairs.iter().chain(&out.cache_to_device.pairs).map(|p| p.0).collect();
-    let mut host_writes = std::collections::HashSet::new();
-    for &(_, h) in out.swap_out.pairs.iter().chain(&out.cache_to_host.pairs) {
-        prop_assert!(!host_reads.contains(&h), "host block {} written and read by one plan", h);
-        prop_assert!(host_writes.insert(h), "host block {} written twice by one plan", h);
+    // Each kind of copy writes a host block at most once (two kinds may write one block: the
+    // fake KV plays them in the runner's order).
+    for pairs in [&out.swap_out.pairs, &out.cache_to_host.pairs] {
+        let mut written = std::collections::HashSet::new();
+        prop_assert!(pairs.iter().all(|p| written.insert(p.1)), "a host block written twice: {:?}", pairs);
     }
     let mut planned = out.prefill_to_host.pairs.clone();
     planned.sort();
@@ -198,27 +200,35 @@ struct FakeKv {
 }
 
 impl FakeKv {
-    fn copy(&mut self, pairs: &[(neo_rs::kv::BlockId, neo_rs::kv::BlockId)], src: Device, dst: Device, bs: usize) {
-        for &(a, b) in pairs {
-            for o in 0..bs {
-                match self.slots.get(&(src, a.0, o)).copied() {
-                    Some(t) => self.slots.insert((dst, b.0, o), t),
-                    None => self.slots.remove(&(dst, b.0, o)),
-                };
-            }
+    /// The token each slot of `pairs`' source blocks holds, keyed by destination slot.
+    fn gather(&self, pairs: &[(BlockId, BlockId)], src: Device, bs: usize) -> Vec<((u32, usize), Option<u32>)> {
+        let held = |a: BlockId, o| self.slots.get(&(src, a.0, o)).copied();
+        pairs.iter().flat_map(|&(a, b)| (0..bs).map(move |o| ((b.0, o), held(a, o)))).collect()
+    }
+
+    fn land(&mut self, gathered: Vec<((u32, usize), Option<u32>)>, dst: Device) {
+        for ((b, o), t) in gathered {
+            match t {
+                Some(t) => self.slots.insert((dst, b, o), t),
+                None => self.slots.remove(&(dst, b, o)),
+            };
         }
     }
 
-    /// Play one plan: swaps and prefix-tier copies (device reads first), then every scheduled
-    /// request reads the KV of its computed tokens (checked: each slot of its table holds its
-    /// own token there, shared and host-tier prefix blocks included) and writes its new tokens,
-    /// then host-bound prefills are copied to the host.
+    /// Play one plan in the runner's order: every copy's source is read before anything the plan
+    /// writes (device blocks evicted from the prefix cache, swap-outs; host blocks bound for the
+    /// device), swap-outs land before the forward and copies into the device at its start; every
+    /// scheduled request reads the KV of its computed tokens (checked: each slot of its table holds
+    /// its own token there, shared and host-tier prefix blocks included) and writes its new tokens;
+    /// then host-bound prefills are staged to the host, and the evicted blocks land in the tier.
     fn run(&mut self, s: &Scheduler, out: &SchedulerOutput) -> Result<(), TestCaseError> {
         let bs = s.config().block_size;
-        self.copy(&out.swap_out.pairs, Device::Gpu, Device::Cpu, bs);
-        self.copy(&out.cache_to_host.pairs, Device::Gpu, Device::Cpu, bs);
-        self.copy(&out.swap_in.pairs, Device::Cpu, Device::Gpu, bs);
-        self.copy(&out.cache_to_device.pairs, Device::Cpu, Device::Gpu, bs);
+        let swapped_out = self.gather(&out.swap_out.pairs, Device::Gpu, bs);
+        let demoted = self.gather(&out.cache_to_host.pairs, Device::Gpu, bs);
+        let mut incoming = self.gather(&out.swap_in.pairs, Device::Cpu, bs);
+        incoming.extend(self.gather(&out.cache_to_device.pairs, Device::Cpu, bs));
+        self.land(swapped_out, Device::Cpu);
+        self.land(incoming, Device::Gpu);
         for sr in &out.scheduled {
             let req = s.request(sr.id).expect("scheduled request exists");
             let table = s.kv(sr.device).table(sr.id);
@@ -230,7 +240,9 @@ impl FakeKv {
                 self.slots.insert((sr.device, table[pos / bs].0, pos % bs), req.token_ids[pos]);
             }
         }
-        self.copy(&out.prefill_to_host.pairs, Device::Gpu, Device::Cpu, bs);
+        let staged = self.gather(&out.prefill_to_host.pairs, Device::Gpu, bs);
+        self.land(staged, Device::Cpu);
+        self.land(demoted, Device::Cpu);
         Ok(())
     }
 }

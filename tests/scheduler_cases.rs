@@ -507,3 +507,49 @@ fn cache_salts_keep_prefix_caches_apart() {
     assert_eq!(cached(5, None), 12);
     assert!(s.add_salted_request(RequestId(6), prompt, 1, Some("")).is_err());
 }
+
+#[test]
+fn under_neo_a_host_tier_hit_starts_in_place_where_copying_it_costs_more() {
+    // Request 4's system prompt lies in the host tier, and the device has room for it but not
+    // below the swap-in watermark once the long request 3 is there. With dear copies it attends
+    // in place over the host blocks; with free copies it copies them in. Without request 3 it
+    // would be swapped in at once, which costs more than the copy: it copies them in. Either
+    // way it stays on its side and every block returns.
+    for (kv_bytes_per_token, hog, in_place) in [(1 << 30, true, true), (0, true, false), (1 << 30, false, false)] {
+        let cfg = SchedulerConfig {
+            offload: OffloadMode::Neo,
+            enable_prefix_caching: true,
+            num_cpu_prefix_blocks: 128,
+            max_model_len: 512,
+            kv_bytes_per_token,
+            ..config(100, 128, 512)
+        };
+        let mut s = Scheduler::new(cfg).unwrap();
+        let system: Vec<u32> = (100..112).collect();
+        let with = |t: u32| system.iter().copied().chain([t; 3]).collect::<Vec<_>>();
+        s.add_request(RequestId(1), with(1), 1).unwrap();
+        drain(&mut s);
+        // A prompt of the whole device pool evicts the system prompt's blocks into the tier.
+        s.add_request(RequestId(2), (1000..1400).collect(), 1).unwrap();
+        drain(&mut s);
+        assert_eq!(s.kv(Device::Cpu).lookup(&with(2), None, &[]).blocks.len(), 3);
+        if hog {
+            s.add_request(RequestId(3), (2000..2372).collect(), 8).unwrap();
+            let out = s.schedule().unwrap();
+            s.update(&vec![7; out.inputs.sample_ids.len()], &[]).unwrap();
+        }
+        s.add_request(RequestId(4), with(2), 4).unwrap();
+        let out = s.schedule().unwrap();
+        let r4 = out.scheduled.iter().find(|r| r.id == RequestId(4)).unwrap();
+        assert_eq!(r4.attends_on_cpu(), in_place, "{kv_bytes_per_token} B/token, request 3: {hog}");
+        assert_eq!(r4.device == Device::Cpu, in_place);
+        assert_eq!((r4.num_computed_tokens, r4.num_new_tokens), (12, 3));
+        assert_eq!(out.cache_to_device.pairs.len(), if in_place { 0 } else { 3 });
+        assert_eq!(s.stats().prefix_cache_host_hits, 12);
+        s.update(&vec![7; out.inputs.sample_ids.len()], &[]).unwrap();
+        let plans = drain(&mut s);
+        assert!(plans.iter().all(|p| p.swap_in.pairs.is_empty()), "request 4 stays where it started");
+        assert_eq!(s.kv(Device::Cpu).num_free_blocks(), 128);
+        assert_eq!(s.kv(Device::Gpu).num_free_blocks(), 100);
+    }
+}

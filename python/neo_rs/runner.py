@@ -18,11 +18,12 @@ from neo_rs.attention import Attention, AttentionBatch, PendingCpuAttention
 from neo_rs.config import EngineArgs, ModelConfig, emulate_async_copies
 from neo_rs.errors import InvalidArgumentError
 from neo_rs.kv_cache import KvLayout, KvPool, block_pairs
+from neo_rs.layer_copies import LayerCopies
 from neo_rs.model import load_model
 from neo_rs.model.packed import pack_linears, packing_applies
 from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel, rank_device
 from neo_rs.timing import HostWaits, MeasuredTimes, StageClock
-from neo_rs.transfer import HostTransfer, Pairs, Staged
+from neo_rs.transfer import HostTransfer, Staged
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +116,9 @@ class ModelRunner:
         )
         self.last_times = MeasuredTimes()
         # Copies into the host pool not yet waited on: this iteration's swap-outs (waited for
-        # before the forward: CPU attention may read them), host-bound prefill rows and staged
-        # blocks (waited for after it: nothing reads those host blocks before the next plan).
+        # before the forward: CPU attention may read them), host-bound prefill rows, staged
+        # blocks and evicted prefix blocks (waited for after it: nothing reads those host blocks
+        # before the next plan).
         self._swapped_out: Staged | None = None
         self._landing: list[Staged] = []
 
@@ -161,20 +163,13 @@ class ModelRunner:
         return self.host_pool.num_blocks
 
     def apply_swaps(self, plan: SchedulerOutput) -> None:
-        """Whole-request moves between the pools, and the prefix cache's copies between its
-        tiers. Device blocks are gathered first (the plan may hand them to others): swap-outs,
+        """Swap-outs: device blocks gathered now, every layer (the plan may hand them to others),
         which ``execute`` waits for before its CPU attention can read them (under ``neo`` a
-        swapped-out request decodes on the CPU at once), and evicted prefix blocks, which
-        nothing reads before the next plan (waited for after the forward)."""
-        dev, host = self.device_pool, self.host_pool
+        swapped-out request decodes on the CPU at once). The plan's other copies between the
+        pools run layer by layer in ``execute`` (``LayerCopies``)."""
         if len(plan.swap_out):
+            dev, host = self.device_pool, self.host_pool
             self._swapped_out = self.transfer.blocks_to_host(dev, host, block_pairs(plan.swap_out, dev, host))
-        if len(plan.cache_to_host):
-            pairs = block_pairs(plan.cache_to_host, dev, host)
-            self._landing.append(self.transfer.blocks_to_host(dev, host, pairs))
-        for to_device in (plan.swap_in, plan.cache_to_device):
-            if len(to_device):
-                self.transfer.blocks_to_device(host, dev, block_pairs(to_device, host, dev))
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> torch.Tensor:
@@ -187,19 +182,17 @@ class ModelRunner:
         ids, positions = up(torch.from_numpy(plan.input_ids)), up(torch.from_numpy(plan.positions))
         sample_rows = up(torch.from_numpy(np.ascontiguousarray(plan.sample_rows)))
         batches = AttentionBatch.from_plan(plan, self.transfer, self.layout.block_size)
+        # Before the swap-outs land: blocks bound for the device are gathered from the host now.
+        copies = LayerCopies.of_plan(plan, self.transfer, self.device_pool, self.host_pool)
+        self._landing = copies.landing
         if self._swapped_out is not None:
             self._swapped_out.ready()
             self._swapped_out = None
-        # Finishing prefills bound for the host pool (all in sub-batch 0) leave each layer's
-        # blocks right after that layer writes them.
-        to_host = None
-        if len(plan.prefill_to_host):
-            to_host = block_pairs(plan.prefill_to_host, self.device_pool, self.host_pool)
         x = self.model.embed(ids)
         if len(batches) == 1:
-            x = self._sequential(x, positions, batches[0], to_host, clock)
+            x = self._sequential(x, positions, batches[0], copies, clock)
         else:
-            x = self._pipelined(x, positions, batches[0], batches[1], to_host, clock)
+            x = self._pipelined(x, positions, batches[0], batches[1], copies, clock)
         num_cpu = sum(len(b.cpu_decodes) for b in batches)
         self.last_times.transfer_bytes = (
             num_cpu * self.transfer_bytes_per_decode() * len(self.model.decoder_layers)
@@ -223,21 +216,24 @@ class ModelRunner:
         x: torch.Tensor,
         positions: torch.Tensor,
         batch: AttentionBatch,
-        to_host: Pairs | None,
+        copies: LayerCopies | None,
         clock: StageClock,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Stage 1 of layer ``i`` and the KV writes: device rows to the device pool, host prefills
-        to the host pool, staged prefills copied on from the device pool."""
+        to the host pool; around them the layer's share of the plan's copies (``copies``, given
+        to the first sub-batch)."""
         model, pool = self.model, self.device_pool
         with clock.span("linear"):
             q, k, v = model.decoder_layers[i].pre_attention(x, positions, model.rotary)
+        if copies is not None:
+            copies.before_writes(i)
         for r, slots in batch.device_writes:
             pool.write(i, slots, k[r], v[r])
         if batch.host_writes is not None:
             h, slots = batch.host_writes
             self._landing.append(self.transfer.rows_to_host(self.host_pool, i, slots, k[h], v[h]))
-        if to_host is not None:
-            self._landing.append(self.transfer.blocks_to_host(pool, self.host_pool, to_host, layer=i))
+        if copies is not None:
+            copies.after_writes(i)
         return q, k, v
 
     def _post(self, i: int, out: torch.Tensor, x: torch.Tensor, clock: StageClock) -> torch.Tensor:
@@ -256,13 +252,13 @@ class ModelRunner:
         x: torch.Tensor,
         positions: torch.Tensor,
         batch: AttentionBatch,
-        to_host: Pairs | None,
+        copies: LayerCopies,
         clock: StageClock,
     ) -> torch.Tensor:
         """Layer by layer; CPU decodes (if any) run while the device attention is issued."""
         attn = self.attention
         for i in range(len(self.model.decoder_layers)):
-            q, k, v = self._pre(i, x, positions, batch, to_host, clock)
+            q, k, v = self._pre(i, x, positions, batch, copies, clock)
             out = torch.empty_like(q)
             pending = attn.run_layer(q, k, v, self.device_pool, self.host_pool, i, batch, out, clock)
             if pending is not None:
@@ -277,7 +273,7 @@ class ModelRunner:
         positions: torch.Tensor,
         b0: AttentionBatch,
         b1: AttentionBatch,
-        to_host: Pairs | None,
+        copies: LayerCopies,
         clock: StageClock,
     ) -> torch.Tensor:
         """NEO's asymmetric pipeline: sub-batch 0 runs half a layer ahead of sub-batch 1 (CPU
@@ -291,7 +287,7 @@ class ModelRunner:
         p0, p1 = positions[b0.tokens], positions[b1.tokens]
 
         def start0(i: int, x0: torch.Tensor) -> tuple[torch.Tensor, PendingCpuAttention | None]:
-            q, k, v = self._pre(i, x0, p0, b0, to_host, clock)
+            q, k, v = self._pre(i, x0, p0, b0, copies, clock)
             out = torch.empty_like(q)
             return out, attn.run_layer(q, k, v, pool, host, i, b0, out, clock)
 

@@ -10,8 +10,8 @@ before its wait is the bug class this makes visible to the CPU-only tests."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -86,6 +86,16 @@ class HostTransfer:
     def _timed(self, stream: torch.cuda.Stream | None = None) -> AbstractContextManager[None]:
         return nullcontext() if self.clock is None else self.clock.span("copy", stream)
 
+    @contextmanager
+    def unpriced(self) -> Iterator[None]:
+        """Copies the plan's stage times do not price (the prefix cache's and swaps), kept off the
+        iteration's clock so that they do not skew the predictor's transfer term."""
+        clock, self.clock = self.clock, None
+        try:
+            yield
+        finally:
+            self.clock = clock
+
     @property
     def pinned(self) -> bool:
         return self.stream is not None
@@ -131,7 +141,8 @@ class HostTransfer:
         return t.pin_memory().to(self.device, non_blocking=True)
 
     def host_buffer(self, like: torch.Tensor) -> torch.Tensor:
-        """An output buffer the CPU kernel writes and ``to_device`` can copy asynchronously."""
+        """A host buffer like ``like`` that ``to_device`` can copy from asynchronously (the CPU
+        kernel's outputs, blocks gathered for the device)."""
         return torch.empty(like.shape, dtype=like.dtype, pin_memory=self.pinned)
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -167,19 +178,21 @@ class HostTransfer:
             dst.poison_slots(layer, slots)
         return self.to_host(k, v, then=write)
 
-    def blocks_to_device(self, src: KvPool, dst: KvPool, pairs: Pairs) -> None:
-        """Copy K and V (every layer) of host blocks ``pairs[0]`` into device blocks ``pairs[1]``:
-        gathered (and dequantized, from an int8 pool) on the host now, copied on the device's
-        stream."""
-        src_idx, dst_idx = pairs
+    def gather_from_host(self, src: KvPool, block_ids: torch.Tensor) -> list[torch.Tensor]:
+        """K and V (every layer) of host blocks ``block_ids``, gathered (and dequantized, from an
+        int8 pool) on the host now, into buffers ``layer_to_device`` copies from asynchronously."""
         if src.quantized:
-            loaded = src.load_blocks(src_idx)
-            for x, d in zip(loaded, (dst.k, dst.v), strict=True):
-                staged = torch.empty(x.shape, dtype=x.dtype, pin_memory=self.pinned)
-                d[:, dst_idx] = self.to_device(staged.copy_(x))
-            return
-        for s, d in ((src.k, dst.k), (src.v, dst.v)):
-            shape = (s.shape[0], len(src_idx), *s.shape[2:])
+            return [self.host_buffer(x).copy_(x) for x in src.load_blocks(block_ids)]
+        out = []
+        for s in (src.k, src.v):
+            shape = (s.shape[0], len(block_ids), *s.shape[2:])
             gathered = torch.empty(shape, dtype=s.dtype, pin_memory=self.pinned)
-            torch.index_select(s, 1, src_idx, out=gathered)
-            d[:, dst_idx] = self.to_device(gathered)
+            out.append(torch.index_select(s, 1, block_ids, out=gathered))
+        return out
+
+    def layer_to_device(
+        self, gathered: list[torch.Tensor], dst: KvPool, block_ids: torch.Tensor, layer: int
+    ) -> None:
+        """Layer ``layer`` of ``gather_from_host``'s K and V into device blocks ``block_ids``,
+        copied on the device's stream (so before every later kernel of the layer)."""
+        dst.store_blocks((layer, block_ids), *(self.to_device(g[layer]) for g in gathered))

@@ -67,18 +67,20 @@ pub struct SchedulerOutput {
     /// sub-batch 0); `scheduled.len()` when the iteration is not pipelined. `num_decodes` and
     /// `num_cpu_decodes` describe sub-batch 0.
     pub sub_batch1_start: usize,
-    /// Apply before the forward pass, swap-outs first. One iteration never has both.
+    /// Swap-outs are gathered before the forward pass; swap-ins land layer by layer, each layer
+    /// before its KV writes. One iteration never has both.
     pub swap_out: SwapPlan,
     pub swap_in: SwapPlan,
     /// Prefills finishing this iteration whose KV moves to the host pool: copy each layer's
     /// blocks right after that layer writes them. The device blocks are freed by `update()`.
     pub prefill_to_host: SwapPlan,
-    /// Prefix blocks the device cache evicted this iteration, into the host tier: gather them
-    /// with the swap-outs, before anything writes the device blocks (handed out again in this
-    /// plan); nothing reads the host blocks before the next plan.
+    /// Prefix blocks the device cache evicted this iteration, into the host tier: gather each
+    /// layer of them before anything writes that layer of the device blocks (handed out again in
+    /// this plan: KV writes, swap-ins, `cache_to_device`); nothing reads the host blocks before
+    /// the next plan.
     pub cache_to_host: SwapPlan,
-    /// Host-tier prefix hits into the device blocks of the requests that found them: apply with
-    /// the swap-ins, before the forward pass.
+    /// Host-tier prefix hits into the device blocks of the requests that found them: with the
+    /// swap-ins, layer by layer.
     pub cache_to_device: SwapPlan,
     /// Preempted this iteration; their KV was dropped and will be recomputed.
     pub recomputed: Vec<RequestId>,

@@ -1,11 +1,13 @@
 """The CPU emulation of CUDA's asynchronous copies: a device->host destination holds poison until
 its wait, copies land in stream order, and the block and row moves into the host pool are whole
-exactly at ``ready()``."""
+exactly at ``ready()``; the plan's layer-by-layer copies keep their order."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from neo_rs.kv_cache import KvLayout, KvPool
+from neo_rs.layer_copies import LayerCopies
 from neo_rs.transfer import INT_POISON, HostTransfer
 
 CPU = torch.device("cpu")
@@ -73,9 +75,38 @@ def test_one_layer_of_blocks_and_rows_to_the_host() -> None:
     assert torch.equal(host.k[0, 4, :, 3], k[2]) and torch.equal(host.v[0, 0, :, 1], v[0])
 
 
-def test_blocks_to_device() -> None:
+def test_blocks_to_device_layer_by_layer() -> None:
+    t = HostTransfer(CPU, emulate_async=True)
     device, host = _pools()
-    HostTransfer(CPU, emulate_async=True).blocks_to_device(
-        host, device, (torch.tensor([5]), torch.tensor([0]))
+    want_k, want_v = host.k[:, 5].clone(), host.v[:, 5].clone()
+    gathered = t.gather_from_host(host, torch.tensor([5]))
+    host.k[:, 5] = 0.0  # gathered at once: later host writes do not reach the device
+    before = device.k[1, 0].clone()
+    t.layer_to_device(gathered, device, torch.tensor([0]), 0)
+    assert torch.equal(device.k[0, 0], want_k[0]) and torch.equal(device.v[0, 0], want_v[0])
+    assert torch.equal(device.k[1, 0], before)  # one layer only
+    t.layer_to_device(gathered, device, torch.tensor([0]), 1)
+    assert torch.equal(device.k[1, 0], want_k[1])
+
+
+def test_layer_copies_gather_an_evicted_block_before_a_copy_reuses_it() -> None:
+    # The plan evicted device block 2 into host block 3, and handed block 2 to a swap-in from
+    # host block 5: each layer's gather must come before that layer's copy into block 2.
+    t = HostTransfer(CPU, emulate_async=True)
+    device, host = _pools()
+    evicted, incoming = device.k[:, 2].clone(), host.k[:, 5].clone()
+    copies = LayerCopies(
+        t,
+        device,
+        host,
+        demote=np.array([[2, 3]]),
+        incoming=np.array([[5, 2]]),
+        staged=np.zeros((0, 2), dtype=np.int64),
     )
-    assert torch.equal(device.k[:, 0], host.k[:, 5]) and torch.equal(device.v[:, 0], host.v[:, 5])
+    for layer in range(LAYOUT.num_layers):
+        copies.before_writes(layer)
+        copies.after_writes(layer)
+    assert torch.isnan(host.k[:, 3]).all()  # in flight until the runner waits, after the forward
+    for staged in copies.landing:
+        staged.ready()
+    assert torch.equal(host.k[:, 3], evicted) and torch.equal(device.k[:, 2], incoming)

@@ -8,6 +8,10 @@
 
 use super::*;
 
+mod prefills;
+
+use prefills::{add_prefill, Tentative};
+
 /// Swap CPU requests in only while the device pool stays below this share of its blocks.
 const SWAP_IN_WATERMARK: f64 = 0.95;
 /// Host-bound prefills are trimmed only while a sub-batch keeps this many tokens of linear
@@ -48,26 +52,6 @@ struct Placement {
     fail_ctx: usize,
 }
 
-/// A prefill the policy may still drop.
-#[derive(Debug, Clone)]
-struct Tentative {
-    id: RequestId,
-    n: usize,
-    target: usize,
-    to_host: bool,
-    attn_ms: f64,
-    /// Cached blocks it starts from: on the device (then the host tier's, copied in) for a
-    /// device prefill; the host blocks it attends over in place for a host-bound one.
-    hit: PrefixHit,
-}
-
-impl Tentative {
-    /// A host-bound prompt with host blocks to start from: its rows attend on the CPU.
-    fn in_place(&self) -> bool {
-        self.to_host && !self.hit.blocks.is_empty()
-    }
-}
-
 impl Scheduler {
     pub(super) fn schedule_neo(&mut self, step: &mut Step) {
         let admitted = self.stats.num_prefills_to_host;
@@ -99,10 +83,10 @@ impl Scheduler {
         let mut prefills = if owed && !cpu_reqs.is_empty() {
             Vec::new()
         } else {
-            self.tentative_prefills(step.budget, self.config.max_num_seqs - self.running.len())
+            self.tentative_prefills(&gpu, step.budget, self.config.max_num_seqs - self.running.len())
         };
         let prefill_tokens: usize = prefills.iter().map(|p| p.n).sum();
-        let host_bound = prefills.iter().any(|p| p.to_host);
+        let host_bound = prefills.iter().any(Tentative::droppable);
         let keep_host_bound = self.host_prefill_defers >= MAX_HOST_PREFILL_DEFERS;
 
         if gpu.reqs == 0 && prefills.is_empty() {
@@ -129,7 +113,10 @@ impl Scheduler {
         while let Some(p) = prefills.last().filter(|_| !keep_host_bound) {
             let mut trimmed = b0;
             add_prefill(&mut trimmed, p, -1);
-            if !p.to_host || trimmed.tokens < MIN_LINEAR_TOKENS || b1.reqs == 0 || self.min_remains(&trimmed, &b1) < 0.0
+            if !p.droppable()
+                || trimmed.tokens < MIN_LINEAR_TOKENS
+                || b1.reqs == 0
+                || self.min_remains(&trimmed, &b1) < 0.0
             {
                 break;
             }
@@ -147,7 +134,7 @@ impl Scheduler {
         let mut g_prefills = prefills.clone();
         let mut g_tokens = gpu.tokens + prefills.iter().map(|p| p.n).sum::<usize>();
         while let Some(p) = g_prefills.last().filter(|_| !keep_host_bound) {
-            if !p.to_host || g_tokens - p.n < MIN_LINEAR_TOKENS {
+            if !p.droppable() || g_tokens - p.n < MIN_LINEAR_TOKENS {
                 break;
             }
             g_tokens -= p.n;
@@ -370,91 +357,6 @@ impl Scheduler {
         }
     }
 
-    /// Prefill chunks from the head of the waiting queue: on the device while it keeps headroom
-    /// for the running requests' growth, else (a whole prompt in one chunk) with its KV written
-    /// straight to the host pool, layer by layer, as long as the host keeps room to swap out
-    /// what the device holds. Stops at the first that fits nowhere.
-    fn tentative_prefills(&self, mut budget: usize, mut seats: usize) -> Vec<Tentative> {
-        let mut free_gpu = self.gpu.num_free_blocks();
-        let mut free_cpu = self.cpu.num_free_blocks();
-        // Keep a block of growth per device request, up to the share above the watermark.
-        let max_headroom = ((1.0 - SWAP_IN_WATERMARK) * self.gpu.num_total_blocks() as f64).ceil() as usize;
-        let mut on_device = self.running.iter().filter(|id| self.requests[*id].device == Device::Gpu).count();
-        let mut host_bound = false;
-        let mut out = Vec::new();
-        for &id in &self.waiting {
-            if budget == 0 || seats == 0 {
-                break;
-            }
-            let req = &self.requests[&id];
-            // Once host-bound, no later prompt goes to the device: no device lookup for it.
-            let hit = if host_bound { PrefixHit::default() } else { self.prefix_hit(req) };
-            let computed = req.num_computed_tokens + hit.num_blocks() * self.config.block_size;
-            let n_dev = (req.num_tokens() - computed).min(budget);
-            // Device blocks it takes up: new ones, and cached ones no request holds.
-            let blocks = self.gpu.blocks_for(computed + n_dev) - hit.blocks.len() + hit.evictable;
-            // Host room stays for swapping out every block the device holds (counting the
-            // device prefills placed above): a preempted device request must find it, or it
-            // is recomputed. NEO's reference caps host-bound prefills at cpu_blocks - gpu_blocks.
-            let swap_reserve = self.gpu.num_total_blocks() - free_gpu;
-            let t = if !host_bound && blocks + max_headroom.min(on_device) <= free_gpu {
-                // Its host-tier blocks are pinned while copied: no room for others this plan
-                // (counted twice when two prefills pin one block: a safe overestimate).
-                free_cpu = free_cpu.saturating_sub(hit.host.len());
-                free_gpu -= blocks;
-                on_device += 1;
-                // Priced with a layer's share of copying its host-tier blocks in.
-                let copied = hit.host.len() * self.config.block_size * self.config.kv_bytes_per_token;
-                let attn_ms = self.predictor.prefill_attn_ms(computed, n_dev) + self.predictor.transfer_ms(copied);
-                Tentative { id, n: n_dev, target: computed + n_dev, to_host: false, attn_ms, hit }
-            } else {
-                // The whole prompt, after the host blocks it starts with (decoded in place).
-                let place = self.in_place_hit(req);
-                let n = req.num_pending_tokens() - place.blocks.len() * self.config.block_size;
-                let host_blocks = self.cpu.blocks_for(req.num_tokens()) - place.blocks.len() + place.evictable;
-                if n > budget || host_blocks + swap_reserve > free_cpu {
-                    break;
-                }
-                free_cpu -= host_blocks;
-                let attn_ms = self.predictor.prefill_attn_ms(req.num_computed_tokens, n);
-                Tentative { id, n, target: req.num_tokens(), to_host: true, attn_ms, hit: place }
-            };
-            // Once one prefill goes to the host, later ones follow (FCFS fairness).
-            host_bound |= t.to_host;
-            budget -= t.n;
-            seats -= 1;
-            out.push(t);
-        }
-        out
-    }
-
-    fn commit_prefills(&mut self, step: &mut Step, prefills: &[Tentative]) {
-        // Every prefill takes its cached prefix first, on both tiers: the new blocks of one must
-        // not evict another's (cached blocks no request held when the plan was made).
-        for p in prefills {
-            if p.to_host {
-                self.cpu.take_prefix(p.id, &p.hit);
-            } else {
-                self.gpu.take_prefix(p.id, &p.hit);
-                self.cpu.pin_host_hit(&p.hit);
-            }
-        }
-        for p in prefills {
-            debug_assert_eq!(self.waiting.front(), Some(&p.id));
-            let kv = if p.to_host { &mut self.cpu } else { &mut self.gpu };
-            let grown = kv.allocate_slots(p.id, p.target);
-            assert!(grown, "tentative prefills were counted against the free blocks");
-            if !p.to_host {
-                self.copy_host_hit(p.id, &p.hit, step);
-            }
-            self.count_prefix_hit(p.id, &p.hit, p.to_host);
-            self.waiting.pop_front();
-            self.admit_to(p.id, if p.to_host { Device::Cpu } else { Device::Gpu });
-            self.stats.num_prefills_to_host += u64::from(p.to_host);
-            step.push(self.scheduled(p.id, p.n));
-        }
-    }
-
     fn commit_cpu_decodes(&mut self, step: &mut Step, ids: &[RequestId], subs: &[u8]) {
         self.cpu_idle_steps = 0;
         for (&id, &sub) in ids.iter().zip(subs) {
@@ -466,19 +368,6 @@ impl Scheduler {
             step.push(s);
         }
     }
-}
-
-/// Add (`sign` 1) or take back (-1) one tentative prefill.
-fn add_prefill(b: &mut Load, p: &Tentative, sign: isize) {
-    if p.in_place() {
-        add_cpu_rows(b, p.target - p.n, p.n, sign);
-        return;
-    }
-    let step = |x: &mut usize, by: usize| *x = x.wrapping_add_signed(sign * by as isize);
-    step(&mut b.reqs, 1);
-    step(&mut b.tokens, p.n);
-    step(&mut b.host_kv_tokens, if p.to_host { p.n } else { 0 });
-    b.prefill_ms += sign as f64 * p.attn_ms;
 }
 
 /// Add (`sign` 1) or take back (-1) one CPU decode of context `ctx`.
@@ -523,8 +412,15 @@ mod tests {
         // 150 GPU decodes; the pipelined plan also carries a 20-token prompt bound for the host
         // and 100 CPU decodes in sub-batch 1. Without copies it wins; when the prompt's KV copy
         // (per layer) outlasts the layer, the GPU-only plan without that prompt wins.
-        let host_prompt =
-            Tentative { id: RequestId(0), n: 20, target: 20, to_host: true, attn_ms: 0.05, hit: PrefixHit::default() };
+        let host_prompt = Tentative {
+            id: RequestId(0),
+            n: 20,
+            target: 20,
+            to_host: true,
+            attn_ms: 0.05,
+            hit: PrefixHit::default(),
+            over_device: false,
+        };
         for (kv_bytes_per_token, pays) in [(0, true), (4 << 20, false)] {
             let s = scheduler(kv_bytes_per_token);
             let mut g = Load::default();

@@ -61,16 +61,12 @@ impl Scheduler {
     }
 
     /// Copy the device blocks this plan evicted from the cache into the host tier. Their ids
-    /// are handed out again in this plan; the runner gathers them before anything writes them.
-    /// Skipped when the plan freed host blocks its other copies touch: a swap-in's sources
-    /// (still read) and, when it also recomputed requests, perhaps a swap-out's destinations
-    /// (one host block is written by one copy per iteration).
+    /// are handed out again in this plan; the runner gathers each layer of them before anything
+    /// writes it. A store may take a host block this plan freed: a swap-in's source (the runner
+    /// reads it before any copy into the host pool lands) or the swap-out destination of a
+    /// request recomputed since (the swap-out lands before the forward, the store after it).
     pub(super) fn store_evicted(&mut self, step: &mut Step) {
         let evicted = self.gpu.take_evicted();
-        let swapped_out_and_freed = !step.swap_out.pairs.is_empty() && !step.recomputed.is_empty();
-        if !step.swap_in.pairs.is_empty() || swapped_out_and_freed {
-            return;
-        }
         step.cache_to_host.pairs = self.cpu.store(&evicted);
         self.stored_in_flight.extend(step.cache_to_host.pairs.iter().map(|p| p.1));
         self.stats.num_cache_blocks_to_host += step.cache_to_host.pairs.len() as u64;

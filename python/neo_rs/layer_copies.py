@@ -1,0 +1,66 @@
+"""The copies of a plan that run inside the forward, layer by layer, with the first sub-batch's
+pre stage: each layer's share leaves (or arrives) while the layers before it compute, and no copy
+of every layer at once holds the device stream or a device buffer of that size.
+
+Before layer ``i``'s KV writes:
+- device blocks evicted from the prefix cache are gathered into the host tier (``cache_to_host``).
+  The plan has handed their ids out again, so the gather must come before anything writes layer
+  ``i`` of them: this iteration's KV writes and the copies into the device below.
+- swap-ins and host-tier hits (``swap_in``, ``cache_to_device``) reach their device blocks. They
+  were gathered on the host when the copies were made, before any host block could change.
+
+After them: finishing host-bound prefills leave their staged device blocks (``prefill_to_host``).
+
+Copies into the host pool land at ``ready()`` of what ``landing`` collects, which the runner
+reaches after the forward (nothing reads those host blocks before the next plan)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from neo_rs._core import SchedulerOutput
+from neo_rs.kv_cache import KvPool, block_pairs
+from neo_rs.transfer import HostTransfer, Staged
+
+
+class LayerCopies:
+    def __init__(
+        self,
+        transfer: HostTransfer,
+        dev: KvPool,
+        host: KvPool,
+        *,
+        demote: np.ndarray,
+        incoming: np.ndarray,
+        staged: np.ndarray,
+    ) -> None:
+        """Block pairs ``[n, 2]`` (source, destination): ``demote`` device to host tier,
+        ``incoming`` host to device, ``staged`` host-bound prefills' device blocks to the host."""
+        self.transfer, self.dev, self.host = transfer, dev, host
+        self.landing: list[Staged] = []
+        self._demote = block_pairs(demote, dev, host) if len(demote) else None
+        self._staged = block_pairs(staged, dev, host) if len(staged) else None
+        self._to_device: tuple[list[torch.Tensor], torch.Tensor] | None = None
+        if len(incoming):
+            src, dst = block_pairs(incoming, host, dev)
+            self._to_device = transfer.gather_from_host(host, src), dst
+
+    @classmethod
+    def of_plan(cls, plan: SchedulerOutput, transfer: HostTransfer, dev: KvPool, host: KvPool) -> LayerCopies:
+        incoming = np.concatenate([plan.swap_in, plan.cache_to_device])
+        return cls(
+            transfer, dev, host, demote=plan.cache_to_host, incoming=incoming, staged=plan.prefill_to_host
+        )
+
+    def before_writes(self, layer: int) -> None:
+        with self.transfer.unpriced():
+            if self._demote is not None:
+                self.landing.append(self.transfer.blocks_to_host(self.dev, self.host, self._demote, layer))
+            if self._to_device is not None:
+                gathered, blocks = self._to_device
+                self.transfer.layer_to_device(gathered, self.dev, blocks, layer)
+
+    def after_writes(self, layer: int) -> None:
+        if self._staged is not None:
+            self.landing.append(self.transfer.blocks_to_host(self.dev, self.host, self._staged, layer))
