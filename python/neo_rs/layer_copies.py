@@ -1,6 +1,8 @@
 """The copies of a plan that run inside the forward, layer by layer, with the first sub-batch's
 pre stage: each layer's share leaves (or arrives) while the layers before it compute, and no copy
-of every layer at once holds the device stream or a device buffer of that size.
+of every layer at once holds the device stream or a device buffer of that size. (Where copies are
+synchronous, on a CPU device without the async-copy emulation, those before the writes go at once,
+at layer 0.)
 
 Before layer ``i``'s KV writes:
 - device blocks evicted from the prefix cache are gathered into the host tier (``cache_to_host``).
@@ -54,12 +56,19 @@ class LayerCopies:
         )
 
     def before_writes(self, layer: int) -> None:
+        # Synchronous copies (a CPU device) gain nothing from the split: every layer goes at
+        # layer 0, still before any write, in a few large copies rather than many small ones.
+        at: int | None = layer
+        if not self.transfer.overlaps:
+            if layer > 0:
+                return
+            at = None
         with self.transfer.unpriced():
             if self._demote is not None:
-                self.landing.append(self.transfer.blocks_to_host(self.dev, self.host, self._demote, layer))
+                self.landing.append(self.transfer.blocks_to_host(self.dev, self.host, self._demote, at))
             if self._to_device is not None:
                 gathered, blocks = self._to_device
-                self.transfer.layer_to_device(gathered, self.dev, blocks, layer)
+                self.transfer.layer_to_device(gathered, self.dev, blocks, at)
 
     def after_writes(self, layer: int) -> None:
         if self._staged is not None:

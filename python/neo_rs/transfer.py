@@ -97,6 +97,12 @@ class HostTransfer:
             self.clock = clock
 
     @property
+    def overlaps(self) -> bool:
+        """Whether copies run beside compute (CUDA's copy stream, or its emulation), so that a
+        plan's copies pay to be issued layer by layer; otherwise each is synchronous."""
+        return self.stream is not None or self.emulated is not None
+
+    @property
     def pinned(self) -> bool:
         return self.stream is not None
 
@@ -191,8 +197,9 @@ class HostTransfer:
         return out
 
     def layer_to_device(
-        self, gathered: list[torch.Tensor], dst: KvPool, block_ids: torch.Tensor, layer: int
+        self, gathered: list[torch.Tensor], dst: KvPool, block_ids: torch.Tensor, layer: int | None = None
     ) -> None:
-        """Layer ``layer`` of ``gather_from_host``'s K and V into device blocks ``block_ids``,
-        copied on the device's stream (so before every later kernel of the layer)."""
-        dst.store_blocks((layer, block_ids), *(self.to_device(g[layer]) for g in gathered))
+        """Layer ``layer`` (every layer when None) of ``gather_from_host``'s K and V into device
+        blocks ``block_ids``, copied on the device's stream (so before every later kernel)."""
+        at = slice(None) if layer is None else layer
+        dst.store_blocks((at, block_ids), *(self.to_device(g[at]) for g in gathered))

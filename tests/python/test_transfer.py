@@ -5,6 +5,7 @@ exactly at ``ready()``; the plan's layer-by-layer copies keep their order."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from neo_rs.kv_cache import KvLayout, KvPool
 from neo_rs.layer_copies import LayerCopies
@@ -89,10 +90,12 @@ def test_blocks_to_device_layer_by_layer() -> None:
     assert torch.equal(device.k[1, 0], want_k[1])
 
 
-def test_layer_copies_gather_an_evicted_block_before_a_copy_reuses_it() -> None:
+@pytest.mark.parametrize("emulate", [True, False], ids=["layer by layer", "at once"])
+def test_layer_copies_gather_an_evicted_block_before_a_copy_reuses_it(emulate: bool) -> None:
     # The plan evicted device block 2 into host block 3, and handed block 2 to a swap-in from
-    # host block 5: each layer's gather must come before that layer's copy into block 2.
-    t = HostTransfer(CPU, emulate_async=True)
+    # host block 5: each layer's gather must come before that layer's copy into block 2. (Without
+    # the emulation, copies are synchronous and go at once, at layer 0.)
+    t = HostTransfer(CPU, emulate_async=emulate)
     device, host = _pools()
     evicted, incoming = device.k[:, 2].clone(), host.k[:, 5].clone()
     copies = LayerCopies(
@@ -106,7 +109,8 @@ def test_layer_copies_gather_an_evicted_block_before_a_copy_reuses_it() -> None:
     for layer in range(LAYOUT.num_layers):
         copies.before_writes(layer)
         copies.after_writes(layer)
-    assert torch.isnan(host.k[:, 3]).all()  # in flight until the runner waits, after the forward
+    assert torch.isnan(host.k[:, 3]).all() == emulate  # in flight until the runner waits
+    assert len(copies.landing) == (LAYOUT.num_layers if emulate else 1)
     for staged in copies.landing:
         staged.ready()
     assert torch.equal(host.k[:, 3], evicted) and torch.equal(device.k[:, 2], incoming)

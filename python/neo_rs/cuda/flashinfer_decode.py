@@ -1,0 +1,75 @@
+"""FlashInfer's batch decode over our device pool, used on CUDA when ``flashinfer`` is installed
+(the optional extra ``neo_rs[flashinfer]``). Our per-layer pools ``[num_blocks, num_kv_heads,
+block_size, head_dim]`` are its ``HND`` paged layout, so it reads them in place. The page table
+goes over in its CSR form (``paged_kv_args``), planned once per iteration and sub-batch from host
+tensors, so planning never waits on the device; every layer then only runs."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from neo_rs.kv_cache import KvPool
+
+if TYPE_CHECKING:
+    from neo_rs.attention import DecodeRows
+
+# FlashInfer's float workspace (its split-K partials); vLLM sizes it the same.
+_WORKSPACE_BYTES = 128 << 20
+
+
+def paged_kv_args(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashInfer's page table from our padded one (host int32 tensors in, host int32 out):
+    ``indptr`` ``[n + 1]``, request ``b``'s pages being ``indices[indptr[b]:indptr[b + 1]]`` in
+    order, and ``last_page_len`` ``[n]``, the tokens in its last page (0 for an empty request)."""
+    lens = seq_lens.long()
+    pages = (lens + block_size - 1) // block_size
+    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    indptr[1:] = pages.cumsum(0)
+    used = torch.arange(block_tables.shape[1])[None, :] < pages[:, None]
+    indices = block_tables[used].to(torch.int32)  # row-major: request by request, pages in order
+    last = torch.where(pages > 0, lens - (pages - 1) * block_size, 0).to(torch.int32)
+    return indptr, indices, last
+
+
+class FlashInferDecode:
+    """The ``DeviceDecode`` backend (``attention.py``) on FlashInfer's
+    ``BatchDecodeWithPagedKVCacheWrapper``."""
+
+    def __init__(self, device: torch.device) -> None:
+        import flashinfer  # noqa: PLC0415 (optional)
+
+        workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND")
+        self._planned: DecodeRows | None = None  # the rows the wrapper is planned for
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        pool: KvPool,
+        layer: int,
+        rows: DecodeRows,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        if rows is not self._planned:
+            layout = pool.layout
+            indptr, indices, last = paged_kv_args(rows.host_tables, rows.host_lens, layout.block_size)
+            self._wrapper.plan(
+                indptr,
+                indices,
+                last,
+                q.shape[1],
+                layout.num_kv_heads,
+                layout.head_dim,
+                layout.block_size,
+                pos_encoding_mode="NONE",
+                q_data_type=q.dtype,
+                kv_data_type=pool.k.dtype,
+                sm_scale=scale,
+            )
+            self._planned = rows
+        self._wrapper.run(q.contiguous(), (pool.k[layer], pool.v[layer]), out=out)

@@ -1,0 +1,137 @@
+"""Decode attention over the device pool on CUDA (on a CPU device the Rust kernel reads the pool
+directly, ``attention.py``). Three backends with one call, each planning once per iteration and
+sub-batch (the first layer's call for a new ``DecodeRows``) and only running in later layers:
+
+- FlashInfer's batch decode, when ``flashinfer`` is installed (``cuda/flashinfer_decode.py``);
+- our Triton kernel (``cuda/paged_decode.py``), which ships with CUDA builds of torch;
+- plain torch, which gathers each sequence's tokens by slot and runs SDPA.
+
+``NEO_RS_DEVICE_ATTENTION`` picks one (``auto``, the default, takes the first available)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from neo_rs.config import device_attention
+from neo_rs.errors import InvalidArgumentError
+from neo_rs.kv_cache import KvPool
+
+if TYPE_CHECKING:
+    from neo_rs.attention import DecodeRows
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "flashinfer", "triton", "torch")
+
+
+class DeviceDecode(Protocol):
+    def __call__(
+        self, q: torch.Tensor, pool: KvPool, layer: int, rows: DecodeRows, scale: float, out: torch.Tensor
+    ) -> None:
+        """``out[i]`` = attention of ``q[i]`` (``[rows, heads, head_dim]``) over layer ``layer``
+        of the first ``rows.seq_lens[i]`` tokens of row ``i``'s blocks."""
+
+
+@dataclass(frozen=True)
+class TokenIndex:
+    """Where each token of each row lies in the pool: ``[rows, max_len]`` block ids and in-block
+    offsets, and which of them lie within the row's length."""
+
+    blocks: torch.Tensor
+    offsets: torch.Tensor
+    valid: torch.Tensor
+
+    @staticmethod
+    def of(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, max_len: int) -> TokenIndex:
+        """Positions past a row's length read its first token instead: it is written, so never-
+        cleared pool memory (NaN and inf included) is never read, and masking the scores is enough."""
+        pos = torch.arange(max(max_len, 1), device=block_tables.device)[None, :]
+        valid = pos < seq_lens.long()[:, None]
+        pos = torch.where(valid, pos, 0)
+        blocks = block_tables.long().gather(1, pos // block_size)
+        return TokenIndex(blocks, pos % block_size, valid)
+
+
+def paged_decode_torch(
+    q: torch.Tensor, pool: KvPool, layer: int, index: TokenIndex, scale: float
+) -> torch.Tensor:
+    """Decode attention in plain torch: the rows' tokens gathered (only up to the longest row),
+    then SDPA masked past each length; an empty row gives zeros."""
+    # Advanced indices around a slice: [rows, max_len, kv_heads, head_dim].
+    k = pool.k[layer][index.blocks, :, index.offsets].transpose(1, 2)
+    v = pool.v[layer][index.blocks, :, index.offsets].transpose(1, 2)
+    mask = index.valid[:, None, None, :]
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[:, :, 0, :].masked_fill(~index.valid[:, :1, None], 0.0)
+
+
+class TorchDecode:
+    def __init__(self) -> None:
+        self._planned: tuple[DecodeRows, TokenIndex] | None = None
+
+    def __call__(
+        self, q: torch.Tensor, pool: KvPool, layer: int, rows: DecodeRows, scale: float, out: torch.Tensor
+    ) -> None:
+        if self._planned is None or self._planned[0] is not rows:
+            index = TokenIndex.of(rows.block_tables, rows.seq_lens, pool.layout.block_size, rows.max_seq_len)
+            self._planned = rows, index
+        out.copy_(paged_decode_torch(q, pool, layer, self._planned[1], scale))
+
+
+class TritonDecode:
+    def __init__(self) -> None:
+        from neo_rs.cuda.paged_decode import SplitPlan, paged_decode  # noqa: PLC0415 (needs Triton)
+
+        self._kernel, self._split = paged_decode, SplitPlan.for_lengths
+        self._planned: tuple[DecodeRows, SplitPlan] | None = None
+
+    def __call__(
+        self, q: torch.Tensor, pool: KvPool, layer: int, rows: DecodeRows, scale: float, out: torch.Tensor
+    ) -> None:
+        if self._planned is None or self._planned[0] is not rows:
+            self._planned = rows, self._split(rows.max_seq_len, pool.layout.block_size)
+        k, v = pool.k[layer], pool.v[layer]
+        self._kernel(q.contiguous(), k, v, rows.block_tables, rows.seq_lens, scale, out, self._planned[1])
+
+
+def select_device_decode(device: torch.device) -> DeviceDecode:
+    """The backend ``NEO_RS_DEVICE_ATTENTION`` names; under ``auto`` the first of FlashInfer, Triton
+    and torch that imports here. A named backend that cannot be used is an error."""
+    want = device_attention()
+    if want not in BACKENDS:
+        choices = ", ".join(BACKENDS)
+        raise InvalidArgumentError(f"NEO_RS_DEVICE_ATTENTION must be one of {choices}, got {want!r}")
+    if want == "torch":
+        return TorchDecode()
+    candidates = {"flashinfer": _flashinfer, "triton": _triton}
+    for name, make in candidates.items():
+        if want not in ("auto", name):
+            continue
+        try:
+            backend = make(device)
+        except (ImportError, OSError, RuntimeError) as e:  # not installed, or no usable build
+            if want == name:
+                raise InvalidArgumentError(
+                    f"NEO_RS_DEVICE_ATTENTION={name}, but it does not import: {e}"
+                ) from e
+            log.info("device decodes: %s is unavailable (%s)", name, e)
+            continue
+        log.info("device decodes: %s", name)
+        return backend
+    log.warning("device decodes use the torch fallback (neither FlashInfer nor Triton imports)")
+    return TorchDecode()
+
+
+def _flashinfer(device: torch.device) -> DeviceDecode:
+    from neo_rs.cuda.flashinfer_decode import FlashInferDecode  # noqa: PLC0415
+
+    return FlashInferDecode(device)
+
+
+def _triton(device: torch.device) -> DeviceDecode:
+    return TritonDecode()

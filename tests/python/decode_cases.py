@@ -1,0 +1,41 @@
+"""Random paged-decode cases shared by the device backends' tests (each against the Rust kernel):
+GQA groups (powers of two and not), ragged last blocks, empty, one-token and 8k-token sequences,
+with every pool slot past a sequence's length poisoned (never-cleared memory: NaN and inf)."""
+
+from __future__ import annotations
+
+import torch
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def make_case(
+    lens: list[int], kv_heads: int, group: int, head_dim: int, block_size: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    blocks = [max(1, -(-n // block_size)) for n in lens]
+    num_blocks = sum(blocks) + 3
+    shape = (2, num_blocks, kv_heads, block_size, head_dim)
+    k, v = torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
+    order = torch.randperm(num_blocks, generator=g)
+    tables = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+    at = 0
+    for i, (n, nb) in enumerate(zip(lens, blocks, strict=True)):
+        tables[i, :nb] = order[at : at + nb]
+        at += nb
+        for pos in range(n, nb * block_size):  # never-cleared pool memory: NaN and inf
+            block = int(tables[i, pos // block_size])
+            k[:, block, :, pos % block_size] = float("nan")
+            v[:, block, :, pos % block_size] = float("inf")
+    q = torch.randn(len(lens), kv_heads * group, head_dim, generator=g).to(dtype)
+    return q, k, v, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+CASES = [
+    # lens, kv_heads, group, head_dim, block_size
+    ([1, 17, 300, 0, 33], 2, 4, 64, 16),
+    ([5, 64, 129], 3, 3, 80, 8),
+    ([8192], 1, 8, 64, 16),
+    ([40, 1, 2], 4, 1, 128, 32),
+    ([250, 7], 2, 2, 32, 16),
+]

@@ -1,0 +1,176 @@
+"""The CUDA backends of device decodes that CI can check on the CPU, against the Rust kernel on the
+shared random cases: the torch fallback itself, and FlashInfer's adapter through a pure-torch
+reference of FlashInfer's paged-KV contract, fed the exact arguments the adapter passes (a stand-in
+``flashinfer`` module records them). Also: each backend plans once per iteration's rows, and
+``NEO_RS_DEVICE_ATTENTION`` picks them."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+from decode_cases import CASES, TOL, make_case
+from neo_rs import CpuAttention, InvalidArgumentError
+from neo_rs.attention import DecodeRows
+from neo_rs.cuda.flashinfer_decode import FlashInferDecode, paged_kv_args
+from neo_rs.device_decode import (
+    TokenIndex,
+    TorchDecode,
+    TritonDecode,
+    paged_decode_torch,
+    select_device_decode,
+)
+from neo_rs.kv_cache import KvLayout, KvPool
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def flashinfer_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    indptr: torch.Tensor,
+    indices: torch.Tensor,
+    last_page_len: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """FlashInfer's batch decode as its documentation defines it, for HND caches ``[pages,
+    kv_heads, page_size, head_dim]``: request ``b`` attends over its pages ``indices[indptr[b]:
+    indptr[b + 1]]`` in order, all of each but the last, of which the first ``last_page_len[b]``
+    tokens. (An empty request gives zeros, as our kernels do.)"""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    page_size = k_cache.shape[2]
+    for b in range(len(last_page_len)):
+        pages = indices[int(indptr[b]) : int(indptr[b + 1])].long()
+        if len(pages) == 0:
+            continue
+        n = (len(pages) - 1) * page_size + int(last_page_len[b])
+        k = k_cache[pages].transpose(0, 1).reshape(k_cache.shape[1], -1, k_cache.shape[3])[:, :n].double()
+        v = v_cache[pages].transpose(0, 1).reshape(v_cache.shape[1], -1, v_cache.shape[3])[:, :n].double()
+        group = q.shape[1] // k_cache.shape[1]
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        p = torch.softmax(torch.einsum("hd,hnd->hn", q[b].double(), k) * sm_scale, dim=-1)
+        out[b] = torch.einsum("hn,hnd->hd", p, v)
+    return out
+
+
+class _Wrapper:
+    """Stand-in for ``flashinfer.BatchDecodeWithPagedKVCacheWrapper``: checks the adapter's calls
+    against FlashInfer's documented signature and runs the reference on what ``plan`` got."""
+
+    plans = 0
+
+    def __init__(self, workspace: torch.Tensor, kv_layout: str) -> None:
+        assert kv_layout == "HND" and workspace.dtype == torch.uint8
+
+    def plan(
+        self,
+        indptr: torch.Tensor,
+        indices: torch.Tensor,
+        last_page_len: torch.Tensor,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        **kw: object,
+    ) -> None:
+        for t in (indptr, indices, last_page_len):  # host int32: planning never waits on the device
+            assert t.dtype == torch.int32 and t.device.type == "cpu"
+        assert kw["pos_encoding_mode"] == "NONE" and kw["q_data_type"] == kw["kv_data_type"]
+        self.args = indptr, indices, last_page_len, kw["sm_scale"]
+        self.shape = num_qo_heads, num_kv_heads, head_dim, page_size
+        _Wrapper.plans += 1
+
+    def run(
+        self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor], *, out: torch.Tensor
+    ) -> None:
+        k, v = paged_kv_cache
+        assert self.shape == (q.shape[1], k.shape[1], k.shape[3], k.shape[2])
+        indptr, indices, last, scale = self.args
+        out.copy_(flashinfer_reference(q, k, v, indptr, indices, last, scale))
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = types.ModuleType("flashinfer")
+    module.BatchDecodeWithPagedKVCacheWrapper = _Wrapper  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "flashinfer", module)
+
+
+def _pool_and_rows(case: int, dtype: torch.dtype) -> tuple[torch.Tensor, KvPool, DecodeRows, torch.Tensor]:
+    """Case ``case``'s q, its K/V as a pool, its rows, and the Rust kernel's output on layer 1."""
+    lens, kv_heads, group, head_dim, block_size = CASES[case]
+    q, k, v, tables, seq_lens = make_case(lens, kv_heads, group, head_dim, block_size, dtype, seed=case)
+    want = torch.empty_like(q)
+    CpuAttention().forward(q, k, v, 1, tables, seq_lens, head_dim**-0.5, want)
+    pool = KvPool(KvLayout(2, kv_heads, block_size, head_dim, dtype), k.shape[1], torch.device("cpu"))
+    pool.k, pool.v = k, v
+    rows = DecodeRows(0, len(lens), tables, seq_lens, max(lens), tables, seq_lens)
+    return q, pool, rows, want
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_the_torch_fallback_matches_the_rust_kernel(case: int, dtype: torch.dtype) -> None:
+    q, pool, rows, want = _pool_and_rows(case, dtype)
+    index = TokenIndex.of(rows.block_tables, rows.seq_lens, pool.layout.block_size, rows.max_seq_len)
+    got = paged_decode_torch(q, pool, 1, index, pool.layout.head_dim**-0.5)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_flashinfer_gets_our_page_table_in_its_form(
+    case: int, dtype: torch.dtype, fake_flashinfer: None
+) -> None:
+    q, pool, rows, want = _pool_and_rows(case, dtype)
+    got = torch.full_like(q, float("nan"))
+    FlashInferDecode(torch.device("cpu"))(q, pool, 1, rows, pool.layout.head_dim**-0.5, got)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_paged_kv_args() -> None:
+    tables = torch.tensor([[7, 3, 9], [4, 0, 0], [5, 6, 0], [0, 0, 0]], dtype=torch.int32)
+    indptr, indices, last = paged_kv_args(tables, torch.tensor([33, 16, 17, 0], dtype=torch.int32), 16)
+    assert indptr.tolist() == [0, 3, 4, 6, 6]
+    assert indices.tolist() == [7, 3, 9, 4, 5, 6]
+    assert last.tolist() == [1, 16, 1, 0]
+
+
+@pytest.mark.parametrize("backend", ["torch", "flashinfer"])
+def test_backends_plan_once_per_iterations_rows(
+    backend: str, fake_flashinfer: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    q, pool, rows, _ = _pool_and_rows(0, torch.float32)
+    calls = []
+    if backend == "torch":
+        decode, of = TorchDecode(), TokenIndex.of
+        monkeypatch.setattr(TokenIndex, "of", staticmethod(lambda *a: calls.append(1) or of(*a)))
+    else:
+        decode, _Wrapper.plans = FlashInferDecode(torch.device("cpu")), 0
+    out = torch.empty_like(q)
+    for layer in (0, 1, 0):
+        decode(q, pool, layer, rows, 0.125, out)
+    again = DecodeRows(**vars(rows))  # the next iteration's rows, equal but new
+    decode(q, pool, 1, again, 0.125, out)
+    assert (len(calls) if backend == "torch" else _Wrapper.plans) == 2
+
+
+def test_neo_rs_device_attention_picks_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    cuda = torch.device("cuda")
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # not installed: its import fails
+    for name, kind in [("torch", TorchDecode), ("triton", TritonDecode), ("auto", TritonDecode)]:
+        monkeypatch.setenv("NEO_RS_DEVICE_ATTENTION", name)
+        assert isinstance(select_device_decode(cuda), kind), name
+    for name in ("flashinfer", "cudnn"):
+        monkeypatch.setenv("NEO_RS_DEVICE_ATTENTION", name)
+        with pytest.raises(InvalidArgumentError, match="NEO_RS_DEVICE_ATTENTION"):
+            select_device_decode(cuda)
+    module = types.ModuleType("flashinfer")
+    module.BatchDecodeWithPagedKVCacheWrapper = _Wrapper  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "flashinfer", module)
+    monkeypatch.setenv("NEO_RS_DEVICE_ATTENTION", "auto")
+    # (Its workspace on the CPU: there is no CUDA device here.)
+    assert isinstance(select_device_decode(torch.device("cpu")), FlashInferDecode)
