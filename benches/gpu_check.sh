@@ -7,9 +7,10 @@
 # then carry .whl/ (ignored by git) and, on the device, from the repository root:
 #     bash benches/gpu_check.sh
 # Steps: (1) the parity, offload and kernel tests on CUDA, with our Triton decode kernel and
-# again with the torch fallback; (2) a Llama-3-8B-shaped bf16 model, neo vs none at equal load
-# (benches/gpu_check.py); (3) the start-up perf profile and model config, the input of
-# `python -m neo_rs.sim --calibrate`. One table at the end; JSON and logs in $OUT.
+# again with the torch fallback (and FlashInfer, if it is installed there); (2) a
+# Llama-3-8B-shaped bf16 model, neo vs none at equal load (benches/gpu_check.py); (3) the
+# start-up perf profile and model config, the input of `python -m neo_rs.sim --calibrate`.
+# One table at the end; JSON and logs in $OUT.
 # `--cpu-smoke` runs the same steps in this repository's .venv on the CPU, with a tiny one-layer
 # model and one small test file, so that CI keeps the script from rotting.
 set -euo pipefail
@@ -31,7 +32,7 @@ else
     export PYTHONPATH=/tmp/neo_rs_site${PYTHONPATH:+:$PYTHONPATH}
     "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'"
     TESTS="tests/python/test_model_parity.py tests/python/test_offload.py tests/python/test_engine.py
-        tests/python/test_transfer.py tests/python/test_triton_decode.py"
+        tests/python/test_transfer.py tests/python/test_triton_decode.py tests/python/test_device_decode.py"
     FALLBACK_TESTS="tests/python/test_model_parity.py tests/python/test_offload.py"
     SMOKE=
 fi
@@ -39,14 +40,21 @@ fi
     torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU')" | tee "$OUT/versions.txt"
 
 # shellcheck disable=SC2086  # the test lists are word lists
-timeout 240 "$PY" -m pytest -q -p no:cacheprovider $TESTS 2>&1 | tee "$OUT/tests_triton.log" || status=1
+NEO_RS_DEVICE_ATTENTION=triton timeout 240 "$PY" -m pytest -q -p no:cacheprovider $TESTS 2>&1 \
+    | tee "$OUT/tests_triton.log" || status=1
 # shellcheck disable=SC2086
 NEO_RS_DEVICE_ATTENTION=torch timeout 150 "$PY" -m pytest -q -p no:cacheprovider $FALLBACK_TESTS 2>&1 \
     | tee "$OUT/tests_torch_fallback.log" || status=1
+if "$PY" -c "import flashinfer" 2>/dev/null; then  # only if its wheels travelled
+    # shellcheck disable=SC2086
+    NEO_RS_DEVICE_ATTENTION=flashinfer timeout 150 "$PY" -m pytest -q -p no:cacheprovider $FALLBACK_TESTS 2>&1 \
+        | tee "$OUT/tests_flashinfer.log" || status=1
+fi
 timeout 300 "$PY" benches/gpu_check.py --out "$OUT" $SMOKE 2>&1 | tee "$OUT/gpu_check.log" || status=1
 
 echo "== summary ($OUT)"
 tail -n 1 "$OUT/tests_triton.log" | sed 's/^/tests, Triton decode:  /'
 tail -n 1 "$OUT/tests_torch_fallback.log" | sed 's/^/tests, torch fallback: /'
+if [ -f "$OUT/tests_flashinfer.log" ]; then tail -n 1 "$OUT/tests_flashinfer.log" | sed 's/^/tests, FlashInfer:     /'; fi
 grep -A 3 "^mode " "$OUT/gpu_check.log" || true
 exit $status

@@ -1,12 +1,11 @@
 """Attention over the paged KV pools for one iteration: prefill chunks with torch SDPA (causal,
-per sequence); device decodes with the Rust CPU kernel when the device pool is in CPU memory, our
-Triton kernel on CUDA (``neo_rs.cuda``), else a torch gather fallback; CPU decodes (NEO's
-offloaded requests) with the Rust kernel over the host pool, appending their new K/V there."""
+per sequence); device decodes with the Rust CPU kernel when the device pool is in CPU memory,
+else a CUDA backend (``device_decode.py``: FlashInfer, our Triton kernel, or plain torch); CPU
+decodes (NEO's offloaded requests) with the Rust kernel over the host pool, appending their new
+K/V there."""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,12 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from neo_rs._core import AttentionHandle, CpuAttention, SchedulerOutput
-from neo_rs.config import device_attention
+from neo_rs.device_decode import select_device_decode
 from neo_rs.kv_cache import KvPool, Slots, split_slots
 from neo_rs.timing import StageClock
 from neo_rs.transfer import HostTransfer, Staged
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,9 +36,12 @@ class DecodeRows:
 
     start: int
     end: int
-    block_tables: torch.Tensor  # [rows, max_blocks] int32
-    seq_lens: torch.Tensor  # [rows] int32
+    block_tables: torch.Tensor  # [rows, max_blocks] int32, on the pool's device
+    seq_lens: torch.Tensor  # [rows] int32, on the pool's device
     max_seq_len: int  # known on the host, so kernels plan their splits without a device sync
+    # The same tables and lengths in CPU memory, for backends that plan on the host.
+    host_tables: torch.Tensor
+    host_lens: torch.Tensor
 
     def __len__(self) -> int:
         return self.end - self.start
@@ -128,40 +128,26 @@ class AttentionBatch:
             if host_rows.stop > host_rows.start
             else None,
             gpu_decodes=DecodeRows(
-                0, ngd, up(tables[:ngd]), up(seq_lens[:ngd]), int(lens[:ngd].max(initial=0))
+                0,
+                ngd,
+                up(tables[:ngd]),
+                up(seq_lens[:ngd]),
+                int(lens[:ngd].max(initial=0)),
+                tables[:ngd],
+                seq_lens[:ngd],
             ),
             cpu_decodes=DecodeRows(
-                cpu_start, cpu_end, cpu_tables, cpu_lens, int(lens[ngd:nd].max(initial=0))
+                cpu_start,
+                cpu_end,
+                cpu_tables,
+                cpu_lens,
+                int(lens[ngd:nd].max(initial=0)),
+                cpu_tables,
+                cpu_lens,
             ),
             prefills=prefills,
             append_decodes=append_decodes,
         )
-
-
-def paged_decode_torch(
-    q: torch.Tensor,
-    pool: KvPool,
-    layer: int,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Reference/fallback decode: gather each sequence's blocks, mask past its length, SDPA."""
-    n, max_blocks = block_tables.shape
-    bs = pool.layout.block_size
-    idx = block_tables.long()
-    # [n, max_blocks, kvh, bs, d] -> [n, kvh, max_blocks * bs, d]
-    k = pool.k[layer][idx].permute(0, 2, 1, 3, 4).reshape(n, pool.layout.num_kv_heads, max_blocks * bs, -1)
-    v = pool.v[layer][idx].permute(0, 2, 1, 3, 4).reshape(n, pool.layout.num_kv_heads, max_blocks * bs, -1)
-    mask = torch.arange(max_blocks * bs, device=q.device)[None, :] < seq_lens.to(q.device).long()[:, None]
-    # Slots past a sequence's length hold whatever the never-cleared pool memory held (inf and
-    # NaN included); masking their scores does not stop a NaN score or 0 x inf: clear them.
-    past = ~mask[:, None, :, None]
-    k, v = k.masked_fill(past, 0.0), v.masked_fill(past, 0.0)
-    out = F.scaled_dot_product_attention(
-        q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
-    )
-    return out[:, :, 0, :]
 
 
 class PendingCpuAttention:
@@ -176,28 +162,6 @@ class PendingCpuAttention:
         return self.transfer.to_device(self.out)
 
 
-DeviceDecode = Callable[[torch.Tensor, KvPool, int, DecodeRows, float, torch.Tensor], None]
-
-
-def _triton_decode() -> DeviceDecode | None:
-    """Our Triton kernel, when Triton can be imported (it ships with CUDA builds of torch)."""
-    try:
-        from neo_rs.cuda.paged_decode import SplitPlan, paged_decode
-    except ImportError as e:
-        log.warning("Triton is unavailable (%s): device decodes use the torch fallback", e)
-        return None
-
-    def decode(
-        q: torch.Tensor, pool: KvPool, layer: int, rows: DecodeRows, scale: float, out: torch.Tensor
-    ) -> None:
-        plan = SplitPlan.for_lengths(rows.max_seq_len, pool.layout.block_size)
-        paged_decode(
-            q.contiguous(), pool.k[layer], pool.v[layer], rows.block_tables, rows.seq_lens, scale, out, plan
-        )
-
-    return decode
-
-
 class Attention:
     """One layer's attention for one sub-batch. ``cpu_attention`` serves CPU decodes, and device
     decodes too when the device pool lives in CPU memory."""
@@ -206,8 +170,7 @@ class Attention:
         self.scale = scale
         self.cpu_attention = cpu_attention
         self.transfer = transfer
-        use_triton = transfer.device.type == "cuda" and device_attention() != "torch"
-        self.device_decode = _triton_decode() if use_triton else None
+        self.device_decode = select_device_decode(transfer.device) if transfer.device.type == "cuda" else None
 
     def decode(
         self,
@@ -235,11 +198,8 @@ class Attention:
                 new_v=new_v,
             )
             return
-        assert new_kv is None, "only the Rust kernel appends to the device pool"
-        if self.device_decode is not None:
-            self.device_decode(q, pool, layer, rows, self.scale, out)
-        else:
-            out.copy_(paged_decode_torch(q, pool, layer, rows.block_tables, rows.seq_lens, self.scale))
+        assert new_kv is None and self.device_decode is not None, "a CUDA pool: a device backend, no append"
+        self.device_decode(q, pool, layer, rows, self.scale, out)
 
     def stage_cpu(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch

@@ -187,9 +187,10 @@ def emulate_async_copies() -> bool:
 
 
 def device_attention() -> str:
-    """``NEO_RS_DEVICE_ATTENTION``: ``torch`` forces the gather fallback for device decodes on
-    CUDA (``benches/gpu_check.sh`` checks both); default: our Triton kernel."""
-    return os.environ.get("NEO_RS_DEVICE_ATTENTION", "triton")
+    """``NEO_RS_DEVICE_ATTENTION``: the backend of device decodes on CUDA (``device_decode.py``),
+    ``flashinfer``, ``triton`` or ``torch``; default ``auto``, the first of them that imports
+    (``benches/gpu_check.sh`` checks each)."""
+    return os.environ.get("NEO_RS_DEVICE_ATTENTION", "auto")
 
 
 def fail_steps() -> str:

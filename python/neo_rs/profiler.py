@@ -126,7 +126,7 @@ def _decode_rows(total: int, seqs: int, block_size: int, device: torch.device) -
     nb = -(-per // block_size)
     tables = (torch.arange(seqs * nb, dtype=torch.int32) % max(1, total // block_size)).reshape(seqs, nb)
     lens = torch.full((seqs,), per, dtype=torch.int32)
-    return DecodeRows(0, seqs, tables.to(device), lens.to(device), per)
+    return DecodeRows(0, seqs, tables.to(device), lens.to(device), per, tables, lens)
 
 
 def _linear_step(

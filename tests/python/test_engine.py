@@ -12,9 +12,10 @@ import pytest
 import torch
 from conftest import assert_all_blocks_free
 from neo_rs import LLM, LLMEngine, ModelLoadError, SamplingParams
-from neo_rs.attention import AttentionBatch, paged_decode_torch
+from neo_rs.attention import AttentionBatch
 from neo_rs.config import EngineArgs
 from neo_rs.demo import demo_model_dir
+from neo_rs.device_decode import TorchDecode
 from neo_rs.tokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer, load_tokenizer
 
 
@@ -100,9 +101,8 @@ def test_torch_decode_fallback_matches_the_rust_kernel(checkpoints) -> None:
             runner.device_pool.k[1][table[pos // bs], :, pos % bs] = float("nan")
             runner.device_pool.v[1][table[pos // bs], :, pos % bs] = float("inf")
     runner.attention.decode(q, runner.device_pool, 1, rows, want)
-    got = paged_decode_torch(
-        q, runner.device_pool, 1, rows.block_tables, rows.seq_lens, layout.head_dim**-0.5
-    )
+    got = torch.empty_like(q)
+    TorchDecode()(q, runner.device_pool, 1, rows, layout.head_dim**-0.5, got)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     engine.scheduler.update([0, 0, 0], [])
     for rid in list(engine._requests):

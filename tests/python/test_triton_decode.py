@@ -15,6 +15,7 @@ from neo_rs import CpuAttention
 # set for the import here and for each test below, not for the rest of the session.
 _was = os.environ.get("TRITON_INTERPRET")
 os.environ["TRITON_INTERPRET"] = "1"
+from decode_cases import CASES, TOL, make_case  # noqa: E402
 from neo_rs.cuda.paged_decode import SplitPlan, paged_decode  # noqa: E402
 
 if _was is None:
@@ -26,46 +27,11 @@ def _interpret(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-
-
-def _case(
-    lens: list[int], kv_heads: int, group: int, head_dim: int, block_size: int, dtype: torch.dtype, seed: int
-) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(seed)
-    blocks = [max(1, -(-n // block_size)) for n in lens]
-    num_blocks = sum(blocks) + 3
-    shape = (2, num_blocks, kv_heads, block_size, head_dim)
-    k, v = torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
-    order = torch.randperm(num_blocks, generator=g)
-    tables = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
-    at = 0
-    for i, (n, nb) in enumerate(zip(lens, blocks, strict=True)):
-        tables[i, :nb] = order[at : at + nb]
-        at += nb
-        for pos in range(n, nb * block_size):  # never-cleared pool memory: NaN and inf
-            block = int(tables[i, pos // block_size])
-            k[:, block, :, pos % block_size] = float("nan")
-            v[:, block, :, pos % block_size] = float("inf")
-    q = torch.randn(len(lens), kv_heads * group, head_dim, generator=g).to(dtype)
-    return q, k, v, tables, torch.tensor(lens, dtype=torch.int32)
-
-
-CASES = [
-    # lens, kv_heads, group, head_dim, block_size
-    ([1, 17, 300, 0, 33], 2, 4, 64, 16),
-    ([5, 64, 129], 3, 3, 80, 8),
-    ([8192], 1, 8, 64, 16),
-    ([40, 1, 2], 4, 1, 128, 32),
-    ([250, 7], 2, 2, 32, 16),
-]
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_triton_decode_matches_the_rust_kernel(case: int, dtype: torch.dtype) -> None:
     lens, kv_heads, group, head_dim, block_size = CASES[case]
-    q, k, v, tables, seq_lens = _case(lens, kv_heads, group, head_dim, block_size, dtype, seed=case)
+    q, k, v, tables, seq_lens = make_case(lens, kv_heads, group, head_dim, block_size, dtype, seed=case)
     scale = head_dim**-0.5
     want = torch.empty_like(q)
     CpuAttention().forward(q, k, v, 1, tables, seq_lens, scale, want)
