@@ -32,7 +32,8 @@ else
     export PYTHONPATH=/tmp/neo_rs_site${PYTHONPATH:+:$PYTHONPATH}
     "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'"
     TESTS="tests/python/test_model_parity.py tests/python/test_offload.py tests/python/test_engine.py
-        tests/python/test_transfer.py tests/python/test_triton_decode.py tests/python/test_device_decode.py"
+        tests/python/test_transfer.py tests/python/test_triton_decode.py tests/python/test_device_decode.py
+        tests/python/test_triton_prefill.py tests/python/test_prefix_cache.py"
     FALLBACK_TESTS="tests/python/test_model_parity.py tests/python/test_offload.py"
     SMOKE=
 fi

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from neo_rs._core import AttentionHandle, CpuAttention, SchedulerOutput
-from neo_rs.device_decode import select_device_decode
+from neo_rs.device_decode import select_device_decode, select_paged_prefill
 from neo_rs.kv_cache import KvPool, Slots, split_slots
 from neo_rs.timing import StageClock
 from neo_rs.transfer import HostTransfer, Staged
@@ -170,7 +170,9 @@ class Attention:
         self.scale = scale
         self.cpu_attention = cpu_attention
         self.transfer = transfer
-        self.device_decode = select_device_decode(transfer.device) if transfer.device.type == "cuda" else None
+        cuda = transfer.device.type == "cuda"
+        self.device_decode = select_device_decode(transfer.device) if cuda else None
+        self.paged_prefill = select_paged_prefill() if cuda else None
 
     def decode(
         self,
@@ -267,8 +269,13 @@ class Attention:
             out = F.scaled_dot_product_attention(
                 qh, kh, vh, is_causal=True, scale=self.scale, enable_gqa=True
             )
+        elif self.paged_prefill is not None:
+            # A later chunk: earlier tokens are only in the pool, read there in place.
+            return self.paged_prefill(
+                q, pool.k[layer], pool.v[layer], p.block_table, p.num_computed, p.seq_len, self.scale
+            )
         else:
-            # A later chunk: earlier tokens are only in the pool.
+            # A later chunk, without Triton: its context gathered from the pool.
             kvh = pool.layout.num_kv_heads
             kh = (
                 pool.k[layer][p.block_table]

@@ -6,11 +6,14 @@ sub-batch (the first layer's call for a new ``DecodeRows``) and only running in 
 - our Triton kernel (``cuda/paged_decode.py``), which ships with CUDA builds of torch;
 - plain torch, which gathers each sequence's tokens by slot and runs SDPA.
 
-``NEO_RS_DEVICE_ATTENTION`` picks one (``auto``, the default, takes the first available)."""
+``NEO_RS_DEVICE_ATTENTION`` picks one (``auto``, the default, takes the first available). Later
+prefill chunks over the pool take our Triton kernel (``cuda/paged_prefill.py``) unless it says
+``torch`` or Triton does not import (then ``attention.py`` gathers the context for SDPA)."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -125,6 +128,24 @@ def select_device_decode(device: torch.device) -> DeviceDecode:
         return backend
     log.warning("device decodes use the torch fallback (neither FlashInfer nor Triton imports)")
     return TorchDecode()
+
+
+# (q, k_cache, v_cache, block_table, num_computed, seq_len, scale) -> the chunk's attention
+PagedPrefill = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, float], torch.Tensor
+]
+
+
+def select_paged_prefill() -> PagedPrefill | None:
+    """Our Triton kernel for later prefill chunks on CUDA, or None for the torch gather."""
+    if device_attention() == "torch":
+        return None
+    try:
+        from neo_rs.cuda.paged_prefill import paged_prefill  # noqa: PLC0415 (needs Triton)
+    except ImportError as e:
+        log.warning("later prefill chunks gather their context for SDPA (Triton does not import: %s)", e)
+        return None
+    return paged_prefill
 
 
 def _flashinfer(device: torch.device) -> DeviceDecode:
