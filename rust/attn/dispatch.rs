@@ -96,6 +96,11 @@ impl Tier {
                 bf16: config::bf16_dot_allowed() && has!("avx512bf16"),
             };
         }
+        #[cfg(target_arch = "aarch64")]
+        if self == Tier::Neon {
+            let sdot = std::arch::is_aarch64_feature_detected!("dotprod");
+            return DotProducts { int8: config::int8_dot_allowed() && sdot, bf16: false };
+        }
         DotProducts::default()
     }
 
@@ -117,6 +122,10 @@ impl Tier {
             #[cfg(target_arch = "x86_64")]
             Tier::Avx512 => Kernel { lanes: 16, item: crate::attn::x86::avx512::attend_item::<Q, K> },
             #[cfg(target_arch = "aarch64")]
+            Tier::Neon if K::DOT == dot::INT8 && dots.int8 => {
+                Kernel { lanes: 4, item: crate::attn::aarch64::neon::attend_item_sdot::<Q, K> }
+            }
+            #[cfg(target_arch = "aarch64")]
             Tier::Neon => Kernel { lanes: 4, item: crate::attn::aarch64::neon::attend_item::<Q, K> },
             _ => Kernel { lanes: Portable::LANES, item: scalar_item::<Q, K> },
         })
@@ -125,7 +134,8 @@ impl Tier {
 
 /// Low-precision dot-product instructions the kernel reads pools with, where they fit the
 /// element: `int8` (VNNI: int8 q·k against q quantized per head, int16 p·v against p quantized
-/// per head and tile) and `bf16` (AVX512_BF16: bf16 q·k, p·v against p rounded to bf16).
+/// per head and tile; Arm DotProd: the same q·k by `sdot`) and `bf16` (AVX512_BF16: bf16 q·k,
+/// p·v against p rounded to bf16).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DotProducts {
     pub int8: bool,

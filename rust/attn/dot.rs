@@ -1,9 +1,9 @@
 //! The kernel's steps on a tier's low-precision dot-product instructions, for the pool element
 //! they fit: int8 pools on VNNI (q·k as int8 x int8 against q quantized per head, p·v as int16 x
-//! int16 against p quantized per head and tile), bf16 pools on AVX512_BF16 (q·k against q as
-//! bf16, p·v against p rounded to bf16, as GPU kernels compute P·V for a bf16 model). Both
-//! accumulate exactly or in f32; p·v reads V rows in pairs (two tokens per 32-bit lane), which is
-//! what these instructions sum.
+//! int16 against p quantized per head and tile) or on Arm's DotProd (q·k alone, by `sdot`); bf16
+//! pools on AVX512_BF16 (q·k against q as bf16, p·v against p rounded to bf16, as GPU kernels
+//! compute P·V for a bf16 model). Both accumulate exactly or in f32; p·v reads V rows in pairs
+//! (two tokens per 32-bit lane), which is what these instructions sum.
 
 use std::ops::Range;
 
@@ -42,11 +42,11 @@ impl<'a> Rows<'a> {
         }
     }
 
-    /// q in the form these rows' dot products take (see `Scratch`).
+    /// q in the form these rows' dot products on tier `S` take (see `Scratch`).
     #[inline(always)]
-    pub fn prepare_q<Q: Element>(self, scratch: &mut Scratch, q: &[Q], group: usize, d: usize) {
+    pub fn prepare_q<S: Simd, Q: Element>(self, scratch: &mut Scratch, q: &[Q], group: usize, d: usize) {
         match self {
-            Rows::I8(_) => quantize_q(scratch, group, d),
+            Rows::I8(_) => quantize_q(scratch, group, d, S::I8_K_OFFSET),
             Rows::Bf16(_) => round_q_bf16(scratch, q, group, d),
         }
     }
@@ -82,10 +82,13 @@ pub(crate) unsafe fn qk<S: Simd>(
                 (Rows::I8(t), Rows::I8(a)) => {
                     let q8 = &scratch.q8[g0 * dq..];
                     let (qs, qo) = (&scratch.q8_scale[g0..], &scratch.q8_offset[g0..]);
-                    match gt {
-                        4 => qk_tile_i8::<S, 4, 4>(q8, dq, qs, qo, t, a, n, d, s, sp),
-                        2 => qk_tile_i8::<S, 2, 8>(q8, dq, qs, qo, t, a, n, d, s, sp),
-                        _ => qk_tile_i8::<S, 1, 16>(q8, dq, qs, qo, t, a, n, d, s, sp),
+                    match (S::LANES, gt) {
+                        (16, 4) => qk_tile_i8::<S, 4, 4>(q8, dq, qs, qo, t, a, n, d, s, sp),
+                        (16, 2) => qk_tile_i8::<S, 2, 8>(q8, dq, qs, qo, t, a, n, d, s, sp),
+                        (16, _) => qk_tile_i8::<S, 1, 16>(q8, dq, qs, qo, t, a, n, d, s, sp),
+                        (4, 4) => qk_tile_i8::<S, 4, 1>(q8, dq, qs, qo, t, a, n, d, s, sp),
+                        (4, 2) => qk_tile_i8::<S, 2, 2>(q8, dq, qs, qo, t, a, n, d, s, sp),
+                        _ => qk_tile_i8::<S, 1, 4>(q8, dq, qs, qo, t, a, n, d, s, sp),
                     }
                 }
                 (Rows::Bf16(t), Rows::Bf16(a)) => {
@@ -117,17 +120,17 @@ pub(crate) fn group_tile(remaining: usize) -> usize {
 /// lane, so a tile of up to 128 rows (`MAX_BLOCK_SIZE`, 64 pairs) stays below 2^29.
 const P16_MAX: f32 = 32767.0;
 
-/// q (pre-scaled, f32) quantized per head for int8 dot products: symmetric, `max|q| / 127`.
-/// Inlined into the tier's item function, so rounding compiles to its vector instructions
-/// rather than a libm call.
+/// q (pre-scaled, f32) quantized per head for int8 dot products: symmetric, `max|q| / 127`,
+/// with `k_offset * Σ q8`, what the tier's dot products add for their K offset. Inlined into the
+/// tier's item function, so rounding compiles to its vector instructions rather than a libm call.
 #[inline(always)]
-fn quantize_q(scratch: &mut Scratch, group: usize, d: usize) {
+fn quantize_q(scratch: &mut Scratch, group: usize, d: usize, k_offset: f32) {
     let (dp, dq) = (scratch.padded_dim, scratch.dot_dim);
     for g in 0..group {
         let row = &mut scratch.q8[g * dq..g * dq + d];
         let scale = crate::attn::element::quantize_row(&scratch.q[g * dp..g * dp + d], row);
         scratch.q8_scale[g] = scale;
-        scratch.q8_offset[g] = 128.0 * row.iter().map(|&x| f32::from(x)).sum::<f32>();
+        scratch.q8_offset[g] = k_offset * row.iter().map(|&x| f32::from(x)).sum::<f32>();
     }
 }
 
@@ -144,7 +147,8 @@ fn round_q_bf16<Q: Element>(scratch: &mut Scratch, q: &[Q], group: usize, d: usi
 }
 
 /// Scores of `GT` query heads x `TT` tokens of an int8 K tile by int8 dot products (see
-/// `Simd::dot_i8`): `(dot - 128 Σq8) * q_scale` (the K row scales are applied by the caller).
+/// `Simd::dot_i8`): `(dot - I8_K_OFFSET Σq8) * q_scale` (the K row scales are applied by the
+/// caller).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn qk_tile_i8<S: Simd, const GT: usize, const TT: usize>(
@@ -159,9 +163,10 @@ unsafe fn qk_tile_i8<S: Simd, const GT: usize, const TT: usize>(
     scores: &mut [f32],
     sp: usize,
 ) {
-    assert!(GT * TT == S::LANES && S::LANES == 16 && q8.len() >= GT * dq && q_scale.len() >= GT);
+    assert!(GT * TT == S::LANES && S::LANES <= 16 && q8.len() >= GT * dq && q_scale.len() >= GT);
     assert!(k.len() >= n * d && k_ahead.len() >= n * d && n >= 1 && scores.len() >= (GT - 1) * sp + n);
-    let by_lane = |x: &[f32]| -> [f32; 16] { std::array::from_fn(|l| x[l / TT]) };
+    // Lane g * TT + i takes head g's value (lanes past LANES are never loaded).
+    let by_lane = |x: &[f32]| -> [f32; 16] { std::array::from_fn(|l| if l < S::LANES { x[l / TT] } else { 0.0 }) };
     let (offset, scale) = (by_lane(q_offset), by_lane(q_scale));
     for t0 in (0..n).step_by(TT) {
         // SAFETY: rows are clamped to n - 1, so each holds d readable bytes of `k` (or

@@ -181,7 +181,7 @@ pub(crate) unsafe fn attend_item<S: Simd, Q: Element, K: KvElement, const DOT: u
     scratch.sum.fill(0.0);
     let dot_kv = Rows::of::<K, DOT>(it.k).zip(Rows::of::<K, DOT>(it.v));
     if let Some((k, _)) = dot_kv {
-        k.prepare_q(scratch, it.q, group, d);
+        k.prepare_q::<S, Q>(scratch, it.q, group, d);
     }
 
     let (first, last) = (it.start / geo.block_size, it.end.div_ceil(geo.block_size));
@@ -255,7 +255,7 @@ pub(crate) unsafe fn attend_item<S: Simd, Q: Element, K: KvElement, const DOT: u
             let mut g0 = 0;
             while g0 < group {
                 let gt = group_tile(group - g0);
-                if let (Some((_, dv)), 2..) = (dot_kv, gt) {
+                if let (Some((_, dv)), 2.., true) = (dot_kv, gt, S::PAIR_DOTS) {
                     dot::pv_pairs::<S>(scratch, g0, gt, dv, tile.clone(), ahead.clone(), n, d);
                     g0 += gt;
                     continue;

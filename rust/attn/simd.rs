@@ -11,6 +11,13 @@ pub trait Simd {
     /// f32 lanes per vector; every padded head dimension is a multiple of this.
     const LANES: usize;
     type V: Copy;
+    /// What `dot_i8` adds to every K byte: 128 where its instruction takes unsigned bytes
+    /// (VNNI's `vpdpbusd`), 0 where it takes signed ones (`sdot`). The caller subtracts
+    /// `I8_K_OFFSET * Σ q8`.
+    const I8_K_OFFSET: f32 = 0.0;
+    /// Whether p·v runs on pair dot products (`pv_i8`, `pv_bf16`) when the tier's dot products
+    /// are in use; otherwise p·v widens V, and only q·k takes the dot products.
+    const PAIR_DOTS: bool = false;
 
     unsafe fn zero() -> Self::V;
     unsafe fn splat(x: f32) -> Self::V;
@@ -35,10 +42,11 @@ pub trait Simd {
     unsafe fn widen_f16(p: *const u16) -> Self::V;
     /// `LANES` signed bytes widened to f32 (int8 KV; the per-row scale is applied by the caller).
     unsafe fn widen_i8(p: *const i8) -> Self::V;
-    /// Int8 dot products (VNNI tiers only; the kernel calls this only when dispatched with them):
-    /// lane `g * TT + i` of the result is `Σ_d q8[g * dq + d] * (rows[i][d] + 128)` over `d`
-    /// dims, as f32 (exact: |sum| < 2^24 for d <= 256). `q8` rows hold `dq` bytes (a multiple of
-    /// 64, zero past `d`); each row of K holds `d` readable bytes; `ahead` rows are prefetched.
+    /// Int8 dot products (VNNI and DotProd tiers only; the kernel calls this only when dispatched
+    /// with them): lane `g * TT + i` of the result is `Σ_d q8[g * dq + d] * (rows[i][d] +
+    /// I8_K_OFFSET)` over `d` dims, as f32 (exact: |sum| < 2^24 for d <= 256). `q8` rows hold `dq`
+    /// bytes (a multiple of 64, zero past `d`); each row of K holds `d` readable bytes; `ahead`
+    /// rows are prefetched.
     unsafe fn dot_i8<const GT: usize, const TT: usize>(
         _q8: *const i8,
         _dq: usize,

@@ -1,6 +1,7 @@
 //! NEON implementation of the kernel primitives (4 f32 lanes).
 
 use std::arch::aarch64::*;
+use std::arch::asm;
 
 use crate::attn::dot;
 use crate::attn::element::{Element, KvElement};
@@ -13,6 +14,7 @@ pub(crate) struct Neon;
 impl Simd for Neon {
     const LANES: usize = 4;
     type V = float32x4_t;
+    // `sdot` takes signed bytes (no K offset), and the tier has no pair dot products for p·v.
 
     #[inline(always)]
     unsafe fn zero() -> float32x4_t {
@@ -117,6 +119,69 @@ impl Simd for Neon {
     }
     #[inline(always)]
     unsafe fn prefetch_l2(_p: *const u8) {}
+    /// DotProd: `sdot` sums 4 products of signed bytes into each of 4 lanes, 16 dims per
+    /// instruction. A row's last chunk, if short, is read through a zeroed copy (a whole load
+    /// could pass the end of the pool); q is zero past `d` anyway.
+    #[inline(always)]
+    unsafe fn dot_i8<const GT: usize, const TT: usize>(
+        q8: *const i8,
+        dq: usize,
+        rows: &[*const i8; TT],
+        _ahead: &[*const i8; TT],
+        d: usize,
+    ) -> float32x4_t {
+        assert!(GT * TT == 4 && dq >= d && dq.is_multiple_of(64));
+        // SAFETY: the caller guarantees the row and q8 extents above (q8 rows hold dq >= c + 16
+        // bytes for every chunk c < d) and dispatches this only on CPUs with DotProd.
+        unsafe {
+            let mut acc = [[vdupq_n_s32(0); TT]; GT];
+            let mut c = 0;
+            while c < d {
+                let mut qv = [vdupq_n_s8(0); GT];
+                for (g, x) in qv.iter_mut().enumerate() {
+                    *x = vld1q_s8(q8.add(g * dq + c));
+                }
+                for i in 0..TT {
+                    let k = if d - c >= 16 {
+                        vld1q_s8(rows[i].add(c))
+                    } else {
+                        let mut tail = [0i8; 16];
+                        tail[..d - c].copy_from_slice(std::slice::from_raw_parts(rows[i].add(c), d - c));
+                        vld1q_s8(tail.as_ptr())
+                    };
+                    for g in 0..GT {
+                        acc[g][i] = sdot(acc[g][i], qv[g], k);
+                    }
+                }
+                c += 16;
+            }
+            let mut sums = [vdupq_n_f32(0.0); 4];
+            for (s, a) in sums.iter_mut().zip(acc.as_flattened()) {
+                *s = vcvtq_f32_s32(*a);
+            }
+            Self::transpose_sum(&sums)
+        }
+    }
+}
+
+/// `acc + ` the four 4-byte dot products of `a` and `b` (signed), one per lane.
+///
+/// # Safety
+/// The CPU must have DotProd (FEAT_DotProd); the callers are compiled with it enabled.
+#[inline(always)]
+unsafe fn sdot(mut acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
+    // (`vdotq_s32` is not stable in Rust yet; the instruction is.)
+    // SAFETY: register-only arithmetic, on CPUs with DotProd (caller).
+    unsafe {
+        asm!(
+            "sdot {acc:v}.4s, {a:v}.16b, {b:v}.16b",
+            acc = inout(vreg) acc,
+            a = in(vreg) a,
+            b = in(vreg) b,
+            options(pure, nomem, nostack, preserves_flags),
+        );
+    }
+    acc
 }
 
 /// The kernel item compiled for NEON.
@@ -132,4 +197,19 @@ pub(crate) unsafe fn attend_item<Q: Element, K: KvElement>(
 ) {
     // SAFETY: forwarded caller contract.
     unsafe { kernel::attend_item::<Neon, Q, K, { dot::NONE }>(it, geo, scratch, partial) }
+}
+
+/// The kernel item for NEON with DotProd: int8 pools take q·k as `sdot` dot products.
+///
+/// # Safety
+/// As for `attend_item`, and the CPU must have DotProd.
+#[target_feature(enable = "neon,dotprod")]
+pub(crate) unsafe fn attend_item_sdot<Q: Element, K: KvElement>(
+    it: &Item<'_, Q, K>,
+    geo: &Geometry,
+    scratch: &mut Scratch,
+    partial: &mut [f32],
+) {
+    // SAFETY: forwarded caller contract.
+    unsafe { kernel::attend_item::<Neon, Q, K, { dot::INT8 }>(it, geo, scratch, partial) }
 }

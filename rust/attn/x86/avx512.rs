@@ -13,6 +13,8 @@ pub(crate) struct Avx512;
 impl Simd for Avx512 {
     const LANES: usize = 16;
     type V = __m512;
+    const I8_K_OFFSET: f32 = 128.0;
+    const PAIR_DOTS: bool = true;
 
     #[inline(always)]
     unsafe fn zero() -> __m512 {
