@@ -1,11 +1,13 @@
 //! CPU paged decode attention: every tier this host supports against an f64 reference on random,
 //! awkward shapes (ragged lengths, seq_len 1, partial last blocks, shuffled block tables, GQA
 //! ratios, every dtype, int8 pools against the reference on their dequantized values, fused
-//! append on and off), plus the safe entry's rejections.
+//! append on and off), plus the safe entry's rejections, and calls on an OpenMP team.
 
 use half::{bf16, f16};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use neo_rs::attn::{
-    quantize_row, CpuAttention, DecodeBatch, DecodeParams, DotProducts, Element, PagedShape, Pools, Tier,
+    quantize_row, CpuAttention, DecodeBatch, DecodeParams, DotProducts, Element, PagedShape, Pools, Team, Tier,
 };
 use neo_rs::NeoError;
 use proptest::prelude::*;
@@ -491,4 +493,59 @@ fn tiers_parse_and_unsupported_tiers_are_refused() {
         assert_eq!(CpuAttention::new(Some(1), Some(t)).is_ok(), t.is_supported(), "{t:?}");
     }
     assert!(CpuAttention::new(Some(0), None).is_err());
+}
+
+/// Loads libgomp into the process's global scope, as torch does in the engine, so that
+/// `Team::find` finds it (cargo tests link no OpenMP runtime of their own).
+fn load_openmp() {
+    // SAFETY: dlopen with a NUL-terminated name; the handle is kept for the process's life.
+    let handle = unsafe { libc::dlopen(c"libgomp.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+    assert!(!handle.is_null(), "libgomp.so.1 (GCC's OpenMP runtime) must be installed for this test");
+}
+
+#[test]
+fn calls_on_the_openmp_team_match_the_reference_and_the_pool() {
+    load_openmp();
+    for pool in engines(2) {
+        let tier = pool.tier();
+        let team = CpuAttention::new(Some(2), Some(tier))
+            .unwrap()
+            .with_inline_below(0)
+            .with_dot_products(pool.dot_products())
+            .with_team();
+        assert!(team.team().is_some());
+        // One pass (no sequence cut) and split-and-merge (6000 tokens on 2 threads).
+        for lens in [&[1, 17, 40, 5, 33][..], &[6000, 1, 2500]] {
+            let c = case(64, 16, 2, 4, lens, true);
+            run_case::<bf16>(&c, &team);
+            run_case_int8::<f32>(&c, &team);
+            let (a, b) = (outputs(&c, &pool), outputs(&c, &team));
+            assert!(a == b, "{tier:?}: the team's output differs from the pool's for {lens:?}");
+        }
+    }
+}
+
+/// One call's output bits (f32, no append).
+fn outputs(c: &Case, attn: &CpuAttention) -> Vec<u32> {
+    let inp = make_inputs::<f32>(c);
+    let mut out = vec![f32::NAN; inp.q.len()];
+    let r = inp.layer_range();
+    let (k, v) = (&inp.k[r.clone()], &inp.v[r]);
+    attn.decode(&inp.q, k, v, &inp.shape, &inp.batch(), &inp.params(c.group), &mut out).unwrap();
+    out.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn the_team_runs_every_index_once_and_reraises_panics() {
+    load_openmp();
+    let team = Team::find(2).expect("an OpenMP runtime is loaded");
+    let seen: Vec<AtomicUsize> = (0..1000).map(|_| AtomicUsize::new(0)).collect();
+    team.for_each_init(seen.len(), || (), |_, i| _ = seen[i].fetch_add(1, Ordering::Relaxed));
+    assert!(seen.iter().all(|n| n.load(Ordering::Relaxed) == 1));
+    let r = std::panic::catch_unwind(|| team.for_each_init(100, || (), |_, i| assert!(i != 37, "item 37")));
+    assert!(r.is_err(), "a panic on the team must reach the caller");
+    // The team still works after it.
+    let total = AtomicUsize::new(0);
+    team.for_each_init(10, || (), |_, i| _ = total.fetch_add(i, Ordering::Relaxed));
+    assert_eq!(total.load(Ordering::Relaxed), 45);
 }

@@ -27,14 +27,22 @@ class CpuAttention:
     """CPU paged decode attention with a persistent thread pool.
 
     ``num_threads`` defaults to ``NEO_RS_CPU_THREADS``, else the machine's cores; ``simd`` to
-    ``NEO_RS_SIMD``, else the best tier of this CPU.
+    ``NEO_RS_SIMD``, else the best tier of this CPU. With ``openmp_team``, ``forward`` runs on the
+    calling thread's OpenMP team of ``num_threads`` threads (torch's intra-op threads) instead of
+    the pool, where an OpenMP runtime is loaded; ``submit`` always uses the pool.
     """
 
-    def __init__(self, num_threads: int | None = None, simd: str | None = None) -> None: ...
+    def __init__(
+        self, num_threads: int | None = None, simd: str | None = None, openmp_team: bool = False
+    ) -> None: ...
     @property
     def simd(self) -> str: ...
     @property
     def num_threads(self) -> int: ...
+    @property
+    def openmp_team(self) -> bool:
+        """Whether ``forward`` runs on the calling thread's OpenMP team (asked for, and an OpenMP
+        runtime is loaded)."""
     @property
     def int8_dot(self) -> bool:
         """Whether int8 caches are read by integer dot products: q·k against q quantized per

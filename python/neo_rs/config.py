@@ -186,6 +186,12 @@ def emulate_async_copies() -> bool:
     return os.environ.get("NEO_RS_EMULATE_ASYNC_COPIES", "") not in ("", "0")
 
 
+def openmp_team() -> bool:
+    """``NEO_RS_OPENMP_TEAM=0``: on a CPU device, the kernel keeps its own thread pool instead of
+    running on torch's OpenMP threads (``runner.cpu_attention``), for comparison."""
+    return os.environ.get("NEO_RS_OPENMP_TEAM", "1") != "0"
+
+
 def device_attention() -> str:
     """``NEO_RS_DEVICE_ATTENTION``: the backend of device decodes on CUDA (``device_decode.py``),
     ``flashinfer``, ``triton`` or ``torch``; default ``auto``, the first of them that imports

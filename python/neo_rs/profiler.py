@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from neo_rs._core import Scheduler
 from neo_rs.attention import DecodeRows, Prefill
-from neo_rs.model.llama import DecoderLayer, Rotary
+from neo_rs.model.llama import DecoderLayer, Rope
 
 if TYPE_CHECKING:
     from neo_rs.runner import ModelRunner
@@ -129,10 +129,8 @@ def _decode_rows(total: int, seqs: int, block_size: int, device: torch.device) -
     return DecodeRows(0, seqs, tables.to(device), lens.to(device), per, tables, lens)
 
 
-def _linear_step(
-    layer: DecoderLayer, rotary: Rotary, x: torch.Tensor, pos: torch.Tensor, o: torch.Tensor
-) -> None:
-    layer.pre_attention(x, pos, rotary)
+def _linear_step(layer: DecoderLayer, rope: Rope, x: torch.Tensor, o: torch.Tensor) -> None:
+    layer.pre_attention(x, rope)
     layer.post_attention(o, x)
 
 
@@ -157,7 +155,8 @@ class _Profiler:
         for t in grid:
             x, o = self.rand(t, hidden), self.rand(t, self.heads, self.head_dim)
             pos = torch.arange(t, device=self.dev) % max_model_len
-            ys.append(self.time(partial(_linear_step, layer, model.rotary, x, pos, o)))
+            rope = model.rotary.at(pos, x.dtype)
+            ys.append(self.time(partial(_linear_step, layer, rope, x, o)))
         return _floats(grid), ys
 
     def prefill(self, grid: list[int]) -> Curve:

@@ -6,6 +6,7 @@ up to the logits of the sampled rows."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,11 +16,12 @@ import torch
 
 from neo_rs._core import CpuAttention, SchedulerOutput
 from neo_rs.attention import Attention, AttentionBatch, PendingCpuAttention
-from neo_rs.config import EngineArgs, ModelConfig, emulate_async_copies
+from neo_rs.config import EngineArgs, ModelConfig, emulate_async_copies, openmp_team
 from neo_rs.errors import InvalidArgumentError
 from neo_rs.kv_cache import KvLayout, KvPool, block_pairs
 from neo_rs.layer_copies import LayerCopies
 from neo_rs.model import load_model
+from neo_rs.model.llama import Rope
 from neo_rs.model.packed import pack_linears, packing_applies
 from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel, rank_device
 from neo_rs.timing import HostWaits, MeasuredTimes, StageClock
@@ -49,6 +51,22 @@ def _prefix_tier_blocks(args: EngineArgs, num_cpu: int, per_block: int) -> int:
     if args.cpu_prefix_cache_gib is None:
         return num_cpu // 4
     return min(num_cpu, int(args.cpu_prefix_cache_gib * (1 << 30)) // per_block)
+
+
+def cpu_attention(args: EngineArgs, device: torch.device) -> CpuAttention:
+    """The Rust kernel's engine. Beside a GPU it has threads of its own (``cpu_threads``, else
+    ``NEO_RS_CPU_THREADS``, else every core), which work while the GPU does. On a CPU device the
+    model and the kernel take turns on the same cores, so one count is both torch's intra-op
+    threads and the kernel's (``cpu_threads`` or ``NEO_RS_CPU_THREADS`` when given, else torch's),
+    and blocking calls run on torch's own OpenMP threads (``rust/attn/team.rs``): never more
+    threads than cores, and none left spinning beside the kernel's."""
+    if device.type != "cpu":
+        return CpuAttention(num_threads=args.cpu_threads)
+    given = args.cpu_threads is not None or bool(os.environ.get("NEO_RS_CPU_THREADS"))
+    threads = args.cpu_threads if given else torch.get_num_threads()
+    attn = CpuAttention(num_threads=threads, openmp_team=openmp_team())
+    torch.set_num_threads(attn.num_threads)
+    return attn
 
 
 @dataclass(frozen=True)
@@ -111,9 +129,7 @@ class ModelRunner:
             args.block_size,
         )
         self.transfer = HostTransfer(device, emulate_async=emulate_async_copies())
-        self.attention = Attention(
-            cfg.head_dim**-0.5, CpuAttention(num_threads=args.cpu_threads), self.transfer
-        )
+        self.attention = Attention(cfg.head_dim**-0.5, cpu_attention(args, device), self.transfer)
         self.last_times = MeasuredTimes()
         # Copies into the host pool not yet waited on: this iteration's swap-outs (waited for
         # before the forward: CPU attention may read them), host-bound prefill rows, staged
@@ -214,7 +230,7 @@ class ModelRunner:
         self,
         i: int,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        rope: Rope,
         batch: AttentionBatch,
         copies: LayerCopies | None,
         clock: StageClock,
@@ -224,7 +240,7 @@ class ModelRunner:
         to the first sub-batch)."""
         model, pool = self.model, self.device_pool
         with clock.span("linear"):
-            q, k, v = model.decoder_layers[i].pre_attention(x, positions, model.rotary)
+            q, k, v = model.decoder_layers[i].pre_attention(x, rope)
         if copies is not None:
             copies.before_writes(i)
         for r, slots in batch.device_writes:
@@ -257,8 +273,9 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Layer by layer; CPU decodes (if any) run while the device attention is issued."""
         attn = self.attention
+        rope = self.model.rotary.at(positions, x.dtype)
         for i in range(len(self.model.decoder_layers)):
-            q, k, v = self._pre(i, x, positions, batch, copies, clock)
+            q, k, v = self._pre(i, x, rope, batch, copies, clock)
             out = torch.empty_like(q)
             pending = attn.run_layer(q, k, v, self.device_pool, self.host_pool, i, batch, out, clock)
             if pending is not None:
@@ -284,15 +301,15 @@ class ModelRunner:
         layers, attn = self.model.decoder_layers, self.attention
         pool, host = self.device_pool, self.host_pool
         x0, x1 = x[b0.tokens], x[b1.tokens]
-        p0, p1 = positions[b0.tokens], positions[b1.tokens]
+        r0, r1 = (self.model.rotary.at(positions[b.tokens], x.dtype) for b in (b0, b1))
 
         def start0(i: int, x0: torch.Tensor) -> tuple[torch.Tensor, PendingCpuAttention | None]:
-            q, k, v = self._pre(i, x0, p0, b0, copies, clock)
+            q, k, v = self._pre(i, x0, r0, b0, copies, clock)
             out = torch.empty_like(q)
             return out, attn.run_layer(q, k, v, pool, host, i, b0, out, clock)
 
         o0, h0 = start0(0, x0)
-        q1, k1, v1 = self._pre(0, x1, p1, b1, None, clock)
+        q1, k1, v1 = self._pre(0, x1, r1, b1, None, clock)
         for i in range(len(layers)):
             if h0 is not None:
                 c = b0.cpu_decodes
@@ -305,5 +322,5 @@ class ModelRunner:
                 o0, h0 = start0(i + 1, x0)
             x1 = self._post(i, self._cpu_result(h1), x1, clock)
             if i + 1 < len(layers):
-                q1, k1, v1 = self._pre(i + 1, x1, p1, b1, None, clock)
+                q1, k1, v1 = self._pre(i + 1, x1, r1, b1, None, clock)
         return torch.cat([x0, x1])

@@ -10,6 +10,7 @@ mod kernel;
 mod membw;
 mod simd;
 mod split;
+mod team;
 
 #[cfg(target_arch = "aarch64")]
 mod aarch64;
@@ -25,6 +26,8 @@ pub use check::{DecodeBatch, DecodeParams, PagedShape};
 pub use dispatch::{DotProducts, Tier};
 pub use element::{quantize_row, DType, Element, KvElement};
 pub use split::Pools;
+use split::Workers;
+pub use team::Team;
 
 use crate::config;
 use crate::error::{NeoError, Result};
@@ -43,6 +46,8 @@ pub struct CpuAttention {
     num_threads: usize,
     inline_below: usize,
     pool: Mutex<PoolSlot>,
+    /// Where blocking calls run instead of the pool, if set (`with_team`).
+    team: Option<Team>,
     /// Reusable merge workspaces, one per call in flight (calls may overlap from several threads).
     workspaces: Mutex<Vec<Vec<f32>>>,
 }
@@ -88,6 +93,7 @@ impl CpuAttention {
             num_threads,
             inline_below: INLINE_BELOW_BYTES,
             pool: Mutex::new(PoolSlot { pid: std::process::id(), pool }),
+            team: None,
             workspaces: Mutex::new(Vec::new()),
         })
     }
@@ -96,6 +102,18 @@ impl CpuAttention {
     pub fn with_inline_below(mut self, bytes: usize) -> Self {
         self.inline_below = bytes;
         self
+    }
+
+    /// Runs calls made outside the pool (blocking ones, not submitted jobs) on the calling
+    /// thread's OpenMP team of `num_threads` threads when an OpenMP runtime is loaded (see
+    /// `team.rs`); whether one was found is `team()`.
+    pub fn with_team(mut self) -> Self {
+        self.team = Team::find(self.num_threads);
+        self
+    }
+
+    pub fn team(&self) -> Option<Team> {
+        self.team
     }
 
     pub fn tier(&self) -> Tier {
@@ -234,13 +252,20 @@ impl CpuAttention {
         out: &mut [E],
     ) -> Result<()> {
         let kernel = self.tier.kernel::<E, K>(self.dots)?;
+        let pool;
         // One thread, or little work: the calling thread does it (no hand-off to wait for).
-        let pool = match self.num_threads > 1 && !self.is_small(shape, batch, size_of::<K>()) {
-            true => Some(self.pool()?),
-            false => None,
+        let workers = if self.num_threads == 1 || self.is_small(shape, batch, size_of::<K>()) {
+            Workers::Caller
+        } else {
+            pool = self.pool()?;
+            match self.team {
+                // Submitted jobs run on the pool's threads, which lead no team of torch's.
+                Some(team) if pool.current_thread_index().is_none() && team.usable_here() => Workers::Team(team),
+                _ => Workers::Pool(&pool),
+            }
         };
         let mut ws = lock(&self.workspaces).pop().unwrap_or_default();
-        split::run(&kernel, pool.as_deref(), q, kv, shape, batch, params, out, &mut ws);
+        split::run(&kernel, &workers, q, kv, shape, batch, params, out, &mut ws);
         lock(&self.workspaces).push(ws);
         Ok(())
     }

@@ -3,12 +3,15 @@
 //! short ones; items run on the pool, then each (sequence, KV head) merges its chunks' partials by
 //! log-sum-exp into the output (in the same pass when no sequence needed cutting).
 
+use std::marker::PhantomData;
+
 use rayon::prelude::*;
 use rayon::ThreadPool;
 
 use crate::attn::check::{DecodeBatch, DecodeParams, PagedShape};
 use crate::attn::element::{Element, KvElement};
 use crate::attn::kernel::{Geometry, Item, NextItem, Scratch};
+use crate::attn::team::Team;
 
 /// Items each thread should get when the batch is big enough (room for work stealing).
 const ITEMS_PER_THREAD: usize = 4;
@@ -38,12 +41,73 @@ struct ItemSpec {
     end: usize,
 }
 
-/// Runs a checked decode call on `pool`, or on the calling thread when `pool` is `None`.
-/// `partials` is a reusable workspace.
+/// Where a call's items run.
+pub(crate) enum Workers<'a> {
+    /// The calling thread alone.
+    Caller,
+    /// The engine's rayon pool.
+    Pool(&'a ThreadPool),
+    /// The calling thread's OpenMP team (`team.rs`).
+    Team(Team),
+}
+
+impl Workers<'_> {
+    fn threads(&self) -> usize {
+        match self {
+            Workers::Caller => 1,
+            Workers::Pool(pool) => pool.current_num_threads(),
+            Workers::Team(team) => team.threads(),
+        }
+    }
+
+    /// `f(state, i)` for every `i` in `0..n`, each worker with its own `state` from `init`.
+    fn for_each_init<S>(&self, n: usize, init: impl Fn() -> S + Sync + Send, f: impl Fn(&mut S, usize) + Sync + Send) {
+        match self {
+            Workers::Caller => {
+                let mut state = init();
+                (0..n).for_each(|i| f(&mut state, i));
+            }
+            Workers::Pool(pool) => pool.install(|| (0..n).into_par_iter().for_each_init(init, f)),
+            Workers::Team(team) => team.for_each_init(n, init, f),
+        }
+    }
+}
+
+/// A slice cut into chunks that the workers of one `for_each_init` write, chunk `i` by the call
+/// for index `i` alone.
+struct Chunks<'a, T> {
+    ptr: *mut T,
+    len: usize,
+    chunk: usize,
+    _slice: PhantomData<&'a mut [T]>,
+}
+
+// SAFETY: a `Chunks` hands out disjoint `&mut` chunks of a slice it borrows mutably; sharing it
+// across threads is sharing that `&mut [T]`, sound for `T: Send`.
+unsafe impl<T: Send> Sync for Chunks<'_, T> {}
+
+impl<'a, T> Chunks<'a, T> {
+    fn new(slice: &'a mut [T], chunk: usize) -> Self {
+        Chunks { ptr: slice.as_mut_ptr(), len: slice.len(), chunk, _slice: PhantomData }
+    }
+
+    /// # Safety
+    /// No two live references may come from the same `i`.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn get(&self, i: usize) -> &mut [T] {
+        let start = (i * self.chunk).min(self.len);
+        let end = (start + self.chunk).min(self.len);
+        // SAFETY: in bounds of the borrowed slice; disjoint from every other index's chunk,
+        // and the caller takes each index once.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), end - start) }
+    }
+}
+
+/// Runs a checked decode call on `workers`. `partials` is a reusable workspace.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run<Q: Element, K: KvElement>(
     kernel: &Kernel<Q, K>,
-    pool: Option<&ThreadPool>,
+    workers: &Workers<'_>,
     q: &[Q],
     kv: &Pools<'_, K>,
     shape: &PagedShape,
@@ -58,7 +122,7 @@ pub(crate) fn run<Q: Element, K: KvElement>(
         num_kv_heads: shape.num_kv_heads,
         group: params.num_q_heads / shape.num_kv_heads,
     };
-    let (items, first_item) = plan(&geo, batch, pool.map_or(1, ThreadPool::current_num_threads));
+    let (items, first_item) = plan(&geo, batch, workers.threads());
     let pl = geo.partial_len();
     let group_len = geo.group * geo.head_dim;
     let attend = |scratch: &mut Scratch, i: usize, partial: &mut [f32]| {
@@ -91,46 +155,34 @@ pub(crate) fn run<Q: Element, K: KvElement>(
     let merge_pair = |sh: usize, out: &mut [Q], partials: &[f32]| {
         merge(&geo, &partials[first_item[sh] * pl..first_item[sh + 1] * pl], out);
     };
+    let pairs = out.len() / group_len;
+    let outs = Chunks::new(out, group_len);
     if first_item.windows(2).all(|w| w[1] - w[0] <= 1) {
         // No sequence was cut into chunks: one pass, each (sequence, head) attended and
         // normalised straight into `out`, its partial never leaving the thread's cache.
-        let fused = |(scratch, partial): &mut (Scratch, Vec<f32>), (sh, out): (usize, &mut [Q])| {
+        let fused = |(scratch, partial): &mut (Scratch, Vec<f32>), sh: usize| {
             let n = first_item[sh + 1] - first_item[sh];
             if n == 1 {
                 attend(scratch, first_item[sh], partial);
             }
-            merge(&geo, &partial[..n * pl], out);
+            // SAFETY: `for_each_init` passes each `sh` once.
+            merge(&geo, &partial[..n * pl], unsafe { outs.get(sh) });
         };
-        let init = || (Scratch::new(&geo, kernel.lanes), vec![0.0; pl]);
-        match pool {
-            Some(pool) => pool.install(|| out.par_chunks_mut(group_len).enumerate().for_each_init(init, fused)),
-            None => {
-                let mut state = init();
-                out.chunks_mut(group_len).enumerate().for_each(|g| fused(&mut state, g));
-            }
-        }
+        workers.for_each_init(pairs, || (Scratch::new(&geo, kernel.lanes), vec![0.0; pl]), fused);
         return;
     }
     partials.resize(items.len() * pl, 0.0);
-    match pool {
-        Some(pool) => pool.install(|| {
-            partials.par_chunks_mut(pl).enumerate().for_each_init(
-                || Scratch::new(&geo, kernel.lanes),
-                |scratch, (i, partial)| attend(scratch, i, partial),
-            );
-            let partials = &partials[..];
-            out.par_chunks_mut(group_len).enumerate().for_each(|(sh, out)| merge_pair(sh, out, partials));
-        }),
-        None => {
-            let mut scratch = Scratch::new(&geo, kernel.lanes);
-            for (i, partial) in partials.chunks_mut(pl).enumerate() {
-                attend(&mut scratch, i, partial);
-            }
-            for (sh, out) in out.chunks_mut(group_len).enumerate() {
-                merge_pair(sh, out, partials);
-            }
-        }
-    }
+    let parts = Chunks::new(partials, pl);
+    workers.for_each_init(
+        items.len(),
+        || Scratch::new(&geo, kernel.lanes),
+        // SAFETY: `for_each_init` passes each item once.
+        |scratch, i| attend(scratch, i, unsafe { parts.get(i) }),
+    );
+    let partials = &partials[..];
+    // SAFETY: `for_each_init` passes each pair once.
+    let merged = |_: &mut (), sh: usize| merge_pair(sh, unsafe { outs.get(sh) }, partials);
+    workers.for_each_init(pairs, || (), merged);
 }
 
 /// Cuts the batch into items; `first_item[s * num_kv_heads + h]` is the first item of that pair

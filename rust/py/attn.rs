@@ -288,10 +288,19 @@ impl Completion {
 #[pymethods]
 impl CpuAttention {
     #[new]
-    #[pyo3(signature = (num_threads=None, simd=None))]
-    fn new(num_threads: Option<usize>, simd: Option<&str>) -> PyResult<Self> {
+    #[pyo3(signature = (num_threads=None, simd=None, openmp_team=false))]
+    fn new(num_threads: Option<usize>, simd: Option<&str>, openmp_team: bool) -> PyResult<Self> {
         let tier = simd.map(Tier::parse).transpose()?;
-        Ok(CpuAttention { engine: Arc::new(attn::CpuAttention::new(num_threads, tier)?) })
+        let engine = attn::CpuAttention::new(num_threads, tier)?;
+        let engine = if openmp_team { engine.with_team() } else { engine };
+        Ok(CpuAttention { engine: Arc::new(engine) })
+    }
+
+    /// Whether `forward` runs on the calling thread's OpenMP team (asked for with
+    /// `openmp_team=True`, and an OpenMP runtime is loaded).
+    #[getter]
+    fn openmp_team(&self) -> bool {
+        self.engine.team().is_some()
     }
 
     #[getter]

@@ -296,3 +296,43 @@ def test_stream_read_reads_every_word():
     words = buf.view(torch.int64)
     want = int(words.sum().item()) % (1 << 64)
     assert neo_rs.CpuAttention(num_threads=2).stream_read(buf) == want
+
+
+def test_openmp_team_matches_the_pool_bit_for_bit():
+    # 7.6 MB of K/V: far above the size that runs on the calling thread; 3000 tokens are cut
+    # into chunks and merged.
+    q, k, v, tables, seq_lens, _, _ = make_case([3000, 40, 700], 8, 2, 128, 16, torch.float32)
+    pool = neo_rs.CpuAttention(num_threads=2)
+    team = neo_rs.CpuAttention(num_threads=2, openmp_team=True)
+    assert team.openmp_team and not pool.openmp_team  # torch brought an OpenMP runtime
+    want = torch.empty_like(q)
+    pool.forward(q, k, v, 1, tables, seq_lens, 0.1, want)
+    torch.testing.assert_close(want, reference(q, k, v, 1, tables, seq_lens, 0.1), atol=1e-4, rtol=1e-4)
+    got = torch.full_like(q, float("nan"))
+    torch.nn.functional.linear(q[0], q[0])  # torch's team has just run
+    team.forward(q, k, v, 1, tables, seq_lens, 0.1, got)
+    assert torch.equal(got, want)
+    submitted = torch.full_like(q, float("nan"))
+    team.submit(q, k, v, 1, tables, seq_lens, 0.1, submitted).wait()  # on the pool's threads
+    assert torch.equal(submitted, want)
+
+
+def test_on_a_cpu_device_one_thread_count_serves_torch_and_the_kernel(monkeypatch):
+    from neo_rs.config import EngineArgs
+    from neo_rs.runner import cpu_attention
+
+    monkeypatch.delenv("NEO_RS_CPU_THREADS", raising=False)
+    before = torch.get_num_threads()
+    try:
+        attn = cpu_attention(EngineArgs(model="demo", cpu_threads=1), torch.device("cpu"))
+        assert (attn.num_threads, torch.get_num_threads(), attn.openmp_team) == (1, 1, True)
+        torch.set_num_threads(2)
+        attn = cpu_attention(EngineArgs(model="demo"), torch.device("cpu"))  # torch's count
+        assert (attn.num_threads, torch.get_num_threads()) == (2, 2)
+        monkeypatch.setenv("NEO_RS_OPENMP_TEAM", "0")
+        assert not cpu_attention(EngineArgs(model="demo"), torch.device("cpu")).openmp_team
+        # Beside a GPU the kernel keeps threads of its own and leaves torch's alone.
+        attn = cpu_attention(EngineArgs(model="demo", cpu_threads=1), torch.device("meta"))
+        assert (attn.num_threads, attn.openmp_team, torch.get_num_threads()) == (1, False, 2)
+    finally:
+        torch.set_num_threads(before)
