@@ -2,7 +2,9 @@
 running CPython's LICENSE.txt, cut into a few sequences run side by side), every decode's
 attention on the CPU (``offload="all"``), ``cpu_kv_dtype="int8"`` against ``"auto"``. Prints
 perplexity of both, greedy top-1 agreement and the mean KL divergence of int8's next-token
-distribution from auto's.
+distribution from auto's. With bfloat16 on a CPU with AVX512_BF16 it also prints the floor of
+those figures: auto against auto with the kernel's bf16 dot products off, two runs that differ
+only in f32 accumulation order.
 
 Teacher forcing goes through the engine itself: the sampler is wrapped so that each sequence's
 next token is the text's, and each step's log-probabilities are recorded.
@@ -14,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sysconfig
 import time
 from pathlib import Path
 
 import neo_rs.engine
 import torch
-from neo_rs import LLM, SamplingParams
+from neo_rs import LLM, CpuAttention, SamplingParams
 from neo_rs.sampling import SampleResult, SampleRow
 
 TEXT = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
@@ -35,7 +38,9 @@ def teacher_forced(model: str, dtype: str, kv: str, seqs: list[list[int]]) -> tu
     recorded: dict[tuple[int, int], torch.Tensor] = {}
     real = neo_rs.engine.sample
 
-    def forced(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator) -> SampleResult:
+    def forced(
+        logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator, mask: object = None
+    ) -> SampleResult:
         logprobs = logits.float().log_softmax(-1)
         tokens = []
         for i, r in enumerate(rows):
@@ -70,19 +75,28 @@ def main() -> None:
     targets = torch.tensor([t for s in seqs for t in s[PROMPT_TOKENS:]])
     print(f"{args.model} ({args.dtype}): {len(targets)} teacher-forced tokens in {args.seqs} sequences")
     runs = {kv: teacher_forced(args.model, args.dtype, kv, seqs) for kv in ("auto", "int8")}
-    (ref, _), (q8, _) = runs["auto"], runs["int8"]
     for kv, (lp, secs) in runs.items():
         nll = -lp.float().gather(1, targets[:, None]).mean().item()
         print(f"{kv:>5}: perplexity {math.exp(nll):8.3f}   ({secs:.0f} s)")
-    ppl_ratio = math.exp(
-        -q8.float().gather(1, targets[:, None]).mean().item()
-        + ref.float().gather(1, targets[:, None]).mean().item()
-    )
-    agree = (q8.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    kl = (ref.float().exp() * (ref.float() - q8.float())).sum(-1).mean().item()
+    ppl_ratio, agree, kl = compare(runs["auto"][0], runs["int8"][0], targets)
     print(f"int8 / auto perplexity: {ppl_ratio:.4f}x (target <= 1.01)")
     print(f"greedy top-1 agreement: {agree:.2%} (target >= 98%)")
     print(f"mean KL(auto || int8): {kl:.2e} nats")
+    if args.dtype == "bfloat16" and CpuAttention(num_threads=1).bf16_dot:
+        # How far two exact-enough bf16 runs already differ: auto again, with the kernel's bf16
+        # dot products off (a different f32 accumulation order, nothing else).
+        os.environ["NEO_RS_BF16_DOT"] = "0"
+        widened, _ = teacher_forced(args.model, args.dtype, "auto", seqs)
+        _, agree, kl = compare(runs["auto"][0], widened, targets)
+        print(f"floor, auto against auto with NEO_RS_BF16_DOT=0: agreement {agree:.2%}, KL {kl:.2e} nats")
+
+
+def compare(ref: torch.Tensor, other: torch.Tensor, targets: torch.Tensor) -> tuple[float, float, float]:
+    """``other``'s perplexity over ``ref``'s, greedy top-1 agreement, mean KL(ref || other)."""
+    nll = [-lp.float().gather(1, targets[:, None]).mean().item() for lp in (ref, other)]
+    agree = (other.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    kl = (ref.float().exp() * (ref.float() - other.float())).sum(-1).mean().item()
+    return math.exp(nll[1] - nll[0]), agree, kl
 
 
 if __name__ == "__main__":

@@ -12,8 +12,13 @@ def advise_huge_pages(tensor: torch.Tensor) -> int:
     0 where the OS does not support it."""
 
 def quantize_rows(src: torch.Tensor, out: torch.Tensor, scales: torch.Tensor) -> None:
-    """Symmetric int8 per row (last dim) of ``src`` into ``out``, one float32 scale per row into
-    ``scales`` (``max|row| / 127``), rounded as the CPU kernel's fused append rounds."""
+    """Each row (last dim) of ``src`` as the int8 host pool stores it, into ``out``: rotated by a
+    normalized Hadamard transform, then symmetric int8 with one float32 scale per row into
+    ``scales`` (``max|rotated row| / 127``), as the CPU kernel's fused append does."""
+
+def dequantize_rows(src: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    """``quantize_rows``' int8 rows and scales read back into the float tensor ``out``
+    (dequantized, then rotated back)."""
 
 class AttentionHandle:
     def wait(self) -> None:

@@ -2,8 +2,10 @@
 layout, K and V each ``[num_layers, num_blocks, num_kv_heads, block_size, head_dim]``: the device
 pool on the model's device in the model dtype, the host pool in CPU memory in the model dtype or
 (``cpu_kv_dtype="int8"``) as int8 rows, each token of each KV head with a float32 scale beside its
-block, ``[num_layers, num_blocks, num_kv_heads, block_size]``. Every write into an int8 pool
-quantizes (``_core.quantize_rows``, the kernel's own rounding); reads for the device dequantize."""
+block, ``[num_layers, num_blocks, num_kv_heads, block_size]``, rows stored rotated (a Hadamard
+transform spreads a large channel over the row, so it does not coarsen the others). Every write
+into an int8 pool quantizes (``_core.quantize_rows``, the kernel's own rotation and rounding);
+reads for the device dequantize (``_core.dequantize_rows``)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from neo_rs._core import advise_huge_pages, quantize_rows
+from neo_rs._core import advise_huge_pages, dequantize_rows, quantize_rows
 
 Slots = tuple[torch.Tensor, torch.Tensor]  # block ids and in-block offsets, one per token
 
@@ -85,11 +87,12 @@ class KvPool:
         """Every layer of blocks ``block_ids`` in the model dtype (dequantized from int8)."""
         if self.k_scale is None or self.v_scale is None:
             return self.k[:, block_ids], self.v[:, block_ids]
-        dtype = self.layout.dtype
-        return tuple(  # type: ignore[return-value]
-            (x[:, block_ids].float() * s[:, block_ids, ..., None]).to(dtype)
-            for x, s in ((self.k, self.k_scale), (self.v, self.v_scale))
-        )
+        out = []
+        for x, s in ((self.k, self.k_scale), (self.v, self.v_scale)):
+            rows = x[:, block_ids]
+            out.append(torch.empty(rows.shape, dtype=self.layout.dtype))
+            dequantize_rows(rows, s[:, block_ids], out[-1])
+        return out[0], out[1]
 
     def poison_blocks(self, index: tuple) -> None:
         """What a copy in flight leaves in whole blocks (the async-copy emulation)."""

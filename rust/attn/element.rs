@@ -3,6 +3,8 @@
 
 use half::{bf16, f16};
 
+use crate::attn::check::MAX_HEAD_DIM;
+use crate::attn::rotation::{quantize_kv_row, round_i8};
 use crate::attn::simd::Simd;
 
 /// A dtype tag that crosses the Python boundary as a string.
@@ -113,9 +115,11 @@ impl Element for bf16 {
 }
 
 /// An element type of the KV pools: the float types as they are, or int8 whose rows (one token of
-/// one KV head) carry an f32 scale beside the block (`x = scale * q`).
+/// one KV head) carry an f32 scale beside the block (`H x = scale * q`: rows are stored rotated,
+/// see `rotation.rs`).
 pub trait KvElement: Copy + Send + Sync + 'static + sealed::Sealed {
-    /// Whether rows carry a scale (the kernel then applies it per token).
+    /// Whether rows carry a scale (the kernel then applies it per token) and are stored rotated
+    /// (`rotation.rs`).
     const SCALED: bool;
     /// The dot products that read this element directly where a tier has them (`dot.rs`).
     #[doc(hidden)]
@@ -190,22 +194,31 @@ impl KvElement for i8 {
         unsafe { S::widen_i8(p) }
     }
     fn store_row<E: Element>(src: &[E], dst: &mut [Self]) -> f32 {
-        quantize_row(src, dst)
+        // Rows are head_dim long, at most MAX_HEAD_DIM (checked before any append).
+        quantize_kv_row(src, dst, &mut [0.0; MAX_HEAD_DIM])
     }
     fn as_i8(pool: &[Self]) -> Option<&[i8]> {
         Some(pool)
     }
 }
 
-/// Symmetric int8 quantization of one row: `dst[i] = round(src[i] / scale)` with
-/// `scale = max|src| / 127`, returned (0 for an all-zero row, which stores zeros).
+/// Symmetric int8 quantization of one row (q for int8 dot products): `dst[i] = round(src[i] /
+/// scale)`, half to even, with `scale = max|src| / 127`, returned (0 for an all-zero row, which
+/// stores zeros). K/V rows go through `rotation::quantize_kv_row`, which rotates them first.
 #[inline(always)]
 pub fn quantize_row<E: Element>(src: &[E], dst: &mut [i8]) -> f32 {
-    let amax = src.iter().fold(0f32, |m, x| m.max(x.to_f32().abs()));
+    // Sixteen running maxima, so the loop vectorizes (a single fold would be serial).
+    let mut lanes = [0f32; 16];
+    for chunk in src.chunks(16) {
+        for (m, x) in lanes.iter_mut().zip(chunk) {
+            *m = m.max(x.to_f32().abs());
+        }
+    }
+    let amax = lanes.iter().fold(0f32, |m, &x| m.max(x));
     let scale = amax / 127.0;
     let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
     for (d, x) in dst.iter_mut().zip(src) {
-        *d = (x.to_f32() * inv).round().clamp(-127.0, 127.0) as i8;
+        *d = round_i8(x.to_f32() * inv);
     }
     scale
 }

@@ -10,6 +10,7 @@ use std::ops::Range;
 
 use crate::attn::dot::{self, group_tile, scatter_scores, tile_rows, Rows};
 use crate::attn::element::{Element, KvElement};
+use crate::attn::rotation;
 use crate::attn::simd::Simd;
 
 /// Blocks ahead of the current one whose K/V tiles are prefetched into L2.
@@ -176,6 +177,12 @@ pub(crate) unsafe fn attend_item<S: Simd, Q: Element, K: KvElement, const DOT: u
             *x = y.to_f32() * it.scale;
         }
     }
+    if K::SCALED {
+        // int8 rows are stored rotated: score them against q rotated the same way.
+        for g in 0..group {
+            rotation::rotate(&mut scratch.q[g * dp..g * dp + d]);
+        }
+    }
     scratch.acc.fill(0.0);
     scratch.max.fill(f32::NEG_INFINITY);
     scratch.sum.fill(0.0);
@@ -272,6 +279,10 @@ pub(crate) unsafe fn attend_item<S: Simd, Q: Element, K: KvElement, const DOT: u
     }
     for g in 0..group {
         partial[g * d..(g + 1) * d].copy_from_slice(&scratch.acc[g * dp..g * dp + d]);
+    }
+    if K::SCALED {
+        // Sums of rotated V rows, rotated back (the merge that follows is linear in them).
+        partial[..group * d].chunks_exact_mut(d).for_each(rotation::rotate);
     }
     partial[group * d..group * (d + 1)].copy_from_slice(&scratch.max);
     partial[group * (d + 1)..].copy_from_slice(&scratch.sum);

@@ -8,6 +8,7 @@ mod dot;
 pub mod element;
 mod kernel;
 mod membw;
+pub mod rotation;
 mod simd;
 mod split;
 mod team;

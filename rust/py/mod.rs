@@ -48,6 +48,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(simd_tiers, m)?)?;
     m.add_function(wrap_pyfunction!(advise_huge_pages, m)?)?;
     m.add_function(wrap_pyfunction!(quant::quantize_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(quant::dequantize_rows, m)?)?;
     m.add_class::<attn::CpuAttention>()?;
     m.add_class::<attn::AttentionHandle>()?;
     m.add_class::<sched::Scheduler>()?;

@@ -79,12 +79,19 @@ def test_matches_sdpa(attn, dtype, hq, hkv, d, bs, append):
 
 
 def quantize(x):
-    """Symmetric int8 per row of the last dim, as the host pool stores it: (int8 rows, float32
-    scales)."""
+    """Rows of the last dim as the host pool stores them (rotated, symmetric int8): (int8 rows,
+    float32 scales)."""
     x = x.contiguous()
     q, scale = torch.empty(x.shape, dtype=torch.int8), torch.empty(x.shape[:-1], dtype=torch.float32)
     neo_rs._core.quantize_rows(x, q, scale)
     return q, scale
+
+
+def dequantize(q, scale):
+    """``quantize``'s rows read back (float32)."""
+    out = torch.empty(q.shape, dtype=torch.float32)
+    neo_rs._core.dequantize_rows(q, scale, out)
+    return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -97,10 +104,10 @@ def test_int8_cache_matches_sdpa_on_dequantized_rows(attn, dtype, append):
     out = torch.empty_like(q)
     extra = dict(new_k=new_k, new_v=new_v) if append else {}
     attn.forward(q, k8, v8, layer, tables, seq_lens, scale, out, k_scale=ks, v_scale=vs, **extra)
-    deq_k, deq_v = k8.float() * ks[..., None], v8.float() * vs[..., None]
-    if attn.int8_dot:  # the kernel quantizes q per head (after the softmax scale) for q·k
-        q8, qs = quantize(q.float() * scale)
-        q = q8.float() * qs[..., None] / scale
+    deq_k, deq_v = dequantize(k8, ks), dequantize(v8, vs)
+    if attn.int8_dot:  # the kernel quantizes q per head (after the softmax scale, rotated like
+        # the rows) for q·k: as a K/V row is quantized and read back
+        q = dequantize(*quantize(q.float() * scale)) / scale
     if append:  # the new rows were quantized into their slots, scales beside them
         for s, n in enumerate(lens):
             blk, pos = tables[s, (n - 1) // bs].item(), (n - 1) % bs

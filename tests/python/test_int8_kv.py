@@ -1,8 +1,9 @@
-"""The int8 host pool (``cpu_kv_dtype="int8"``): every write quantizes with the kernel's rounding,
-reads for the device dequantize, copies in flight poison it under the emulation; with every
-decode on the CPU, greedy tokens equal Hugging Face's with a cache that stores int8 rows the same
-way (the prompt attends to itself at full precision, as it does on the device) and, where the
-kernel takes q·k as int8 dot products, an attention that quantizes each decode's q the same way."""
+"""The int8 host pool (``cpu_kv_dtype="int8"``): every write rotates and quantizes with the
+kernel's rounding, reads for the device dequantize and rotate back, copies in flight poison it
+under the emulation; with every decode on the CPU, greedy tokens equal Hugging Face's with a cache
+that stores int8 rows the same way (the prompt attends to itself at full precision, as it does on
+the device) and, where the kernel takes q·k as int8 dot products, an attention that quantizes
+each decode's q the same way."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from conftest import ARCHS, assert_all_blocks_free
 from neo_rs import LLM, CpuAttention, InvalidArgumentError, SamplingParams
-from neo_rs._core import quantize_rows
+from neo_rs._core import dequantize_rows, quantize_rows
 from neo_rs.kv_cache import INT8_POISON, KvLayout, KvPool
 from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -27,20 +28,45 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def round_trip(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as an int8 row stores it: quantized per row of the last dim, then dequantized."""
+    """``x`` as an int8 row stores it: quantized per row of the last dim, then read back."""
     q, s = quantize(x.float())
-    return (q.float() * s[..., None]).to(x.dtype)
+    out = torch.empty(x.shape, dtype=torch.float32)
+    dequantize_rows(q, s, out)
+    return out.to(x.dtype)
 
 
-def test_quantize_rows_is_symmetric_per_row_and_rejects_bad_buffers() -> None:
+def test_quantize_rows_rotates_then_quantizes_symmetrically_and_rejects_bad_buffers() -> None:
     x = torch.tensor([[0.5, -1.0, 0.25, 0.0], [0.0, 0.0, 0.0, 0.0], [3.0, 2.0, -6.0, 1.0]])
     q, s = quantize(x)
-    assert s.tolist() == pytest.approx([1 / 127, 0.0, 6 / 127])
-    assert q.tolist() == [[64, -127, 32, 0], [0, 0, 0, 0], [64, 42, -127, 21]]
+    # Rows times the normalized 4x4 Hadamard matrix (Sylvester's), then int8 on max|row| / 127:
+    # [0.5, -1, 0.25, 0] -> [-0.125, 0.875, -0.375, 0.625], [3, 2, -6, 1] -> [0, -3, 5, 4].
+    h4 = torch.tensor([[1, 1, 1, 1], [1, -1, 1, -1], [1, 1, -1, -1], [1, -1, -1, 1]]) / 2.0
+    assert torch.equal(x @ h4, torch.tensor([[-0.125, 0.875, -0.375, 0.625], [0] * 4, [0, -3, 5, 4]]).float())
+    assert s.tolist() == pytest.approx([0.875 / 127, 0.0, 5 / 127])
+    assert q.tolist() == [[-18, 127, -54, 91], [0, 0, 0, 0], [0, -76, 127, 102]]
+    # Read back: dequantized and rotated back, within half a step of each rotated value.
+    back = round_trip(x)
+    assert (back - x).abs().max() <= (s[:, None] / 2 * 4**0.5).max()
+    assert back[1].eq(0).all()
     with pytest.raises(TypeError):  # DTypeError: the scales must be float32
         quantize_rows(x, q, s.double())
     with pytest.raises(ValueError):  # ShapeError
         quantize_rows(x, q[:2], s)
+    with pytest.raises(TypeError):  # DTypeError: rows are read back from int8
+        dequantize_rows(q.float(), s, torch.empty(3, 4))
+    with pytest.raises(ValueError):  # ShapeError
+        dequantize_rows(q, s[:2], torch.empty(3, 4))
+
+
+def test_a_large_channel_does_not_coarsen_the_rest_of_its_row() -> None:
+    # A RoPE'd key with one large channel: plain int8 would step every channel by 100/127 (rms
+    # error about 0.23); rotated first, the row's max is about 100/8 plus a few, so the error on
+    # the other channels stays several times smaller.
+    torch.manual_seed(0)
+    x = torch.rand(16, 64) * 2 - 1
+    x[:, 5] = 100.0
+    rms = (round_trip(x) - x)[:, torch.arange(64) != 5].pow(2).mean().sqrt().item()
+    assert rms < 0.1
 
 
 def test_int8_pool_writes_quantize_and_reads_dequantize() -> None:
