@@ -370,7 +370,7 @@ fn case(
 fn head_dims_and_gqa_ratios() {
     let engines = engines(2);
     for (i, &d) in [64, 80, 96, 128, 256, 8, 24].iter().enumerate() {
-        for &group in &[1, 2, 4, 7, 8] {
+        for &group in &[1, 2, 3, 4, 7, 8] {
             let mut c = case(d, 16, 2, group, &[1, 17, 40, 5], i % 2 == 0);
             c.seed = (i * 31 + group) as u64;
             run_all_dtypes(&c, &engines);
