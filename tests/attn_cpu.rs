@@ -255,6 +255,23 @@ fn hadamard_f64(x: &mut [f64]) {
     }
 }
 
+#[test]
+fn rotation_is_the_hadamard_matrix_orthonormal_and_its_own_inverse() {
+    let mut rng = Rng(7);
+    for len in [8, 16, 24, 48, 64, 80, 96, 128, 256] {
+        let x: Vec<f32> = rng.vec(len, 1.0);
+        let mut want: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+        hadamard_f64(&mut want);
+        let mut y = x.clone();
+        rotate(&mut y);
+        assert!(y.iter().zip(&want).all(|(a, b)| (*a as f64 - b).abs() < 1e-5), "len {len}");
+        let norm = |v: &[f32]| v.iter().map(|a| a * a).sum::<f32>();
+        assert!((norm(&x) - norm(&y)).abs() < 1e-4 * norm(&x), "norm kept, len {len}");
+        rotate(&mut y);
+        assert!(x.iter().zip(&y).all(|(a, b)| (a - b).abs() < 1e-5), "len {len} back");
+    }
+}
+
 /// Int8 pools: `k`/`v` quantized row by row as the pool stores them (rotated, one scale per
 /// token and KV head), the kernel run on them with q and out in `E`. The f64 reference runs on
 /// the stored rows dequantized (the new rows as the fused append quantizes them) against q

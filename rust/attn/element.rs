@@ -4,7 +4,7 @@
 use half::{bf16, f16};
 
 use crate::attn::check::MAX_HEAD_DIM;
-use crate::attn::rotation::{quantize_kv_row, round_i8};
+use crate::attn::rotation::quantize_kv_row;
 use crate::attn::simd::Simd;
 
 /// A dtype tag that crosses the Python boundary as a string.
@@ -221,4 +221,37 @@ pub fn quantize_row<E: Element>(src: &[E], dst: &mut [i8]) -> f32 {
         *d = round_i8(x.to_f32() * inv);
     }
     scale
+}
+
+/// `x` rounded half to even and clamped to ±127 (NaN gives 0). Adding 1.5 * 2^23 leaves the
+/// integer in the low bits of f32's mantissa, rounded by the FPU's own mode: integer arithmetic
+/// on those bits vectorizes on every tier, where `f32::round` is a libm call and a float to i8
+/// cast is scalar.
+#[inline(always)]
+fn round_i8(x: f32) -> i8 {
+    const MAGIC: f32 = 12_582_912.0;
+    ((x.clamp(-127.0, 127.0) + MAGIC).to_bits() as i32 - MAGIC.to_bits() as i32) as i8
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounding_is_half_to_even_and_clamped() {
+        let cases = [
+            (0.5, 0),
+            (1.5, 2),
+            (-2.5, -2),
+            (2.4999, 2),
+            (-0.7, -1),
+            (127.4, 127),
+            (-127.5, -127),
+            (1e9, 127),
+            (f32::NAN, 0),
+        ];
+        for (x, want) in cases {
+            assert_eq!(round_i8(x), want, "{x}");
+        }
+    }
 }
