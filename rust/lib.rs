@@ -5,7 +5,6 @@
 pub mod attn;
 pub mod config;
 pub mod error;
-pub mod hugepages;
 pub mod kv;
 pub mod sched;
 

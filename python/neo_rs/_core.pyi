@@ -7,10 +7,6 @@ import torch
 def simd_tiers() -> list[str]:
     """SIMD tiers this CPU supports, slowest first (``scalar``, ``avx2``, ``avx512``, ``neon``)."""
 
-def advise_huge_pages(tensor: torch.Tensor) -> int:
-    """Ask for 2 MiB pages under a CPU tensor not yet written (a KV pool): the bytes advised,
-    0 where the OS does not support it."""
-
 def quantize_rows(src: torch.Tensor, out: torch.Tensor, scales: torch.Tensor) -> None:
     """Each row (last dim) of ``src`` as the int8 host pool stores it, into ``out``: rotated by a
     normalized Hadamard transform, then symmetric int8 with one float32 scale per row into

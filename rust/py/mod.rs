@@ -35,18 +35,9 @@ fn simd_tiers() -> Vec<&'static str> {
     crate::attn::Tier::supported().into_iter().map(|t| t.name()).collect()
 }
 
-/// Asks for 2 MiB pages under a CPU tensor not yet written (a KV pool); returns the bytes advised.
-#[pyfunction]
-fn advise_huge_pages(tensor: &Bound<'_, PyAny>) -> PyResult<usize> {
-    let t = tensor::TensorRef::extract(tensor, "tensor")?;
-    let bytes = t.bytes();
-    Ok(crate::hugepages::advise_huge_pages(bytes.start, bytes.len()))
-}
-
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(simd_tiers, m)?)?;
-    m.add_function(wrap_pyfunction!(advise_huge_pages, m)?)?;
     m.add_function(wrap_pyfunction!(quant::quantize_rows, m)?)?;
     m.add_function(wrap_pyfunction!(quant::dequantize_rows, m)?)?;
     m.add_class::<attn::CpuAttention>()?;
