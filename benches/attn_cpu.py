@@ -6,16 +6,20 @@ tokens x all KV heads, what matters across dtypes). `int8` rows: int8 pools with
 scales (bytes counted with the scales), q and out in bfloat16; their torch baseline runs on the
 bfloat16 pages, and k/torch compares tokens per second. Figures only; not a CI gate.
 `--huge-pages` backs the pools and the read buffer with 2 MiB pages (the engine's pools are not:
-see `kv_cache.py`).
+see `kv_cache.py`). `--cold` gives each call blocks the caches no longer hold: the pool holds
+copies of the batch's blocks, over 2 GiB in all, and the calls take them in turn, as the engine
+reads a host pool far larger than the LLC (a 1-layer pool of one batch otherwise stays in a large
+LLC between calls, and the kernel then outruns the streaming read).
 `--compare-dots` adds the Mtok/s of the widening path (no int8/bf16 dot products) measured
 alternately with the default one, and their ratio.
 
     python benches/attn_cpu.py [--quick] [--threads 1,2] [--dtype bfloat16,float32,int8] [--huge-pages]
-                               [--compare-dots]
+                               [--cold] [--compare-dots]
 """
 
 import argparse
 import functools
+import itertools
 import math
 import mmap
 import os
@@ -30,6 +34,7 @@ from neo_rs._core import quantize_rows
 MODELS = {"llama3-8b": (32, 8), "llama2-7b": (32, 32)}  # (q heads, kv heads), head_dim 128
 SHAPES = [(1, 8192), (16, 2048), (64, 512), (256, 256)]
 HEAD_DIM, BLOCK = 128, 16
+COLD_BYTES = 2 << 30  # --cold: over 4x the LLC of the VMs we measure on (480 MiB)
 
 
 def timed(fn, reps):
@@ -86,16 +91,27 @@ def empty(shape, dtype, huge):
     return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
 
 
-def setup(hq, hkv, batch, ctx, dtype, huge=False):
+def setup(hq, hkv, batch, ctx, dtype, huge=False, copies=1):
+    """q, a one-layer pool holding `copies` disjoint sets of the batch's blocks (the same values in
+    each), one block table per set (`[copies, batch, blocks]`), and the context lengths."""
     max_blocks = ctx // BLOCK
     nb = batch * max_blocks
     g = torch.Generator().manual_seed(0)
     shape = (1, nb, hkv, BLOCK, HEAD_DIM)
-    k = empty(shape, dtype, huge).copy_(torch.randn(shape, generator=g))
-    v = empty(shape, dtype, huge).copy_(torch.randn(shape, generator=g))
-    tables = torch.randperm(nb, generator=g).to(torch.int32).reshape(batch, max_blocks)
+    k, v = (empty((1, copies * nb, hkv, BLOCK, HEAD_DIM), dtype, huge) for _ in range(2))
+    for x in (k, v):
+        x.view(copies, nb, hkv, BLOCK, HEAD_DIM).copy_(torch.randn(shape, generator=g))
+    tables = torch.stack([torch.randperm(nb, generator=g) + c * nb for c in range(copies)])
+    tables = tables.to(torch.int32).reshape(copies, batch, max_blocks)
     q = torch.randn(batch, hq, HEAD_DIM, generator=g).to(dtype)
     return q, k, v, tables, torch.full((batch,), ctx, dtype=torch.int32)
+
+
+def cycling(fn, tables):
+    """A call of `fn` on the next block table, round robin: with `--cold`, each call reads blocks
+    that the calls since its table's last turn (over 2 GiB) have pushed out of the caches."""
+    turn = itertools.cycle(tables)
+    return lambda: fn(next(turn))
 
 
 def quantize(x):
@@ -105,18 +121,25 @@ def quantize(x):
     return q, scale
 
 
-def torch_baseline(q, k, v, tables, scale):
-    """Gather + SDPA per sequence into a reused workspace (the anchor's method a)."""
+def kernel_call(engine, q, k, v, lens, scale, out, kwargs, tables):
+    """`engine`'s attention over layer 0 of the pools `k`/`v`, on the block tables in turn."""
+    return cycling(lambda t: engine.forward(q, k, v, 0, t, lens, scale, out, **kwargs), tables)
+
+
+def torch_baseline(q, k, v, scale):
+    """Gather + SDPA per sequence into a reused workspace (the anchor's method a), as a function
+    of the block table."""
     batch, hq, d = q.shape
     _, nb, hkv, bs, _ = k.shape
     kc, vc = k[0].view(nb, hkv, bs * d), v[0].view(nb, hkv, bs * d)
-    mb = tables.shape[1]
-    wk = torch.empty(hkv, mb, bs * d, dtype=k.dtype)
-    wv = torch.empty_like(wk)
-    out = torch.empty(batch, hq, d, dtype=q.dtype)
-    idx = tables.long()
+    wk, wv, out = None, None, torch.empty(batch, hq, d, dtype=q.dtype)
 
-    def run():
+    def run(tables):
+        nonlocal wk, wv
+        mb, idx = tables.shape[1], tables.long()
+        if wk is None:
+            wk = torch.empty(hkv, mb, bs * d, dtype=k.dtype)
+            wv = torch.empty_like(wk)
         for s in range(batch):
             torch.index_select(kc, 0, idx[s], out=wk.transpose(0, 1))
             torch.index_select(vc, 0, idx[s], out=wv.transpose(0, 1))
@@ -134,6 +157,9 @@ def main():
     ap.add_argument("--dtype", default="bfloat16,float32,int8")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--huge-pages", action="store_true", help="2 MiB pages under pools and read buffer")
+    ap.add_argument(
+        "--cold", action="store_true", help="each call on blocks out of the caches (2 GiB of copies in turn)"
+    )
     ap.add_argument(
         "--compare-dots", action="store_true", help="also time the widening path (no dot products)"
     )
@@ -162,30 +188,30 @@ def main():
             for dtype in dtypes:
                 for batch, ctx in shapes:
                     int8 = dtype == "int8"
-                    q, k, v, tables, lens = setup(
-                        hq, hkv, batch, ctx, torch.bfloat16 if int8 else getattr(torch, dtype), a.huge_pages
-                    )
+                    pool_dtype = torch.bfloat16 if int8 else getattr(torch, dtype)
+                    per_copy = 2 * batch * ctx * hkv * HEAD_DIM * pool_dtype.itemsize
+                    copies = -(-COLD_BYTES // per_copy) if a.cold else 1
+                    q, k, v, tables, lens = setup(hq, hkv, batch, ctx, pool_dtype, a.huge_pages, copies)
                     out = torch.empty_like(q)
                     scale = HEAD_DIM**-0.5
-                    args, kwargs = (q, k, v, 0, tables, lens, scale, out), {}
-                    kv_bytes = 2 * k.numel() * k.element_size()
+                    pools, kwargs = (k, v), {}
+                    kv_bytes = per_copy
                     if int8:
                         (k8, ks), (v8, vs) = quantize(k), quantize(v)
-                        args, kwargs = (q, k8, v8, 0, tables, lens, scale, out), dict(k_scale=ks, v_scale=vs)
-                        base_bytes, kv_bytes = kv_bytes, 2 * (k8.numel() + 4 * ks.numel())
-                    call = functools.partial(attn.forward, *args, **kwargs)
+                        pools, kwargs = (k8, v8), dict(k_scale=ks, v_scale=vs)
+                        base_bytes, kv_bytes = kv_bytes, 2 * batch * ctx * hkv * (HEAD_DIM + 4)
+                    args = (q, *pools, lens, scale, out, kwargs, tables)
+                    call = kernel_call(attn, *args)
                     # Measured back to back so the ratios share the machine's current state.
                     bw = read_bandwidth(attn, buf, reps)
                     secs = timed(call, reps)
                     torch.set_num_threads(t)
-                    base_secs = timed(torch_baseline(q, k, v, tables, scale), max(3, reps // 3))
+                    base_secs = timed(cycling(torch_baseline(q, k, v, scale), tables), max(3, reps // 3))
                     kern, base = kv_bytes / secs / 1e9, (base_bytes if int8 else kv_bytes) / base_secs / 1e9
                     mtok = batch * ctx / secs / 1e6
                     extra = ""
                     if widen is not None:
-                        ours, theirs = timed_pair(
-                            call, functools.partial(widen.forward, *args, **kwargs), reps
-                        )
+                        ours, theirs = timed_pair(call, kernel_call(widen, *args), reps)
                         extra = f" {batch * ctx / theirs / 1e6:5.1f} {theirs / ours:9.2f}"
                     print(
                         f"{name:10} {dtype:9} {f'{batch}x{ctx}':>8} {t:>3} {kern:11.1f} {bw:9.1f} "
