@@ -4,7 +4,9 @@ and (b) torch's CPU baseline (gather the pages into a reused workspace + SDPA). 
 read and the ratios kernel / bandwidth and kernel / torch, and KV tokens per second (millions of
 tokens x all KV heads, what matters across dtypes). `int8` rows: int8 pools with their f32 row
 scales (bytes counted with the scales), q and out in bfloat16; their torch baseline runs on the
-bfloat16 pages, and k/torch compares tokens per second. Figures only; not a CI gate.
+bfloat16 pages, and k/torch compares tokens per second. `tiles GB/s` reads the tiles the call
+reads, in its order, with no arithmetic (`gather_read`): what the access pattern alone reaches,
+and `k/tiles` the kernel's share of it. Figures only; not a CI gate.
 `--huge-pages` backs the pools and the read buffer with 2 MiB pages (the engine's pools are not:
 see `kv_cache.py`). `--cold` gives each call blocks the caches no longer hold: the pool holds
 copies of the batch's blocks, over 2 GiB in all, and the calls take them in turn, as the engine
@@ -121,6 +123,15 @@ def quantize(x):
     return q, scale
 
 
+def tile_read(attn, tables, pools, hkv):
+    """The call's memory accesses without its arithmetic: every (sequence, KV head) tile of each
+    pool in `pools` (K, V and int8 rows' scales), in block-table order, on the table in turn."""
+    heads = torch.arange(hkv, dtype=torch.int32)[None, :, None]
+    orders = [(t[:, None, :] * hkv + heads).reshape(-1).contiguous() for t in tables]
+    runs = [(p, p[0, 0, 0].numel() * p.element_size()) for p in pools]
+    return cycling(lambda order: [attn.gather_read(p, run, order) for p, run in runs], orders)
+
+
 def kernel_call(engine, q, k, v, lens, scale, out, kwargs, tables):
     """`engine`'s attention over layer 0 of the pools `k`/`v`, on the block tables in turn."""
     return cycling(lambda t: engine.forward(q, k, v, 0, t, lens, scale, out, **kwargs), tables)
@@ -177,7 +188,7 @@ def main():
     print(f"neo_rs {neo_rs.__version__}: SIMD tiers {neo_rs.simd_tiers()}")
     print(
         f"{'model':10} {'dtype':9} {'BxL':>8} {'thr':>3} {'kernel GB/s':>11} {'read GB/s':>9} "
-        f"{'torch GB/s':>10} {'k/bw':>6} {'k/torch':>7} {'Mtok/s':>7}"
+        f"{'torch GB/s':>10} {'k/bw':>6} {'k/torch':>7} {'Mtok/s':>7} {'tiles GB/s':>10} {'k/tiles':>7}"
         + (" widen dots/widen" if a.compare_dots else "")
     )
     buf = empty(1 << 28, torch.float32, a.huge_pages).fill_(1.0)  # 1 GiB, touched once
@@ -194,17 +205,18 @@ def main():
                     q, k, v, tables, lens = setup(hq, hkv, batch, ctx, pool_dtype, a.huge_pages, copies)
                     out = torch.empty_like(q)
                     scale = HEAD_DIM**-0.5
-                    pools, kwargs = (k, v), {}
+                    pools, kwargs, read = (k, v), {}, (k, v)
                     kv_bytes = per_copy
                     if int8:
                         (k8, ks), (v8, vs) = quantize(k), quantize(v)
-                        pools, kwargs = (k8, v8), dict(k_scale=ks, v_scale=vs)
+                        pools, kwargs, read = (k8, v8), dict(k_scale=ks, v_scale=vs), (k8, v8, ks, vs)
                         base_bytes, kv_bytes = kv_bytes, 2 * batch * ctx * hkv * (HEAD_DIM + 4)
                     args = (q, *pools, lens, scale, out, kwargs, tables)
                     call = kernel_call(attn, *args)
                     # Measured back to back so the ratios share the machine's current state.
                     bw = read_bandwidth(attn, buf, reps)
                     secs = timed(call, reps)
+                    tiles = kv_bytes / timed(tile_read(attn, tables, read, hkv), reps) / 1e9
                     torch.set_num_threads(t)
                     base_secs = timed(cycling(torch_baseline(q, k, v, scale), tables), max(3, reps // 3))
                     kern, base = kv_bytes / secs / 1e9, (base_bytes if int8 else kv_bytes) / base_secs / 1e9
@@ -215,7 +227,8 @@ def main():
                         extra = f" {batch * ctx / theirs / 1e6:5.1f} {theirs / ours:9.2f}"
                     print(
                         f"{name:10} {dtype:9} {f'{batch}x{ctx}':>8} {t:>3} {kern:11.1f} {bw:9.1f} "
-                        f"{base:10.1f} {kern / bw:6.2f} {base_secs / secs:7.1f} {mtok:7.1f}{extra}",
+                        f"{base:10.1f} {kern / bw:6.2f} {base_secs / secs:7.1f} {mtok:7.1f} {tiles:10.1f} "
+                        f"{kern / tiles:7.2f}{extra}",
                         flush=True,
                     )
     dots = ", ".join(name for name, on in (("int8", attn.int8_dot), ("bf16", attn.bf16_dot)) if on) or "none"

@@ -84,6 +84,10 @@ class CpuAttention:
         """
     def stream_read(self, buf: torch.Tensor) -> int:
         """Read every byte of ``buf`` once on this engine's pool; time it for the read bandwidth."""
+    def gather_read(self, buf: torch.Tensor, run_bytes: int, order: torch.Tensor) -> int:
+        """Read the ``run_bytes``-byte runs of ``buf`` at the run indices of the int32 tensor
+        ``order``, in that order, on this engine's pool; time it with KV tiles as runs in block-table
+        order for what the kernel's memory accesses alone reach."""
     def submit(
         self,
         q: torch.Tensor,

@@ -412,6 +412,36 @@ impl CpuAttention {
         Ok(py.detach(|| engine.stream_read(words))?)
     }
 
+    /// Reads the `run_bytes`-byte runs of a CPU tensor at the run indices of the int32 tensor
+    /// `order`, in that order, on this engine's pool (GIL released), and returns a checksum: time
+    /// it for what the kernel's access pattern alone reaches.
+    fn gather_read(
+        &self,
+        py: Python<'_>,
+        buf: Bound<'_, PyAny>,
+        run_bytes: usize,
+        order: Bound<'_, PyAny>,
+    ) -> PyResult<u64> {
+        let (t, o) = (TensorRef::extract(&buf, "buf")?, TensorRef::extract(&order, "order")?);
+        o.require_int32()?;
+        let bytes = t.numel() * t.elem_size();
+        ensure!(
+            t.addr.is_multiple_of(8) && bytes.is_multiple_of(8) && run_bytes.is_multiple_of(8),
+            Value,
+            "buf and run_bytes must be 8-byte aligned and sized"
+        );
+        let engine = &self.engine;
+        // SAFETY: live, contiguous CPU tensors (`bytes` bytes at an 8-aligned address; `order`'s
+        // int32 elements), held by `buf` and `order` for the whole call; both are only read.
+        let (words, order) = unsafe {
+            (
+                std::slice::from_raw_parts(t.addr as *const u64, bytes / 8),
+                std::slice::from_raw_parts(o.addr as *const i32, o.numel()),
+            )
+        };
+        Ok(py.detach(|| engine.gather_read(words, run_bytes / 8, order))?)
+    }
+
     fn __repr__(&self) -> String {
         format!("CpuAttention(simd={:?}, num_threads={})", self.simd(), self.num_threads())
     }

@@ -305,6 +305,21 @@ def test_stream_read_reads_every_word():
     assert neo_rs.CpuAttention(num_threads=2).stream_read(buf) == want
 
 
+def test_gather_read_reads_the_runs_in_order():
+    words = torch.arange(4096, dtype=torch.int64)
+    buf = words.view(torch.float32)  # the same bytes, in a dtype the binding takes
+    runs = words.view(256, 16)  # runs of 16 words (128 bytes)
+    order = torch.tensor([5, 255, 0, 5, 17], dtype=torch.int32)
+    attn = neo_rs.CpuAttention(num_threads=2)
+    assert attn.gather_read(buf, 128, order) == int(runs[order.long()].sum())
+    with pytest.raises(neo_rs.InvalidArgumentError, match="outside"):
+        attn.gather_read(buf, 128, torch.tensor([256], dtype=torch.int32))
+    with pytest.raises(neo_rs.InvalidArgumentError, match="8-byte"):
+        attn.gather_read(buf, 12, order)
+    with pytest.raises(neo_rs.DTypeError):
+        attn.gather_read(buf, 128, order.float())
+
+
 def test_openmp_team_matches_the_pool_bit_for_bit():
     # 7.6 MB of K/V: far above the size that runs on the calling thread; 3000 tokens are cut
     # into chunks and merged.
