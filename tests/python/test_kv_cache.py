@@ -10,8 +10,7 @@ HUGE = 2 << 20
 
 
 def advised(addr: int) -> bool:
-    """Whether the mapping holding ``addr`` is marked for huge pages (``hg`` in its VmFlags).
-    Whether the kernel then finds free 2 MiB pages depends on the machine's memory."""
+    """Whether the mapping holding ``addr`` was advised to use huge pages (``hg`` in its VmFlags)."""
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
