@@ -86,7 +86,7 @@ def empty(shape, dtype, huge):
         return torch.empty(shape, dtype=dtype)
     # An anonymous mapping advised before its first write, so that the kernel backs it with 2 MiB
     # pages where it can (THP in `madvise` mode); the tensor keeps the mapping alive.
-    numel = math.prod(shape) if isinstance(shape, tuple) else shape
+    numel = math.prod(shape)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared memory gets no THP
     buf.madvise(mmap.MADV_HUGEPAGE)
@@ -191,7 +191,7 @@ def main():
         f"{'torch GB/s':>10} {'k/bw':>6} {'k/torch':>7} {'Mtok/s':>7} {'tiles GB/s':>10} {'k/tiles':>7}"
         + (" widen dots/widen" if a.compare_dots else "")
     )
-    buf = empty(1 << 28, torch.float32, a.huge_pages).fill_(1.0)  # 1 GiB, touched once
+    buf = empty((1 << 28,), torch.float32, a.huge_pages).fill_(1.0)  # 1 GiB, touched once
     for t in threads:
         attn = neo_rs.CpuAttention(num_threads=t)
         widen = widening_engine(t) if a.compare_dots else None
