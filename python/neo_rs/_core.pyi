@@ -48,7 +48,8 @@ class CpuAttention:
     def int8_dot(self) -> bool:
         """Whether int8 caches are read by integer dot products: q·k against q quantized per
         head after the softmax scale, p·v against p quantized to int16 per head and block
-        (AVX-512 VNNI; on Arm's DotProd q·k alone; unless ``NEO_RS_INT8_DOT=0``)."""
+        (AVX-512 VNNI, or AVX-VNNI on the AVX2 tier; on Arm's DotProd q·k alone; unless
+        ``NEO_RS_INT8_DOT=0``)."""
     @property
     def bf16_dot(self) -> bool:
         """Whether bf16 caches are read by bf16 dot products: q·k against q as bf16, p·v against

@@ -89,6 +89,11 @@ impl Tier {
     /// or `NEO_RS_BF16_DOT=0`.
     pub fn dot_products(self) -> DotProducts {
         #[cfg(target_arch = "x86_64")]
+        if self == Tier::Avx2 {
+            let vnni = std::arch::is_x86_feature_detected!("avxvnni");
+            return DotProducts { int8: config::int8_dot_allowed() && vnni, bf16: false };
+        }
+        #[cfg(target_arch = "x86_64")]
         if self == Tier::Avx512 {
             use std::arch::is_x86_feature_detected as has;
             return DotProducts {
@@ -109,6 +114,10 @@ impl Tier {
     pub(crate) fn kernel<Q: Element, K: KvElement>(self, dots: DotProducts) -> Result<Kernel<Q, K>> {
         self.require()?;
         Ok(match self {
+            #[cfg(target_arch = "x86_64")]
+            Tier::Avx2 if K::DOT == dot::INT8 && dots.int8 => {
+                Kernel { lanes: 8, item: crate::attn::x86::avx2::attend_item_vnni::<Q, K> }
+            }
             #[cfg(target_arch = "x86_64")]
             Tier::Avx2 => Kernel { lanes: 8, item: crate::attn::x86::avx2::attend_item::<Q, K> },
             #[cfg(target_arch = "x86_64")]
@@ -133,7 +142,7 @@ impl Tier {
 }
 
 /// Low-precision dot-product instructions the kernel reads pools with, where they fit the
-/// element: `int8` (VNNI: int8 q·k against q quantized per head, int16 p·v against p quantized
+/// element: `int8` (AVX-512 VNNI or AVX-VNNI: int8 q·k against q quantized per head, int16 p·v against p quantized
 /// per head and tile; Arm DotProd: the same q·k by `sdot`) and `bf16` (AVX512_BF16: bf16 q·k,
 /// p·v against p rounded to bf16).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

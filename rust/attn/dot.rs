@@ -1,9 +1,9 @@
 //! The kernel's steps on a tier's low-precision dot-product instructions, for the pool element
-//! they fit: int8 pools on VNNI (q·k as int8 x int8 against q quantized per head, p·v as int16 x
-//! int16 against p quantized per head and tile) or on Arm's DotProd (q·k alone, by `sdot`); bf16
-//! pools on AVX512_BF16 (q·k against q as bf16, p·v against p rounded to bf16, as GPU kernels
-//! compute P·V for a bf16 model). Both accumulate exactly or in f32; p·v reads V rows in pairs
-//! (two tokens per 32-bit lane), which is what these instructions sum.
+//! they fit: int8 pools on VNNI, AVX-512's or AVX-VNNI (q·k as int8 x int8 against q quantized
+//! per head, p·v as int16 x int16 against p quantized per head and tile) or on Arm's DotProd (q·k
+//! alone, by `sdot`); bf16 pools on AVX512_BF16 (q·k against q as bf16, p·v against p rounded
+//! to bf16, as GPU kernels compute P·V for a bf16 model). Both accumulate exactly or in f32; p·v
+//! reads V rows in pairs (two tokens per 32-bit lane), which is what these instructions sum.
 
 use std::ops::Range;
 
@@ -86,6 +86,9 @@ pub(crate) unsafe fn qk<S: Simd>(
                         (16, 4) => qk_tile_i8::<S, 4, 4>(q8, dq, qs, qo, t, a, n, d, s, sp),
                         (16, 2) => qk_tile_i8::<S, 2, 8>(q8, dq, qs, qo, t, a, n, d, s, sp),
                         (16, _) => qk_tile_i8::<S, 1, 16>(q8, dq, qs, qo, t, a, n, d, s, sp),
+                        (8, 4) => qk_tile_i8::<S, 4, 2>(q8, dq, qs, qo, t, a, n, d, s, sp),
+                        (8, 2) => qk_tile_i8::<S, 2, 4>(q8, dq, qs, qo, t, a, n, d, s, sp),
+                        (8, _) => qk_tile_i8::<S, 1, 8>(q8, dq, qs, qo, t, a, n, d, s, sp),
                         (4, 4) => qk_tile_i8::<S, 4, 1>(q8, dq, qs, qo, t, a, n, d, s, sp),
                         (4, 2) => qk_tile_i8::<S, 2, 2>(q8, dq, qs, qo, t, a, n, d, s, sp),
                         _ => qk_tile_i8::<S, 1, 4>(q8, dq, qs, qo, t, a, n, d, s, sp),

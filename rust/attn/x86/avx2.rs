@@ -1,4 +1,5 @@
-//! AVX2 + FMA + F16C implementation of the kernel primitives (8 f32 lanes).
+//! AVX2 + FMA + F16C implementation of the kernel primitives (8 f32 lanes), with AVX-VNNI's
+//! int8 dot products where the CPU has them (Alder Lake and later cores without AVX-512).
 
 use std::arch::x86_64::*;
 
@@ -13,6 +14,8 @@ pub(crate) struct Avx2;
 impl Simd for Avx2 {
     const LANES: usize = 8;
     type V = __m256;
+    const I8_K_OFFSET: f32 = 128.0;
+    const PAIR_DOTS: bool = true;
 
     #[inline(always)]
     unsafe fn zero() -> __m256 {
@@ -133,6 +136,158 @@ impl Simd for Avx2 {
         // SAFETY: prefetch never faults, whatever the address.
         unsafe { _mm_prefetch::<_MM_HINT_T1>(p.cast()) }
     }
+    /// AVX-VNNI: `vpdpbusd` takes unsigned bytes times signed bytes, as on AVX-512 VNNI: K rows
+    /// are offset by 128 (an XOR of the sign bit) and the caller subtracts `128 * Σ q8`. 32 dims
+    /// per instruction.
+    #[inline(always)]
+    unsafe fn dot_i8<const GT: usize, const TT: usize>(
+        q8: *const i8,
+        dq: usize,
+        rows: &[*const i8; TT],
+        ahead: &[*const i8; TT],
+        d: usize,
+    ) -> __m256 {
+        assert!(GT * TT == 8 && dq >= d && dq.is_multiple_of(64));
+        // SAFETY: the caller guarantees the row and q8 extents above and dispatches this only
+        // on CPUs with AVX-VNNI; a row's last partial chunk reads only its own bytes.
+        unsafe {
+            let bias = _mm256_set1_epi8(-128);
+            let mut acc = [[_mm256_setzero_si256(); TT]; GT];
+            let mut c = 0;
+            while c < d {
+                let mut qv = [_mm256_setzero_si256(); GT];
+                for (g, x) in qv.iter_mut().enumerate() {
+                    *x = _mm256_loadu_si256(q8.add(g * dq + c).cast());
+                }
+                for i in 0..TT {
+                    if c.is_multiple_of(64) {
+                        _mm_prefetch::<_MM_HINT_T1>(ahead[i].add(c).cast());
+                    }
+                    let k = _mm256_xor_si256(load_bytes::<32>(rows[i].add(c), d - c), bias);
+                    for g in 0..GT {
+                        acc[g][i] = _mm256_dpbusd_avx_epi32(acc[g][i], k, qv[g]);
+                    }
+                }
+                c += 32;
+            }
+            let mut sums = [_mm256_setzero_ps(); 8];
+            for (s, a) in sums.iter_mut().zip(acc.as_flattened()) {
+                *s = _mm256_cvtepi32_ps(*a);
+            }
+            Self::transpose_sum(&sums)
+        }
+    }
+    #[inline(always)]
+    unsafe fn narrow_i16(v: __m256, p: *mut i16) {
+        // SAFETY: the caller guarantees 8 writable i16 at `p`; values fit int16 (caller), so the
+        // saturating pack is exact.
+        unsafe {
+            let i = _mm256_cvtps_epi32(v);
+            _mm_storeu_si128(p.cast(), _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256::<1>(i)));
+        }
+    }
+    /// AVX-VNNI: each pair of rows is widened to int16 and interleaved (`vpunpck[lh]wd`), so
+    /// that `vpdpwssd` adds both tokens' products per dim; 16 dims per chunk, int32 sums per tile.
+    #[inline(always)]
+    unsafe fn pv_i8<const GT: usize>(
+        pairs: *const u32,
+        ps: usize,
+        scale: &[f32],
+        v: *const i8,
+        ahead: *const i8,
+        n: usize,
+        d: usize,
+        acc: *mut f32,
+        dp: usize,
+    ) {
+        assert!(scale.len() >= GT && n >= 1 && dp >= d && dp.is_multiple_of(8));
+        // Chunks per pass: as many as 2 x GT accumulators each leave registers for.
+        let xs = if GT <= 2 { 2 } else { 1 };
+        // SAFETY: the caller guarantees n rows of d bytes at `v` (and `ahead`, only prefetched),
+        // ceil(n / 2) pair words per head at stride ps, GT acc rows of dp f32, and AVX-VNNI;
+        // partial chunks read only the row's bytes and acc is written below d only.
+        unsafe {
+            let mut c = 0;
+            while c < d {
+                let mut lo = [[_mm256_setzero_si256(); 2]; GT];
+                let mut hi = [[_mm256_setzero_si256(); 2]; GT];
+                for j in 0..n.div_ceil(2) {
+                    let (r0, r1) = (2 * j * d + c, (2 * j + 1).min(n - 1) * d + c);
+                    if c.is_multiple_of(64) {
+                        _mm_prefetch::<_MM_HINT_T1>(ahead.add(r0).cast());
+                        _mm_prefetch::<_MM_HINT_T1>(ahead.add(r1).cast());
+                    }
+                    let mut l = [_mm256_setzero_si256(); 2];
+                    let mut h = [_mm256_setzero_si256(); 2];
+                    for x in 0..xs {
+                        let left = d.saturating_sub(c + 16 * x);
+                        let a =
+                            _mm256_cvtepi8_epi16(_mm256_castsi256_si128(load_bytes::<16>(v.add(r0 + 16 * x), left)));
+                        let b =
+                            _mm256_cvtepi8_epi16(_mm256_castsi256_si128(load_bytes::<16>(v.add(r1 + 16 * x), left)));
+                        (l[x], h[x]) = (_mm256_unpacklo_epi16(a, b), _mm256_unpackhi_epi16(a, b));
+                    }
+                    for g in 0..GT {
+                        let p = _mm256_set1_epi32(*pairs.add(g * ps + j) as i32);
+                        for x in 0..xs {
+                            lo[g][x] = _mm256_dpwssd_avx_epi32(lo[g][x], l[x], p);
+                            hi[g][x] = _mm256_dpwssd_avx_epi32(hi[g][x], h[x], p);
+                        }
+                    }
+                }
+                for g in 0..GT {
+                    for x in 0..xs {
+                        let at = c + 16 * x;
+                        if at < d {
+                            let (l, h) = (_mm256_cvtepi32_ps(lo[g][x]), _mm256_cvtepi32_ps(hi[g][x]));
+                            add_pair_sums(acc.add(g * dp + at), l, h, scale[g], d - at);
+                        }
+                    }
+                }
+                c += 16 * xs;
+            }
+        }
+    }
+}
+
+/// `min(left, N)` bytes at `p` (N = 16 or 32) in the low bytes of a vector, the rest zero.
+///
+/// # Safety
+/// `p` must be valid for `min(left, N)` reads; the CPU must support AVX2.
+#[inline(always)]
+unsafe fn load_bytes<const N: usize>(p: *const i8, left: usize) -> __m256i {
+    // SAFETY: reads only min(left, N) bytes at `p` (caller).
+    unsafe {
+        if left >= N {
+            if N == 32 {
+                _mm256_loadu_si256(p.cast())
+            } else {
+                _mm256_castsi128_si256(_mm_loadu_si128(p.cast()))
+            }
+        } else {
+            let mut buf = [0i8; 32];
+            std::ptr::copy_nonoverlapping(p, buf.as_mut_ptr(), left);
+            _mm256_loadu_si256(buf.as_ptr().cast())
+        }
+    }
+}
+
+/// Dims `0 .. min(left, 16)` of a 16-dim chunk's pair-product sums back in order, scaled by `s`
+/// and added to `acc`: after `vpunpck[lh]wd`, 128-bit lane L of `lo` holds dims 8L..8L+3 and of
+/// `hi` dims 8L+4..8L+7. `left` is a multiple of 8 (head dims are).
+#[inline(always)]
+unsafe fn add_pair_sums(acc: *mut f32, lo: __m256, hi: __m256, s: f32, left: usize) {
+    // SAFETY: the caller guarantees min(left, 16) writable f32 at `acc` and the tier's features.
+    unsafe {
+        let s = _mm256_set1_ps(s);
+        let halves = [_mm256_permute2f128_ps::<0x20>(lo, hi), _mm256_permute2f128_ps::<0x31>(lo, hi)];
+        for (k, x) in halves.into_iter().enumerate() {
+            if 8 * k < left {
+                let p = acc.add(8 * k);
+                _mm256_storeu_ps(p, _mm256_fmadd_ps(x, s, _mm256_loadu_ps(p)));
+            }
+        }
+    }
 }
 
 /// The kernel item compiled for AVX2 + FMA + F16C.
@@ -148,4 +303,19 @@ pub(crate) unsafe fn attend_item<Q: Element, K: KvElement>(
 ) {
     // SAFETY: forwarded caller contract.
     unsafe { kernel::attend_item::<Avx2, Q, K, { dot::NONE }>(it, geo, scratch, partial) }
+}
+
+/// The kernel item for AVX2 with AVX-VNNI: int8 pools take q·k and p·v as integer dot products.
+///
+/// # Safety
+/// As for `attend_item`, and the CPU must support AVX-VNNI.
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+pub(crate) unsafe fn attend_item_vnni<Q: Element, K: KvElement>(
+    it: &Item<'_, Q, K>,
+    geo: &Geometry,
+    scratch: &mut Scratch,
+    partial: &mut [f32],
+) {
+    // SAFETY: forwarded caller contract.
+    unsafe { kernel::attend_item::<Avx2, Q, K, { dot::INT8 }>(it, geo, scratch, partial) }
 }
