@@ -205,7 +205,8 @@ impl Simd for Avx2 {
         let xs = if GT <= 2 { 2 } else { 1 };
         // SAFETY: the caller guarantees n rows of d bytes at `v` (and `ahead`, only prefetched),
         // ceil(n / 2) pair words per head at stride ps, GT acc rows of dp f32, and AVX-VNNI;
-        // partial chunks read only the row's bytes and acc is written below d only.
+        // chunks at or past d are neither read nor written, a partial one reads only the row's
+        // bytes, and acc is written below d only.
         unsafe {
             let mut c = 0;
             while c < d {
@@ -220,12 +221,11 @@ impl Simd for Avx2 {
                     let mut l = [_mm256_setzero_si256(); 2];
                     let mut h = [_mm256_setzero_si256(); 2];
                     for x in 0..xs {
-                        let left = d.saturating_sub(c + 16 * x);
-                        let a =
-                            _mm256_cvtepi8_epi16(_mm256_castsi256_si128(load_bytes::<16>(v.add(r0 + 16 * x), left)));
-                        let b =
-                            _mm256_cvtepi8_epi16(_mm256_castsi256_si128(load_bytes::<16>(v.add(r1 + 16 * x), left)));
-                        (l[x], h[x]) = (_mm256_unpacklo_epi16(a, b), _mm256_unpackhi_epi16(a, b));
+                        let at = c + 16 * x;
+                        if at < d {
+                            let (a, b) = (widen_i16(v.add(r0 + 16 * x), d - at), widen_i16(v.add(r1 + 16 * x), d - at));
+                            (l[x], h[x]) = (_mm256_unpacklo_epi16(a, b), _mm256_unpackhi_epi16(a, b));
+                        }
                     }
                     for g in 0..GT {
                         let p = _mm256_set1_epi32(*pairs.add(g * ps + j) as i32);
@@ -270,6 +270,16 @@ unsafe fn load_bytes<const N: usize>(p: *const i8, left: usize) -> __m256i {
             _mm256_loadu_si256(buf.as_ptr().cast())
         }
     }
+}
+
+/// `min(left, 16)` signed bytes at `p` widened to int16 lanes, the rest zero.
+///
+/// # Safety
+/// As for `load_bytes`.
+#[inline(always)]
+unsafe fn widen_i16(p: *const i8, left: usize) -> __m256i {
+    // SAFETY: forwarded caller contract.
+    unsafe { _mm256_cvtepi8_epi16(_mm256_castsi256_si128(load_bytes::<16>(p, left))) }
 }
 
 /// Dims `0 .. min(left, 16)` of a 16-dim chunk's pair-product sums back in order, scaled by `s`
