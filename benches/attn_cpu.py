@@ -12,11 +12,14 @@ see `kv_cache.py`). `--cold` gives each call blocks the caches no longer hold: t
 copies of the batch's blocks, over 2 GiB in all, and the calls take them in turn, as the engine
 reads a host pool far larger than the LLC (a 1-layer pool of one batch otherwise stays in a large
 LLC between calls, and the kernel then outruns the streaming read).
-`--compare-dots` adds the Mtok/s of the widening path (no int8/bf16 dot products) measured
-alternately with the default one, and their ratio.
+The pools are laid out as the engine's CPU pools are (`kv_cache.py`): K and V the halves of one
+tensor, a (block, KV head)'s K and V tiles side by side, so `tiles GB/s` reads one run per tile
+pair. `--compare-layouts` adds the Mtok/s of separate K and V pools measured alternately with
+them, and the ratio of their times. `--compare-dots` adds the Mtok/s of the widening path (no
+int8/bf16 dot products) measured alternately with the default one, and their ratio.
 
     python benches/attn_cpu.py [--quick] [--threads 1,2] [--dtype bfloat16,float32,int8] [--huge-pages]
-                               [--cold] [--compare-dots]
+                               [--cold] [--compare-layouts | --compare-dots]
 """
 
 import argparse
@@ -109,6 +112,14 @@ def setup(hq, hkv, batch, ctx, dtype, huge=False, copies=1):
     return q, k, v, tables, torch.full((batch,), ctx, dtype=torch.int32)
 
 
+def interleave(k, v, huge):
+    """`k` and `v` copied into the halves of one tensor, as the engine's CPU pools hold them; the
+    halves, and the whole (whose `[blocks, kv_heads]` entries are the runs the kernel reads)."""
+    both = empty((*k.shape[:3], 2, *k.shape[3:]), k.dtype, huge)
+    both[:, :, :, 0], both[:, :, :, 1] = k, v
+    return both[:, :, :, 0], both[:, :, :, 1], both
+
+
 def cycling(fn, tables):
     """A call of `fn` on the next block table, round robin: with `--cold`, each call reads blocks
     that the calls since its table's last turn (over 2 GiB) have pushed out of the caches."""
@@ -171,7 +182,9 @@ def main():
     ap.add_argument(
         "--cold", action="store_true", help="each call on blocks out of the caches (2 GiB of copies in turn)"
     )
-    ap.add_argument(
+    compare = ap.add_mutually_exclusive_group()
+    compare.add_argument("--compare-layouts", action="store_true", help="also time separate K and V pools")
+    compare.add_argument(
         "--compare-dots", action="store_true", help="also time the widening path (no dot products)"
     )
     a = ap.parse_args()
@@ -190,6 +203,7 @@ def main():
         f"{'model':10} {'dtype':9} {'BxL':>8} {'thr':>3} {'kernel GB/s':>11} {'read GB/s':>9} "
         f"{'torch GB/s':>10} {'k/bw':>6} {'k/torch':>7} {'Mtok/s':>7} {'tiles GB/s':>10} {'k/tiles':>7}"
         + (" widen dots/widen" if a.compare_dots else "")
+        + (" separate inter/sep" if a.compare_layouts else "")
     )
     buf = empty((1 << 28,), torch.float32, a.huge_pages).fill_(1.0)  # 1 GiB, touched once
     for t in threads:
@@ -205,12 +219,17 @@ def main():
                     q, k, v, tables, lens = setup(hq, hkv, batch, ctx, pool_dtype, a.huge_pages, copies)
                     out = torch.empty_like(q)
                     scale = HEAD_DIM**-0.5
-                    pools, kwargs, read = (k, v), {}, (k, v)
+                    separate, sep_kwargs = (k, v), {}
                     kv_bytes = per_copy
                     if int8:
                         (k8, ks), (v8, vs) = quantize(k), quantize(v)
-                        pools, kwargs, read = (k8, v8), dict(k_scale=ks, v_scale=vs), (k8, v8, ks, vs)
+                        separate, sep_kwargs = (k8, v8), dict(k_scale=ks, v_scale=vs)
                         base_bytes, kv_bytes = kv_bytes, 2 * batch * ctx * hkv * (HEAD_DIM + 4)
+                    ik, iv, both = interleave(*separate, a.huge_pages)
+                    pools, kwargs, read = (ik, iv), {}, (both,)
+                    if int8:
+                        iks, ivs, scales = interleave(ks, vs, a.huge_pages)
+                        kwargs, read = dict(k_scale=iks, v_scale=ivs), (both, scales)
                     args = (q, *pools, lens, scale, out, kwargs, tables)
                     call = kernel_call(attn, *args)
                     # Measured back to back so the ratios share the machine's current state.
@@ -225,6 +244,10 @@ def main():
                     if widen is not None:
                         ours, theirs = timed_pair(call, kernel_call(widen, *args), reps)
                         extra = f" {batch * ctx / theirs / 1e6:5.1f} {theirs / ours:9.2f}"
+                    if a.compare_layouts:
+                        sep_args = (q, *separate, lens, scale, out, sep_kwargs, tables)
+                        ours, theirs = timed_pair(call, kernel_call(attn, *sep_args), reps)
+                        extra = f" {batch * ctx / theirs / 1e6:8.1f} {theirs / ours:9.2f}"
                     print(
                         f"{name:10} {dtype:9} {f'{batch}x{ctx}':>8} {t:>3} {kern:11.1f} {bw:9.1f} "
                         f"{base:10.1f} {kern / bw:6.2f} {base_secs / secs:7.1f} {mtok:7.1f} {tiles:10.1f} "

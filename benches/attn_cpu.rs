@@ -25,7 +25,7 @@ struct Setup<E> {
 fn setup<E: Element>(num_q_heads: usize, num_kv_heads: usize, batch: usize, context: usize) -> Setup<E> {
     let max_blocks = context.div_ceil(BLOCK_SIZE);
     let num_blocks = batch * max_blocks;
-    let shape = PagedShape { num_blocks, num_kv_heads, block_size: BLOCK_SIZE, head_dim: HEAD_DIM };
+    let shape = PagedShape { num_blocks, num_kv_heads, block_size: BLOCK_SIZE, head_dim: HEAD_DIM, interleaved: false };
     let n = shape.layer_numel().unwrap();
     let mut x = 0x2545_F491_4F6C_DD1Du64;
     let mut rnd = move || {

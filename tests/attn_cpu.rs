@@ -8,7 +8,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use neo_rs::attn::rotation::{quantize_kv_row, rotate};
 use neo_rs::attn::{
-    quantize_row, CpuAttention, DecodeBatch, DecodeParams, DotProducts, Element, PagedShape, Pools, Team, Tier,
+    quantize_row, CpuAttention, DecodeBatch, DecodeParams, DotProducts, Element, KvElement, PagedShape, Pools,
+    PoolsMut, Team, Tier,
 };
 use neo_rs::NeoError;
 use proptest::prelude::*;
@@ -80,7 +81,7 @@ fn make_inputs<E: Element>(c: &Case) -> Inputs<E> {
             tables[s * max_blocks + j] = next.next().unwrap();
         }
     }
-    let shape = PagedShape { num_blocks, num_kv_heads: hkv, block_size: bs, head_dim: d };
+    let shape = PagedShape { num_blocks, num_kv_heads: hkv, block_size: bs, head_dim: d, interleaved: false };
     let num_layers = 2;
     let pool = num_layers * num_blocks * hkv * bs * d;
     let n = c.seq_lens.len();
@@ -193,17 +194,21 @@ fn run_case<E: Element>(c: &Case, attn: &CpuAttention) {
     let mut out = vec![E::from_f32(f32::NAN); inp.q.len()];
     let r = inp.layer_range();
     let (shape, params, max_blocks) = (inp.shape, inp.params(group), inp.max_blocks);
+    let before = (inp.k[r.clone()].to_vec(), inp.v[r.clone()].to_vec());
     let res = if c.append {
         let (k, v) = (&mut inp.k[r.clone()], &mut inp.v[r.clone()]);
         let batch = DecodeBatch { block_tables: &inp.tables, max_blocks_per_seq: max_blocks, seq_lens: &inp.lens };
         attn.append_and_decode(&inp.q, k, v, &shape, &batch, &params, &inp.new_k, &inp.new_v, &mut out)
     } else {
-        attn.decode(&inp.q, &inp.k[r.clone()], &inp.v[r], &shape, &inp.batch(), &params, &mut out)
+        attn.decode(&inp.q, &inp.k[r.clone()], &inp.v[r.clone()], &shape, &inp.batch(), &params, &mut out)
     };
     res.unwrap();
     assert_matches(&out, &want, inp.score_slack(), || {
         format!("tier {} {:?} {:?} {c:?}", attn.tier().name(), attn.dot_products(), E::DTYPE)
     });
+    let new = c.append.then_some((&inp.new_k[..], &inp.new_v[..]));
+    let call = Call { q: &inp.q, shape, batch: inp.batch(), params, new, out: &out };
+    call.check_interleaved(attn, (&before.0, &before.1), (&inp.k[r.clone()], &inp.v[r.clone()]), None);
     if c.append {
         // The new rows really landed in the pool at position len - 1.
         let (bs, d, hkv) = (shape.block_size, shape.head_dim, shape.num_kv_heads);
@@ -329,8 +334,9 @@ fn run_case_int8<E: Element>(c: &Case, attn: &CpuAttention) {
     let (r, rows) = (reference.layer_range(), reference.layer_range().start / d..reference.layer_range().end / d);
     let mut out = vec![E::from_f32(f32::NAN); reference.q.len()];
     let q: Vec<E> = q_in.iter().map(|&x| E::from_f32(x)).collect();
+    let before = (k8[r.clone()].to_vec(), v8[r.clone()].to_vec(), ks[rows.clone()].to_vec(), vs[rows.clone()].to_vec());
     let res = if c.append {
-        let kv = neo_rs::attn::PoolsMut {
+        let kv = PoolsMut::Separate {
             k: &mut k8[r.clone()],
             v: &mut v8[r.clone()],
             k_scale: &mut ks[rows.clone()],
@@ -345,6 +351,15 @@ fn run_case_int8<E: Element>(c: &Case, attn: &CpuAttention) {
     assert_matches(&out, &want, reference.score_slack(), || {
         format!("tier {} {:?} int8 KV, {:?} q {c:?}", attn.tier().name(), attn.dot_products(), E::DTYPE)
     });
+    let new = c.append.then_some((&inp.new_k[..], &inp.new_v[..]));
+    let call = Call { q: &q, shape, batch: reference.batch(), params, new, out: &out };
+    let after = (&k8[r.clone()], &v8[r.clone()]);
+    call.check_interleaved(
+        attn,
+        (&before.0, &before.1),
+        after,
+        Some(([&before.2, &before.3], [&ks[rows.clone()], &vs[rows.clone()]])),
+    );
     if c.append {
         // The new rows landed quantized, with their scales, at position len - 1.
         let (bs, hkv) = (shape.block_size, shape.num_kv_heads);
@@ -358,6 +373,73 @@ fn run_case_int8<E: Element>(c: &Case, attn: &CpuAttention) {
                 assert_eq!(&v8[row * d..(row + 1) * d], &nv8[n * d..(n + 1) * d]);
                 assert_eq!((ks[row], vs[row]), (nks[n], nvs[n]));
             }
+        }
+    }
+}
+
+/// An int8 pool layer's K and V row scales, before a call and after it.
+type RowScales<'a> = ([&'a [f32]; 2], [&'a [f32]; 2]);
+
+/// One decode call as a test made it on separate pools, and what it wrote to `out`.
+struct Call<'a, E> {
+    q: &'a [E],
+    shape: PagedShape,
+    batch: DecodeBatch<'a>,
+    params: DecodeParams,
+    /// The appended rows, if the call appended.
+    new: Option<(&'a [E], &'a [E])>,
+    out: &'a [E],
+}
+
+/// `[blocks, kv_heads, 2, tile]` from two `[blocks, kv_heads, tile]` layers.
+fn interleave<T: Copy>(k: &[T], v: &[T], tile: usize) -> Vec<T> {
+    k.chunks(tile).zip(v.chunks(tile)).flat_map(|(a, b)| a.iter().chain(b).copied()).collect()
+}
+
+impl<E: Element> Call<'_, E> {
+    /// The same call on an interleaved pool holding the layer as it was before (`before`, with
+    /// the row scales of an int8 pool: before and after): the kernel does the same arithmetic at
+    /// other addresses, so the output must be bit-identical, and an append must leave the pool
+    /// holding what the separate pools hold `after`.
+    fn check_interleaved<K: KvElement>(
+        &self,
+        attn: &CpuAttention,
+        before: (&[K], &[K]),
+        after: (&[K], &[K]),
+        scales: Option<RowScales<'_>>,
+    ) {
+        let shape = PagedShape { interleaved: true, ..self.shape };
+        let (tile, bs) = (shape.tile(), shape.block_size);
+        let mut kv = interleave(before.0, before.1, tile);
+        let mut sc = scales.map_or(vec![], |([k, v], _)| interleave(k, v, bs));
+        let mut out = vec![E::from_f32(f32::NAN); self.out.len()];
+        let res = match self.new {
+            Some((nk, nv)) => {
+                let pools = PoolsMut::Interleaved { kv: &mut kv, scales: &mut sc };
+                attn.append_and_decode_pools(self.q, pools, &shape, &self.batch, &self.params, nk, nv, &mut out)
+            }
+            None => attn.decode_pools(
+                self.q,
+                &Pools::interleaved(&kv, &sc, &shape),
+                &shape,
+                &self.batch,
+                &self.params,
+                &mut out,
+            ),
+        };
+        res.unwrap();
+        let bits = |x: &[E]| x.iter().map(|v| v.to_f32().to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&out),
+            bits(self.out),
+            "interleaved pools, tier {} {:?}",
+            attn.tier().name(),
+            attn.dot_products()
+        );
+        let values = |x: &[K]| x.iter().map(|v| v.widen_one().to_bits()).collect::<Vec<_>>();
+        assert!(values(&kv) == values(&interleave(after.0, after.1, tile)), "interleaved pool after the call");
+        if let Some((_, [k, v])) = scales {
+            assert_eq!(sc, interleave(k, v, bs), "interleaved row scales after the call");
         }
     }
 }

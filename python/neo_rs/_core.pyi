@@ -79,7 +79,11 @@ class CpuAttention:
         position ``seq_len - 1``. All CPU, contiguous, one float dtype. Int8 caches come with
         float32 ``k_scale``/``v_scale`` ``[num_layers, num_blocks, num_kv_heads, block_size]``
         (row ``t`` of a head holds ``scale[t] * k[t]``); new rows are then quantized as they are
-        written (symmetric, one scale per token and KV head). Releases the GIL.
+        written (symmetric, one scale per token and KV head). The caches (and the scales) may
+        instead be the halves ``x[:, :, :, 0]`` and ``x[:, :, :, 1]`` of one contiguous ``x`` of
+        ``[num_layers, num_blocks, num_kv_heads, 2, ...]``: each (block, KV head)'s K and V
+        tiles side by side, as the engine's CPU pools hold them (read as one run). Releases the
+        GIL.
         Calls reading under 256 KiB of K/V run on the calling thread (handing them to the pool
         would cost more).
         """

@@ -186,11 +186,14 @@ class HostTransfer:
 
     def gather_from_host(self, src: KvPool, block_ids: torch.Tensor) -> list[torch.Tensor]:
         """K and V (every layer) of host blocks ``block_ids``, gathered (and dequantized, from an
-        int8 pool) on the host now, into buffers ``layer_to_device`` copies from asynchronously."""
+        int8 pool) on the host now, into buffers ``layer_to_device`` copies from asynchronously:
+        K's and V's, or from a pool of tile pairs (``KvPool.tile_pairs``) one buffer of pairs,
+        split on the device (gathering the pool's halves takes torch's strided path, 10x slower,
+        and the halves of a gathered buffer would reach the device unpinned)."""
         if src.quantized:
             return [self.host_buffer(x).copy_(x) for x in src.load_blocks(block_ids)]
         out = []
-        for s in (src.k, src.v):
+        for s in (src.k, src.v) if src.tile_pairs is None else (src.tile_pairs,):
             shape = (s.shape[0], len(block_ids), *s.shape[2:])
             gathered = torch.empty(shape, dtype=s.dtype, pin_memory=self.pinned)
             out.append(torch.index_select(s, 1, block_ids, out=gathered))
@@ -202,4 +205,7 @@ class HostTransfer:
         """Layer ``layer`` (every layer when None) of ``gather_from_host``'s K and V into device
         blocks ``block_ids``, copied on the device's stream (so before every later kernel)."""
         at = slice(None) if layer is None else layer
-        dst.store_blocks((at, block_ids), *(self.to_device(g[at]) for g in gathered))
+        parts = [self.to_device(g[at]) for g in gathered]
+        if len(parts) == 1:  # tile pairs: K and V are the halves of dim -3
+            parts = [parts[0].select(-3, 0), parts[0].select(-3, 1)]
+        dst.store_blocks((at, block_ids), *parts)

@@ -11,12 +11,52 @@ pub struct PagedShape {
     pub num_kv_heads: usize,
     pub block_size: usize,
     pub head_dim: usize,
+    /// K and V interleaved in one pool, `[num_blocks, num_kv_heads, 2, block_size, head_dim]`
+    /// (row scales `[num_blocks, num_kv_heads, 2, block_size]`): each (block, KV head)'s K tile
+    /// followed by its V tile, so the kernel reads one run per tile pair where separate pools
+    /// give it two runs half as long (scattered runs read from memory well below a streaming
+    /// read, the shorter the slower). The K slice of a layer is then the pool layer less its last
+    /// V tile and the V slice the pool layer from its first V tile: both index a (block, KV head)
+    /// at the same offset (`Pools::interleaved`).
+    pub interleaved: bool,
 }
 
 impl PagedShape {
     /// Elements in one layer of one pool (K or V).
     pub fn layer_numel(&self) -> Option<usize> {
         self.num_blocks.checked_mul(self.num_kv_heads)?.checked_mul(self.block_size)?.checked_mul(self.head_dim)
+    }
+
+    /// Elements of one (block, KV head) tile of K or V.
+    pub fn tile(&self) -> usize {
+        self.block_size * self.head_dim
+    }
+
+    /// Tiles from one (block, KV head) to the next in a K or V slice.
+    pub fn tile_stride(&self) -> usize {
+        if self.interleaved {
+            2
+        } else {
+            1
+        }
+    }
+
+    /// Elements of the K (and of the V) slice of one layer.
+    pub fn slice_len(&self) -> Option<usize> {
+        self.strided(self.layer_numel()?, self.tile())
+    }
+
+    /// Row scales in the K (and in the V) scale slice of one layer.
+    pub fn scales_len(&self) -> Option<usize> {
+        self.strided(self.layer_numel()? / self.head_dim.max(1), self.block_size)
+    }
+
+    fn strided(&self, per_pool: usize, tile: usize) -> Option<usize> {
+        if self.interleaved {
+            per_pool.checked_mul(2)?.checked_sub(tile)
+        } else {
+            Some(per_pool)
+        }
     }
 }
 
@@ -66,7 +106,7 @@ pub(crate) fn check_decode(
     v_len: usize,
     out_len: usize,
 ) -> Result<()> {
-    let PagedShape { num_blocks, num_kv_heads, block_size, head_dim } = *shape;
+    let PagedShape { num_blocks, num_kv_heads, block_size, head_dim, .. } = *shape;
     ensure!(
         head_dim % 8 == 0 && (8..=MAX_HEAD_DIM).contains(&head_dim),
         Shape,
@@ -85,11 +125,12 @@ pub(crate) fn check_decode(
         params.num_q_heads
     );
     ensure!(params.scale.is_finite(), Value, "softmax scale must be finite, got {}", params.scale);
-    let layer = shape.layer_numel();
     ensure!(
-        layer.is_some_and(|n| n == k_len && n == v_len),
+        shape.slice_len().is_some_and(|n| n == k_len && n == v_len),
         Shape,
-        "K/V layer slices hold {k_len}/{v_len} elements, expected {num_blocks}x{num_kv_heads}x{block_size}x{head_dim}"
+        "K/V layer slices hold {k_len}/{v_len} elements, expected {:?} for {num_blocks}x{num_kv_heads}x{block_size}x{head_dim}{}",
+        shape.slice_len(),
+        if shape.interleaved { " interleaved" } else { "" }
     );
     let num_seqs = batch.num_seqs();
     let rows = num_seqs.checked_mul(params.num_q_heads * head_dim);
@@ -127,14 +168,11 @@ pub(crate) fn check_decode(
 
 /// Checks the row scales of int8 pools: one f32 per row of one layer, for K and for V.
 pub(crate) fn check_scales(shape: &PagedShape, k_scale_len: usize, v_scale_len: usize) -> Result<()> {
-    let rows = shape.num_blocks.checked_mul(shape.num_kv_heads).and_then(|n| n.checked_mul(shape.block_size));
     ensure!(
-        rows.is_some_and(|n| n == k_scale_len && n == v_scale_len),
+        shape.scales_len().is_some_and(|n| n == k_scale_len && n == v_scale_len),
         Shape,
-        "k_scale/v_scale layer slices hold {k_scale_len}/{v_scale_len} values, expected {}x{}x{}",
-        shape.num_blocks,
-        shape.num_kv_heads,
-        shape.block_size
+        "k_scale/v_scale layer slices hold {k_scale_len}/{v_scale_len} values, expected {:?}",
+        shape.scales_len()
     );
     Ok(())
 }

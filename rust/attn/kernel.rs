@@ -24,6 +24,8 @@ pub(crate) struct Geometry {
     pub num_kv_heads: usize,
     /// Query heads per KV head (GQA ratio).
     pub group: usize,
+    /// Tiles from one (block, KV head) to the next in a pool slice (`PagedShape::tile_stride`).
+    pub tile_stride: usize,
 }
 
 impl Geometry {
@@ -38,11 +40,12 @@ impl Geometry {
 pub(crate) struct Item<'a, Q, K> {
     /// `[group, head_dim]` query rows of this KV head's group.
     pub q: &'a [Q],
-    /// One layer of the pools, `[num_blocks, num_kv_heads, block_size, head_dim]`.
+    /// One layer's K and V slices (`Pools`): the tile of (block, KV head) at `(block *
+    /// num_kv_heads + kv_head) * tile_stride` tiles.
     pub k: &'a [K],
     pub v: &'a [K],
-    /// With scaled (int8) pools, one layer of their row scales, `[num_blocks, num_kv_heads,
-    /// block_size]`; empty otherwise.
+    /// With scaled (int8) pools, one layer of their row scales, laid out as the rows are; empty
+    /// otherwise.
     pub k_scale: &'a [f32],
     pub v_scale: &'a [f32],
     /// The sequence's block-table row.
@@ -69,7 +72,7 @@ pub(crate) struct NextItem<'a> {
 #[inline(always)]
 fn tile_range(geo: &Geometry, blocks: &[i32], kv_head: usize, b: usize) -> Range<usize> {
     let tile = geo.block_size * geo.head_dim;
-    let offset = (blocks[b] as usize * geo.num_kv_heads + kv_head) * tile;
+    let offset = (blocks[b] as usize * geo.num_kv_heads + kv_head) * geo.tile_stride * tile;
     offset..offset + tile
 }
 

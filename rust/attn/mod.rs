@@ -31,7 +31,7 @@ use split::Workers;
 pub use team::Team;
 
 use crate::config;
-use crate::error::{NeoError, Result};
+use crate::error::{ensure, NeoError, Result};
 
 /// Calls that read less K/V than this run on the calling thread: handing a call to the pool and
 /// back costs tens of microseconds (45-80 in this project's 2-vCPU VMs), more than one core needs
@@ -210,7 +210,7 @@ impl CpuAttention {
         new_v: &[E],
         out: &mut [E],
     ) -> Result<()> {
-        let kv = PoolsMut { k, v, k_scale: &mut [], v_scale: &mut [] };
+        let kv = PoolsMut::Separate { k, v, k_scale: &mut [], v_scale: &mut [] };
         self.append_and_decode_pools(q, kv, shape, batch, params, new_k, new_v, out)
     }
 
@@ -220,7 +220,7 @@ impl CpuAttention {
     pub fn append_and_decode_pools<E: Element, K: KvElement>(
         &self,
         q: &[E],
-        kv: PoolsMut<'_, K>,
+        mut kv: PoolsMut<'_, K>,
         shape: &PagedShape,
         batch: &DecodeBatch<'_>,
         params: &DecodeParams,
@@ -228,19 +228,36 @@ impl CpuAttention {
         new_v: &[E],
         out: &mut [E],
     ) -> Result<()> {
-        check::check_decode(shape, batch, params, q.len(), kv.k.len(), kv.v.len(), out.len())?;
-        if K::SCALED {
-            check::check_scales(shape, kv.k_scale.len(), kv.v_scale.len())?;
+        let interleaved = matches!(kv, PoolsMut::Interleaved { .. });
+        ensure!(interleaved == shape.interleaved, Shape, "the pools' layout differs from the shape's");
+        {
+            let view = kv.shared(shape);
+            check::check_decode(shape, batch, params, q.len(), view.k.len(), view.v.len(), out.len())?;
+            if K::SCALED {
+                check::check_scales(shape, view.k_scale.len(), view.v_scale.len())?;
+            }
         }
         check::check_append(shape, batch, new_k.len(), new_v.len())?;
+        let (tile, bs) = (shape.tile(), shape.block_size);
         for_each_new_row(shape, batch, |src, dst, row| {
-            let k_scale = K::store_row(&new_k[src.clone()], &mut kv.k[dst.clone()]);
-            let v_scale = K::store_row(&new_v[src], &mut kv.v[dst]);
+            // K's slot, then V's: the same offsets in separate pools, one tile on when interleaved.
+            let (k_scale, v_scale) = match &mut kv {
+                PoolsMut::Separate { k, v, .. } => {
+                    (K::store_row(&new_k[src.clone()], &mut k[dst.clone()]), K::store_row(&new_v[src], &mut v[dst]))
+                }
+                PoolsMut::Interleaved { kv, .. } => {
+                    let v_dst = dst.start + tile..dst.end + tile;
+                    (K::store_row(&new_k[src.clone()], &mut kv[dst]), K::store_row(&new_v[src], &mut kv[v_dst]))
+                }
+            };
             if K::SCALED {
-                (kv.k_scale[row], kv.v_scale[row]) = (k_scale, v_scale);
+                match &mut kv {
+                    PoolsMut::Separate { k_scale: ks, v_scale: vs, .. } => (ks[row], vs[row]) = (k_scale, v_scale),
+                    PoolsMut::Interleaved { scales, .. } => (scales[row], scales[row + bs]) = (k_scale, v_scale),
+                }
             }
         });
-        self.run(q, &Pools { k: kv.k, v: kv.v, k_scale: kv.k_scale, v_scale: kv.v_scale }, shape, batch, params, out)
+        self.run(q, &kv.shared(shape), shape, batch, params, out)
     }
 
     fn run<E: Element, K: KvElement>(
@@ -274,23 +291,41 @@ impl CpuAttention {
 
 /// One layer of the K and V pools, writable for the fused append, with their row scales when `K`
 /// is scaled (else empty).
-pub struct PoolsMut<'a, K> {
-    pub k: &'a mut [K],
-    pub v: &'a mut [K],
-    pub k_scale: &'a mut [f32],
-    pub v_scale: &'a mut [f32],
+pub enum PoolsMut<'a, K> {
+    Separate {
+        k: &'a mut [K],
+        v: &'a mut [K],
+        k_scale: &'a mut [f32],
+        v_scale: &'a mut [f32],
+    },
+    /// One layer of an interleaved pool and of its row scales (`PagedShape::interleaved`).
+    Interleaved {
+        kv: &'a mut [K],
+        scales: &'a mut [f32],
+    },
+}
+
+impl<K> PoolsMut<'_, K> {
+    /// The layer as the kernel reads it.
+    fn shared(&self, shape: &PagedShape) -> Pools<'_, K> {
+        match self {
+            PoolsMut::Separate { k, v, k_scale, v_scale } => Pools { k, v, k_scale, v_scale },
+            PoolsMut::Interleaved { kv, scales } => Pools::interleaved(kv, scales, shape),
+        }
+    }
 }
 
 /// For each sequence's new token and each KV head (inputs already checked): the range of its
-/// row in `new_k`/`new_v`, of its slot in one pool layer, and its index in the row scales.
-/// Serial: a few KiB per sequence, and two sequences naming the same slot must not race.
+/// row in `new_k`/`new_v`, of its slot in the layer's K slice (as `Pools` has it), and its index
+/// in the K row scales. Serial: a few KiB per sequence, and two sequences naming the same slot
+/// must not race.
 fn for_each_new_row(shape: &PagedShape, batch: &DecodeBatch<'_>, mut f: impl FnMut(Range<usize>, Range<usize>, usize)) {
     let (bs, d, hkv) = (shape.block_size, shape.head_dim, shape.num_kv_heads);
     for s in 0..batch.num_seqs() {
         let pos = batch.len(s) - 1;
         let block = batch.row(s)[pos / bs] as usize;
         for h in 0..hkv {
-            let row = (block * hkv + h) * bs + pos % bs;
+            let row = (block * hkv + h) * shape.tile_stride() * bs + pos % bs;
             let src = (s * hkv + h) * d;
             f(src..src + d, row * d..(row + 1) * d, row);
         }

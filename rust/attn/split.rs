@@ -26,12 +26,28 @@ pub(crate) struct Kernel<Q, K> {
     pub item: unsafe fn(&Item<'_, Q, K>, &Geometry, &mut Scratch, &mut [f32]),
 }
 
-/// One layer of the K and V pools, with their row scales when `K` is scaled (else empty).
+/// One layer of the K and V pools, with their row scales when `K` is scaled (else empty): each
+/// `[num_blocks, num_kv_heads, block_size, head_dim]` (scales without head_dim), or the two
+/// overlapping views of an interleaved layer (`PagedShape::interleaved`, `Pools::interleaved`).
 pub struct Pools<'a, K> {
     pub k: &'a [K],
     pub v: &'a [K],
     pub k_scale: &'a [f32],
     pub v_scale: &'a [f32],
+}
+
+impl<'a, K> Pools<'a, K> {
+    /// The K and V slices of one layer `kv` of an interleaved pool (`PagedShape::interleaved`),
+    /// and of its row scales `scales` (empty for an unscaled pool).
+    pub fn interleaved(kv: &'a [K], scales: &'a [f32], shape: &PagedShape) -> Self {
+        let (tile, bs) = (shape.tile().min(kv.len()), shape.block_size.min(scales.len()));
+        Pools {
+            k: &kv[..kv.len() - tile],
+            v: &kv[tile..],
+            k_scale: &scales[..scales.len() - bs],
+            v_scale: &scales[bs..],
+        }
+    }
 }
 
 struct ItemSpec {
@@ -121,6 +137,7 @@ pub(crate) fn run<Q: Element, K: KvElement>(
         block_size: shape.block_size,
         num_kv_heads: shape.num_kv_heads,
         group: params.num_q_heads / shape.num_kv_heads,
+        tile_stride: shape.tile_stride(),
     };
     let (items, first_item) = plan(&geo, batch, workers.threads());
     let pl = geo.partial_len();

@@ -65,6 +65,14 @@ impl Call {
         let qd = q.dims(3)?;
         let kd = k.dims(5)?;
         ensure!(v.shape == k.shape, Shape, "v_cache shape {:?} differs from k_cache {:?}", v.shape, k.shape);
+        let pools = [Some((k, v)), scales];
+        let interleaved = !pools.iter().flatten().all(|(a, b)| a.contiguous && b.contiguous);
+        ensure!(
+            !interleaved || pools.iter().flatten().all(|(a, b)| interleaved_halves(a, b)),
+            Value,
+            "k_cache and v_cache (and k_scale and v_scale) must be contiguous, or the halves x[:, :, :, 0] and \
+             x[:, :, :, 1] of one contiguous tensor x of [num_layers, num_blocks, num_kv_heads, 2, ...]"
+        );
         if let Some((ks, vs)) = scales {
             for t in [ks, vs] {
                 ensure!(t.float()? == DType::F32, DType, "{} must be float32", t.name);
@@ -79,12 +87,25 @@ impl Call {
         ensure!(qd[0] == num_seqs && td[0] == num_seqs, Shape, "q, block_tables and seq_lens disagree on num_seqs");
         ensure!(layer < kd[0], Value, "layer {layer} is out of range for {} layers", kd[0]);
         ensure!(qd[2] == kd[4], Shape, "q head_dim {} differs from the cache's {}", qd[2], kd[4]);
-        let shape = PagedShape { num_blocks: kd[1], num_kv_heads: kd[2], block_size: kd[3], head_dim: kd[4] };
-        let layer_bytes = shape.layer_numel().unwrap_or(usize::MAX).saturating_mul(k.elem_size());
+        let shape =
+            PagedShape { num_blocks: kd[1], num_kv_heads: kd[2], block_size: kd[3], head_dim: kd[4], interleaved };
+        // Bytes of one layer of the pool(s): K and V together when interleaved.
+        let layer_bytes = shape.layer_numel().unwrap_or(usize::MAX).saturating_mul(k.elem_size() * shape.tile_stride());
         let k_layer = k.addr + layer * layer_bytes;
         let v_layer = v.addr + layer * layer_bytes;
-        let scale_bytes = shape.num_blocks * shape.num_kv_heads * shape.block_size * 4;
+        let scale_bytes = shape.num_blocks * shape.num_kv_heads * shape.block_size * 4 * shape.tile_stride();
         let scale_layers = scales.map(|(ks, vs)| (ks.addr + layer * scale_bytes, vs.addr + layer * scale_bytes));
+        // What the call may touch of the pools, by name: an interleaved pool's layer is one range.
+        let mut caches: Vec<(&str, Range<usize>)> = Vec::new();
+        if interleaved {
+            caches.push(("k_cache/v_cache", k_layer..k_layer + layer_bytes));
+            caches.extend(scale_layers.map(|(ks, _)| ("k_scale/v_scale", ks..ks + scale_bytes)));
+        } else {
+            caches.extend([("k_cache", k_layer..k_layer + layer_bytes), ("v_cache", v_layer..v_layer + layer_bytes)]);
+            if let Some((ks, vs)) = scale_layers {
+                caches.extend([("k_scale", ks..ks + scale_bytes), ("v_scale", vs..vs + scale_bytes)]);
+            }
+        }
         if let Some((nk, nv)) = new_kv {
             let want = [num_seqs, shape.num_kv_heads, shape.head_dim];
             ensure!(nk.shape == want && nv.shape == want, Shape, "new_k/new_v must be {want:?}");
@@ -92,25 +113,16 @@ impl Call {
         // Nothing written may alias anything else: `out` always, the cache layers when appending.
         let mut written: Vec<(&str, Range<usize>)> = vec![(out.name, out.bytes())];
         if new_kv.is_some() {
-            written.push(("k_cache", k_layer..k_layer + layer_bytes));
-            written.push(("v_cache", v_layer..v_layer + layer_bytes));
-            if let Some((ks, vs)) = scale_layers {
-                written.push(("k_scale", ks..ks + scale_bytes));
-                written.push(("v_scale", vs..vs + scale_bytes));
-            }
+            written.extend(caches.iter().cloned());
         }
         let mut all: Vec<(&str, Range<usize>)> = vec![
             (q.name, q.bytes()),
-            ("k_cache", k_layer..k_layer + layer_bytes),
-            ("v_cache", v_layer..v_layer + layer_bytes),
             (tables.name, tables.bytes()),
             (lens.name, lens.bytes()),
             (out.name, out.bytes()),
         ];
+        all.extend(caches);
         all.extend(new_kv.iter().flat_map(|(a, b)| [(a.name, a.bytes()), (b.name, b.bytes())]));
-        if let Some((ks, vs)) = scale_layers {
-            all.extend([("k_scale", ks..ks + scale_bytes), ("v_scale", vs..vs + scale_bytes)]);
-        }
         for (wn, w) in &written {
             for (n, r) in &all {
                 ensure!(wn == n || !overlaps(w, r), Value, "{wn} overlaps {n} in memory");
@@ -179,9 +191,12 @@ impl Call {
     /// As for `execute`; the caches hold `K` (int8 when `scales` is set, else `E`).
     unsafe fn run<E: Element, K: KvElement>(&self, engine: &attn::CpuAttention) -> Result<()> {
         let qn = self.num_seqs * self.params.num_q_heads * self.shape.head_dim;
+        // Elements (and row scales) of one layer of the pool(s): K and V together when interleaved.
+        let stride = self.shape.tile_stride();
         let layer = self.shape.layer_numel().ok_or_else(|| NeoError::Shape("cache too large".into()))?;
         let new_n = self.num_seqs * self.shape.num_kv_heads * self.shape.head_dim;
         let rows = if self.scales.is_some() { layer / self.shape.head_dim } else { 0 };
+        let (layer, rows) = (layer * stride, rows * stride);
         // Without scales: empty slices, at a well-aligned dangling address as empty slices need.
         let dangling = std::ptr::NonNull::<f32>::dangling().as_ptr() as usize;
         let (ks, vs) = self.scales.unwrap_or((dangling, dangling));
@@ -194,22 +209,31 @@ impl Call {
             let out = std::slice::from_raw_parts_mut(self.out as *mut E, qn);
             let batch = self.batch();
             // Shared slices unless the call writes the caches (other calls may read them).
+            let shared = |addr: usize, n: usize| std::slice::from_raw_parts(addr as *const K, n);
+            let scales = |addr: usize| std::slice::from_raw_parts(addr as *const f32, rows);
             match self.append {
+                None if self.shape.interleaved => {
+                    let kv = Pools::interleaved(shared(self.k_layer, layer), scales(ks), &self.shape);
+                    engine.decode_pools(q, &kv, &self.shape, &batch, &self.params, out)
+                }
                 None => {
-                    let kv = Pools {
-                        k: std::slice::from_raw_parts(self.k_layer as *const K, layer),
-                        v: std::slice::from_raw_parts(self.v_layer as *const K, layer),
-                        k_scale: std::slice::from_raw_parts(ks as *const f32, rows),
-                        v_scale: std::slice::from_raw_parts(vs as *const f32, rows),
-                    };
+                    let (k, v) = (shared(self.k_layer, layer), shared(self.v_layer, layer));
+                    let kv = Pools { k, v, k_scale: scales(ks), v_scale: scales(vs) };
                     engine.decode_pools(q, &kv, &self.shape, &batch, &self.params, out)
                 }
                 Some((nk, nv)) => {
-                    let kv = PoolsMut {
-                        k: std::slice::from_raw_parts_mut(self.k_layer as *mut K, layer),
-                        v: std::slice::from_raw_parts_mut(self.v_layer as *mut K, layer),
-                        k_scale: std::slice::from_raw_parts_mut(ks as *mut f32, rows),
-                        v_scale: std::slice::from_raw_parts_mut(vs as *mut f32, rows),
+                    let kv = if self.shape.interleaved {
+                        PoolsMut::Interleaved {
+                            kv: std::slice::from_raw_parts_mut(self.k_layer as *mut K, layer),
+                            scales: std::slice::from_raw_parts_mut(ks as *mut f32, rows),
+                        }
+                    } else {
+                        PoolsMut::Separate {
+                            k: std::slice::from_raw_parts_mut(self.k_layer as *mut K, layer),
+                            v: std::slice::from_raw_parts_mut(self.v_layer as *mut K, layer),
+                            k_scale: std::slice::from_raw_parts_mut(ks as *mut f32, rows),
+                            v_scale: std::slice::from_raw_parts_mut(vs as *mut f32, rows),
+                        }
                     };
                     let nk = std::slice::from_raw_parts(nk as *const E, new_n);
                     let nv = std::slice::from_raw_parts(nv as *const E, new_n);
@@ -230,10 +254,14 @@ pub(crate) struct CpuAttention {
 /// pairs (new_k, new_v) and (k_scale, v_scale).
 type Args<'py> = ([Bound<'py, PyAny>; 6], [Option<Bound<'py, PyAny>>; 2], [Option<Bound<'py, PyAny>>; 2]);
 
-/// Both tensors of an optional pair, or neither.
-fn pair(p: &[Option<Bound<'_, PyAny>>; 2], names: [&'static str; 2]) -> PyResult<Option<(TensorRef, TensorRef)>> {
+/// Both tensors of an optional pair (each taken by `extract`), or neither.
+fn pair(
+    p: &[Option<Bound<'_, PyAny>>; 2],
+    names: [&'static str; 2],
+    extract: fn(&Bound<'_, PyAny>, &'static str) -> PyResult<TensorRef>,
+) -> PyResult<Option<(TensorRef, TensorRef)>> {
     match p {
-        [Some(a), Some(b)] => Ok(Some((TensorRef::extract(a, names[0])?, TensorRef::extract(b, names[1])?))),
+        [Some(a), Some(b)] => Ok(Some((extract(a, names[0])?, extract(b, names[1])?))),
         [None, None] => Ok(None),
         _ => Err(NeoError::Value(format!("pass both {} and {}, or neither", names[0], names[1])).into()),
     }
@@ -241,12 +269,12 @@ fn pair(p: &[Option<Bound<'_, PyAny>>; 2], names: [&'static str; 2]) -> PyResult
 
 fn prepare(args: &Args<'_>, layer: usize, scale: f32) -> PyResult<Call> {
     let ([q, k, v, tables, lens, out], new, scales) = args;
-    let new_kv = pair(new, ["new_k", "new_v"])?;
-    let scales = pair(scales, ["k_scale", "v_scale"])?;
+    let new_kv = pair(new, ["new_k", "new_v"], TensorRef::extract)?;
+    let scales = pair(scales, ["k_scale", "v_scale"], TensorRef::extract_view)?;
     Ok(Call::prepare(
         &TensorRef::extract(q, "q")?,
-        &TensorRef::extract(k, "k_cache")?,
-        &TensorRef::extract(v, "v_cache")?,
+        &TensorRef::extract_view(k, "k_cache")?,
+        &TensorRef::extract_view(v, "v_cache")?,
         layer,
         &TensorRef::extract(tables, "block_tables")?,
         &TensorRef::extract(lens, "seq_lens")?,
@@ -255,6 +283,25 @@ fn prepare(args: &Args<'_>, layer: usize, scale: f32) -> PyResult<Call> {
         new_kv.as_ref().map(|(a, b)| (a, b)),
         scales.as_ref().map(|(a, b)| (a, b)),
     )?)
+}
+
+/// Whether `a` and `b` (the K and V caches, or their row scales) are the halves `x[:, :, :, 0]`
+/// and `x[:, :, :, 1]` of one contiguous tensor `x` of `[num_layers, num_blocks, num_kv_heads,
+/// 2, ...]`: an interleaved pool (`PagedShape::interleaved`).
+fn interleaved_halves(a: &TensorRef, b: &TensorRef) -> bool {
+    let n = a.shape.len();
+    if n < 4 || a.shape != b.shape || a.strides != b.strides || a.kind != b.kind {
+        return false;
+    }
+    let mut want = vec![0; n];
+    let mut step = 1;
+    for i in (0..n).rev() {
+        want[i] = step;
+        // Past a (block, KV head)'s tile comes the other half's.
+        step *= a.shape[i] * if i == 3 { 2 } else { 1 };
+    }
+    let tile: usize = a.shape[3..].iter().product();
+    (0..n).all(|i| a.shape[i] == 1 || a.strides[i] == want[i]) && b.addr == a.addr + tile * a.elem_size()
 }
 
 /// Completion slot shared by a submitted job and its handle, with how long the job ran.

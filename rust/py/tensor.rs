@@ -15,17 +15,27 @@ pub(crate) enum Kind {
     Int8,
 }
 
-/// A CPU, contiguous tensor seen as (address, shape, element type).
+/// A CPU tensor seen as (address, shape, element strides, element type); contiguous unless
+/// taken by `extract_view`.
 #[derive(Debug, Clone)]
 pub(crate) struct TensorRef {
     pub name: &'static str,
     pub addr: usize,
     pub shape: Vec<usize>,
+    pub strides: Vec<usize>,
+    pub contiguous: bool,
     pub kind: Kind,
 }
 
 impl TensorRef {
     pub fn extract(obj: &Bound<'_, PyAny>, name: &'static str) -> PyResult<TensorRef> {
+        let t = TensorRef::extract_view(obj, name)?;
+        ensure!(t.contiguous, Value, "{name} must be contiguous");
+        Ok(t)
+    }
+
+    /// A tensor that may be a strided view; the caller checks its layout.
+    pub fn extract_view(obj: &Bound<'_, PyAny>, name: &'static str) -> PyResult<TensorRef> {
         let is_tensor = obj.hasattr("data_ptr")? && obj.hasattr("dtype")? && obj.hasattr("shape")?;
         if !is_tensor {
             return Err(pyo3::exceptions::PyTypeError::new_err(format!(
@@ -43,12 +53,12 @@ impl TensorRef {
             ),
         };
         ensure!(device == "cpu", Value, "{name} must be a CPU tensor, got device {device}");
-        let contiguous: bool = obj.call_method0("is_contiguous")?.extract()?;
-        ensure!(contiguous, Value, "{name} must be contiguous");
         Ok(TensorRef {
             name,
             addr: obj.call_method0("data_ptr")?.extract()?,
             shape: obj.getattr("shape")?.extract()?,
+            strides: obj.call_method0("stride")?.extract()?,
+            contiguous: obj.call_method0("is_contiguous")?.extract()?,
             kind,
         })
     }

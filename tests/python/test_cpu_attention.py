@@ -117,6 +117,37 @@ def test_int8_cache_matches_sdpa_on_dequantized_rows(attn, dtype, append):
     torch.testing.assert_close(out.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+def interleaved(a, b):
+    """``a`` and ``b`` (``[layers, blocks, kv_heads, ...]``) copied into the halves of one tensor,
+    a (block, KV head)'s tiles side by side, as the engine's CPU pools are laid out."""
+    both = torch.stack([a, b], dim=3)
+    return both[:, :, :, 0], both[:, :, :, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("append", [False, True])
+def test_interleaved_pools_match_separate_ones_bit_for_bit(attn, dtype, append):
+    fdt = torch.bfloat16 if dtype == torch.int8 else dtype
+    lens = [1, 17, 70, 16, 3]
+    q, k, v, tables, seq_lens, new_k, new_v = make_case(lens, 8, 2, 128, 16, fdt, seed=9)
+    scales = {}
+    if dtype == torch.int8:
+        (k, ks), (v, vs) = quantize(k), quantize(v)
+        scales = dict(k_scale=ks, v_scale=vs)
+    ik, iv = interleaved(k, v)
+    iscales = dict(zip(scales, interleaved(*scales.values()), strict=True)) if scales else {}
+    assert not ik.is_contiguous()
+    extra = dict(new_k=new_k, new_v=new_v) if append else {}
+    want, got = torch.empty_like(q), torch.empty_like(q)
+    attn.forward(q, k, v, 1, tables, seq_lens, 0.1, want, **scales, **extra)
+    attn.forward(q, ik, iv, 1, tables, seq_lens, 0.1, got, **iscales, **extra)
+    assert torch.equal(got, want)
+    # An append wrote the same rows (and scales) into the interleaved pool's slots.
+    assert torch.equal(ik, k) and torch.equal(iv, v)
+    for name, t in iscales.items():
+        assert torch.equal(t, scales[name])
+
+
 def test_submit_from_many_threads():
     attn = neo_rs.CpuAttention()
     cases = [make_case([5 + i, 40, 300], 8, 2, 128, 16, torch.bfloat16, seed=i) for i in range(8)]
@@ -212,6 +243,7 @@ def _bad_calls():
     bad_tables[1, 1] = 999
     (k8, ks), (v8, _) = quantize(k), quantize(v)
     ks = ks.contiguous()
+    kv, kv8 = torch.stack([k, v], dim=3), torch.stack([k8, v8], dim=3)
     return [
         ("q wrong dtype", dict(ok, q=q.double()), neo_rs.DTypeError),
         ("q bf16 vs f32 cache", dict(ok, q=q.bfloat16(), out=out.bfloat16()), neo_rs.DTypeError),
@@ -228,6 +260,27 @@ def _bad_calls():
             neo_rs.InvalidArgumentError,
         ),
         ("non-contiguous", dict(ok, q=q.transpose(0, 1)), neo_rs.InvalidArgumentError),
+        (
+            "k_cache strided",
+            dict(ok, k_cache=k.transpose(3, 4).contiguous().transpose(3, 4)),
+            neo_rs.InvalidArgumentError,
+        ),
+        # Interleaved halves only as x[:, :, :, 0] and x[:, :, :, 1] of one tensor.
+        (
+            "k_cache and v_cache one half",
+            dict(ok, k_cache=kv[:, :, :, 0], v_cache=kv[:, :, :, 0]),
+            neo_rs.InvalidArgumentError,
+        ),
+        (
+            "halves swapped",
+            dict(ok, k_cache=kv[:, :, :, 1], v_cache=kv[:, :, :, 0]),
+            neo_rs.InvalidArgumentError,
+        ),
+        (
+            "interleaved caches, separate scales",
+            dict(ok, k_cache=kv8[:, :, :, 0], v_cache=kv8[:, :, :, 1], k_scale=ks, v_scale=ks),
+            neo_rs.InvalidArgumentError,
+        ),
         ("out aliases q", dict(ok, out=q), neo_rs.InvalidArgumentError),
         ("only new_k", dict(ok, new_k=nk), neo_rs.InvalidArgumentError),
         ("new_k shape", dict(ok, new_k=nk[:1], new_v=nv[:1]), neo_rs.ShapeError),
