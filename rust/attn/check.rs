@@ -128,9 +128,9 @@ pub(crate) fn check_decode(
     ensure!(
         shape.slice_len().is_some_and(|n| n == k_len && n == v_len),
         Shape,
-        "K/V layer slices hold {k_len}/{v_len} elements, expected {:?} for {num_blocks}x{num_kv_heads}x{block_size}x{head_dim}{}",
-        shape.slice_len(),
-        if shape.interleaved { " interleaved" } else { "" }
+        "K/V layer slices hold {k_len}/{v_len} elements, expected {} ({num_blocks}x{num_kv_heads}x{block_size}x{head_dim}{})",
+        shape.slice_len().map_or("more than fit in memory".into(), |n| n.to_string()),
+        if shape.interleaved { ", K and V interleaved" } else { "" }
     );
     let num_seqs = batch.num_seqs();
     let rows = num_seqs.checked_mul(params.num_q_heads * head_dim);
@@ -171,8 +171,8 @@ pub(crate) fn check_scales(shape: &PagedShape, k_scale_len: usize, v_scale_len: 
     ensure!(
         shape.scales_len().is_some_and(|n| n == k_scale_len && n == v_scale_len),
         Shape,
-        "k_scale/v_scale layer slices hold {k_scale_len}/{v_scale_len} values, expected {:?}",
-        shape.scales_len()
+        "k_scale/v_scale layer slices hold {k_scale_len}/{v_scale_len} values, expected {}",
+        shape.scales_len().map_or("more than fit in memory".into(), |n| n.to_string())
     );
     Ok(())
 }
