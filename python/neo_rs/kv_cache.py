@@ -58,6 +58,7 @@ class KvPool:
         # caching host allocator (``transfer.py``), and the host side is a scatter or gather in
         # host memory. Pinning tens of GiB would take minutes at start-up, lock the memory and
         # may fail; this way start-up stays instant on any host.
+        # In CPU memory K and V are the halves of ``tile_pairs`` (None elsewhere).
         self.k, self.v, self.tile_pairs = _pair(shape, store, device)
         # With int8 rows, one float32 scale per (layer, block, KV head, token).
         self.k_scale: torch.Tensor | None = None
@@ -133,10 +134,9 @@ class KvPool:
 def _pair(
     shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """K and V tensors of ``shape``: in CPU memory the halves of one, ``[*shape[:3], 2,
-    *shape[3:]]``, interleaved per (block, KV head) (the CPU kernel's layout; see the module
-    docstring), which comes third; elsewhere two (GPU kernels take separate contiguous pools), and
-    None."""
+    """K and V tensors of ``shape``, and the tensor they are the halves of: in CPU memory one
+    ``[*shape[:3], 2, *shape[3:]]``, interleaved per (block, KV head) (the CPU kernel's layout;
+    see the module docstring); elsewhere none (GPU kernels take separate contiguous pools)."""
     if device.type != "cpu":
         return (
             torch.empty(shape, dtype=dtype, device=device),
