@@ -290,7 +290,8 @@ fn prepare(args: &Args<'_>, layer: usize, scale: f32) -> PyResult<Call> {
 /// 2, ...]`: an interleaved pool (`PagedShape::interleaved`).
 fn interleaved_halves(a: &TensorRef, b: &TensorRef) -> bool {
     let n = a.shape.len();
-    if n < 4 || a.shape != b.shape || a.strides != b.strides || a.kind != b.kind {
+    let views = !a.contiguous && !b.contiguous;
+    if !views || n < 4 || a.shape != b.shape || a.strides != b.strides || a.kind != b.kind {
         return false;
     }
     let mut want = vec![0; n];

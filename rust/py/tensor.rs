@@ -15,15 +15,17 @@ pub(crate) enum Kind {
     Int8,
 }
 
-/// A CPU tensor seen as (address, shape, element strides, element type); contiguous unless
-/// taken by `extract_view`.
+/// A CPU tensor seen as (address, shape, element type); contiguous unless taken by
+/// `extract_view`.
 #[derive(Debug, Clone)]
 pub(crate) struct TensorRef {
     pub name: &'static str,
     pub addr: usize,
     pub shape: Vec<usize>,
-    pub strides: Vec<usize>,
     pub contiguous: bool,
+    /// Element strides of a tensor that is not contiguous (empty otherwise: one Python call
+    /// fewer per tensor of every call).
+    pub strides: Vec<usize>,
     pub kind: Kind,
 }
 
@@ -53,12 +55,13 @@ impl TensorRef {
             ),
         };
         ensure!(device == "cpu", Value, "{name} must be a CPU tensor, got device {device}");
+        let contiguous: bool = obj.call_method0("is_contiguous")?.extract()?;
         Ok(TensorRef {
             name,
             addr: obj.call_method0("data_ptr")?.extract()?,
             shape: obj.getattr("shape")?.extract()?,
-            strides: obj.call_method0("stride")?.extract()?,
-            contiguous: obj.call_method0("is_contiguous")?.extract()?,
+            contiguous,
+            strides: if contiguous { Vec::new() } else { obj.call_method0("stride")?.extract()? },
             kind,
         })
     }
