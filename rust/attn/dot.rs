@@ -5,8 +5,6 @@
 //! to bf16, as GPU kernels compute P·V for a bf16 model). Both accumulate exactly or in f32; p·v
 //! reads V rows in pairs (two tokens per 32-bit lane), which is what these instructions sum.
 
-use std::ops::Range;
-
 use crate::attn::element::{Element, KvElement};
 use crate::attn::kernel::Scratch;
 use crate::attn::simd::Simd;
@@ -34,14 +32,6 @@ impl<'a> Rows<'a> {
         }
     }
 
-    #[inline(always)]
-    fn slice(self, r: Range<usize>) -> Self {
-        match self {
-            Rows::I8(x) => Rows::I8(&x[r]),
-            Rows::Bf16(x) => Rows::Bf16(&x[r]),
-        }
-    }
-
     /// q in the form these rows' dot products on tier `S` take (see `Scratch`).
     #[inline(always)]
     pub fn prepare_q<S: Simd, Q: Element>(self, scratch: &mut Scratch, q: &[Q], group: usize, d: usize) {
@@ -52,22 +42,20 @@ impl<'a> Rows<'a> {
     }
 }
 
-/// Scores of every head of the group against the `n` rows of the K tile `tile` (pool range),
-/// prefetching the tile `ahead`: scaled like the widening path's (int8 rows still without their
-/// row scales).
+/// Scores of every head of the group against the rows of a step (pool offsets `rows` into the
+/// K pool `k`), prefetching the rows at `ahead`: scaled like the widening path's (int8 rows still
+/// without their row scales).
 ///
 /// # Safety
 /// The CPU must support `S` with these rows' dot products; `scratch` as for `pv_pairs`, q
-/// prepared by `Rows::prepare_q`.
-#[allow(clippy::too_many_arguments)]
+/// prepared by `Rows::prepare_q`; each offset in `rows` and `ahead` starts `d` elements of `k`.
 #[inline(always)]
 pub(crate) unsafe fn qk<S: Simd>(
     scratch: &mut Scratch,
     group: usize,
     k: Rows<'_>,
-    tile: Range<usize>,
-    ahead: Range<usize>,
-    n: usize,
+    rows: &[usize],
+    ahead: &[usize],
     d: usize,
     scale: f32,
 ) {
@@ -78,31 +66,30 @@ pub(crate) unsafe fn qk<S: Simd>(
         let s = &mut scratch.scores[g0 * sp..];
         // SAFETY: forwarded caller contract; slice lengths are asserted in the tiles.
         unsafe {
-            match (k.slice(tile.clone()), k.slice(ahead.clone())) {
-                (Rows::I8(t), Rows::I8(a)) => {
+            match k {
+                Rows::I8(k) => {
                     let q8 = &scratch.q8[g0 * dq..];
                     let (qs, qo) = (&scratch.q8_scale[g0..], &scratch.q8_offset[g0..]);
                     match (S::LANES, gt) {
-                        (16, 4) => qk_tile_i8::<S, 4, 4>(q8, dq, qs, qo, t, a, n, d, s, sp),
-                        (16, 2) => qk_tile_i8::<S, 2, 8>(q8, dq, qs, qo, t, a, n, d, s, sp),
-                        (16, _) => qk_tile_i8::<S, 1, 16>(q8, dq, qs, qo, t, a, n, d, s, sp),
-                        (8, 4) => qk_tile_i8::<S, 4, 2>(q8, dq, qs, qo, t, a, n, d, s, sp),
-                        (8, 2) => qk_tile_i8::<S, 2, 4>(q8, dq, qs, qo, t, a, n, d, s, sp),
-                        (8, _) => qk_tile_i8::<S, 1, 8>(q8, dq, qs, qo, t, a, n, d, s, sp),
-                        (4, 4) => qk_tile_i8::<S, 4, 1>(q8, dq, qs, qo, t, a, n, d, s, sp),
-                        (4, 2) => qk_tile_i8::<S, 2, 2>(q8, dq, qs, qo, t, a, n, d, s, sp),
-                        _ => qk_tile_i8::<S, 1, 4>(q8, dq, qs, qo, t, a, n, d, s, sp),
+                        (16, 4) => qk_tile_i8::<S, 4, 4>(q8, dq, qs, qo, k, rows, ahead, d, s, sp),
+                        (16, 2) => qk_tile_i8::<S, 2, 8>(q8, dq, qs, qo, k, rows, ahead, d, s, sp),
+                        (16, _) => qk_tile_i8::<S, 1, 16>(q8, dq, qs, qo, k, rows, ahead, d, s, sp),
+                        (8, 4) => qk_tile_i8::<S, 4, 2>(q8, dq, qs, qo, k, rows, ahead, d, s, sp),
+                        (8, 2) => qk_tile_i8::<S, 2, 4>(q8, dq, qs, qo, k, rows, ahead, d, s, sp),
+                        (8, _) => qk_tile_i8::<S, 1, 8>(q8, dq, qs, qo, k, rows, ahead, d, s, sp),
+                        (4, 4) => qk_tile_i8::<S, 4, 1>(q8, dq, qs, qo, k, rows, ahead, d, s, sp),
+                        (4, 2) => qk_tile_i8::<S, 2, 2>(q8, dq, qs, qo, k, rows, ahead, d, s, sp),
+                        _ => qk_tile_i8::<S, 1, 4>(q8, dq, qs, qo, k, rows, ahead, d, s, sp),
                     }
                 }
-                (Rows::Bf16(t), Rows::Bf16(a)) => {
+                Rows::Bf16(k) => {
                     let qb = &scratch.qb[g0 * dq..];
                     match gt {
-                        4 => qk_tile_bf16::<S, 4, 4>(qb, dq, scale, t, a, n, d, s, sp),
-                        2 => qk_tile_bf16::<S, 2, 8>(qb, dq, scale, t, a, n, d, s, sp),
-                        _ => qk_tile_bf16::<S, 1, 16>(qb, dq, scale, t, a, n, d, s, sp),
+                        4 => qk_tile_bf16::<S, 4, 4>(qb, dq, scale, k, rows, ahead, d, s, sp),
+                        2 => qk_tile_bf16::<S, 2, 8>(qb, dq, scale, k, rows, ahead, d, s, sp),
+                        _ => qk_tile_bf16::<S, 1, 16>(qb, dq, scale, k, rows, ahead, d, s, sp),
                     }
                 }
-                _ => unreachable!("one pool, one element type"),
             }
         }
         g0 += gt;
@@ -120,7 +107,7 @@ pub(crate) fn group_tile(remaining: usize) -> usize {
 }
 
 /// Largest int16 p: with |v| <= 128, one pair adds at most 2 * 32767 * 128 < 2^23 to an int32
-/// lane, so a tile of up to 128 rows (`MAX_BLOCK_SIZE`, 64 pairs) stays below 2^29.
+/// lane, so a step of up to 128 rows (`MAX_STEP_ROWS`, 64 pairs) stays below 2^29.
 const P16_MAX: f32 = 32767.0;
 
 /// q (pre-scaled, f32) quantized per head for int8 dot products: symmetric, `max|q| / 127`,
@@ -149,9 +136,9 @@ fn round_q_bf16<Q: Element>(scratch: &mut Scratch, q: &[Q], group: usize, d: usi
     }
 }
 
-/// Scores of `GT` query heads x `TT` tokens of an int8 K tile by int8 dot products (see
-/// `Simd::dot_i8`): `(dot - I8_K_OFFSET Σq8) * q_scale` (the K row scales are applied by the
-/// caller).
+/// Scores of `GT` query heads x `TT` rows at a time of a step of an int8 K pool by int8 dot
+/// products (see `Simd::dot_i8`): `(dot - I8_K_OFFSET Σq8) * q_scale` (the K row scales are
+/// applied by the caller).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn qk_tile_i8<S: Simd, const GT: usize, const TT: usize>(
@@ -160,23 +147,24 @@ unsafe fn qk_tile_i8<S: Simd, const GT: usize, const TT: usize>(
     q_scale: &[f32],
     q_offset: &[f32],
     k: &[i8],
-    k_ahead: &[i8],
-    n: usize,
+    rows: &[usize],
+    ahead: &[usize],
     d: usize,
     scores: &mut [f32],
     sp: usize,
 ) {
+    let n = rows.len();
     assert!(GT * TT == S::LANES && S::LANES <= 16 && q8.len() >= GT * dq && q_scale.len() >= GT);
-    assert!(k.len() >= n * d && k_ahead.len() >= n * d && n >= 1 && scores.len() >= (GT - 1) * sp + n);
+    assert!(ahead.len() == n && n >= 1 && scores.len() >= (GT - 1) * sp + n);
     // Lane g * TT + i takes head g's value (lanes past LANES are never loaded).
     let by_lane = |x: &[f32]| -> [f32; 16] { std::array::from_fn(|l| if l < S::LANES { x[l / TT] } else { 0.0 }) };
     let (offset, scale) = (by_lane(q_offset), by_lane(q_scale));
     for t0 in (0..n).step_by(TT) {
-        // SAFETY: rows are clamped to n - 1, so each holds d readable bytes of `k` (or
-        // `k_ahead`); q8 rows hold dq bytes (asserted); the caller dispatched a tier with int8
-        // dot products on a CPU that has them.
+        // SAFETY: rows are clamped to n - 1, so each holds d readable bytes of `k` (caller); q8
+        // rows hold dq bytes (asserted); the caller dispatched a tier with int8 dot products on a
+        // CPU that has them.
         unsafe {
-            let (rows, ahead) = tile_rows::<i8, TT>(k, k_ahead, t0, n, d);
+            let (rows, ahead) = tile_rows::<i8, TT>(k, rows, ahead, t0);
             let dot = S::dot_i8::<GT, TT>(q8.as_ptr(), dq, &rows, &ahead, d);
             let (offset, scale) = (S::load(offset.as_ptr()), S::load(scale.as_ptr()));
             let mut s = [0f32; 16];
@@ -206,8 +194,8 @@ pub(crate) fn scatter_scores<const GT: usize, const TT: usize>(
     }
 }
 
-/// Scores of `GT` query heads x `TT` tokens of a bf16 K tile by bf16 dot products (see
-/// `Simd::dot_bf16`), times the softmax `scale`.
+/// Scores of `GT` query heads x `TT` rows at a time of a step of a bf16 K pool by bf16 dot
+/// products (see `Simd::dot_bf16`), times the softmax `scale`.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn qk_tile_bf16<S: Simd, const GT: usize, const TT: usize>(
@@ -215,18 +203,19 @@ unsafe fn qk_tile_bf16<S: Simd, const GT: usize, const TT: usize>(
     dq: usize,
     scale: f32,
     k: &[u16],
-    k_ahead: &[u16],
-    n: usize,
+    rows: &[usize],
+    ahead: &[usize],
     d: usize,
     scores: &mut [f32],
     sp: usize,
 ) {
+    let n = rows.len();
     assert!(GT * TT == S::LANES && S::LANES == 16 && qb.len() >= GT * dq);
-    assert!(k.len() >= n * d && k_ahead.len() >= n * d && n >= 1 && scores.len() >= (GT - 1) * sp + n);
+    assert!(ahead.len() == n && n >= 1 && scores.len() >= (GT - 1) * sp + n);
     for t0 in (0..n).step_by(TT) {
         // SAFETY: as in `qk_tile_i8`, for bf16 rows and a tier with bf16 dot products.
         unsafe {
-            let (rows, ahead) = tile_rows::<u16, TT>(k, k_ahead, t0, n, d);
+            let (rows, ahead) = tile_rows::<u16, TT>(k, rows, ahead, t0);
             let mut s = [0f32; 16];
             S::store(s.as_mut_ptr(), S::mul(S::dot_bf16::<GT, TT>(qb.as_ptr(), dq, &rows, &ahead, d), S::splat(scale)));
             scatter_scores::<GT, TT>(&s, scores, sp, t0, n);
@@ -234,26 +223,26 @@ unsafe fn qk_tile_bf16<S: Simd, const GT: usize, const TT: usize>(
     }
 }
 
-/// Pointers to rows `t0 .. t0 + TT` of a K tile of `n` rows of `d` (clamped to the last row, so
-/// every pointer is to a whole row) and to the same rows of the tile to prefetch.
+/// Pointers into the pool `k` at the offsets of positions `t0 .. t0 + TT` of a step (clamped to
+/// its last row, so every pointer is to a whole row) and of the same positions ahead.
 ///
 /// # Safety
-/// `k` and `k_ahead` hold at least `n * d` elements, `n >= 1`.
+/// Each offset in `rows` and `ahead` lies in `k`; `ahead` is at least as long as `rows`, which
+/// is not empty.
 #[inline(always)]
 pub(crate) unsafe fn tile_rows<T, const TT: usize>(
     k: &[T],
-    k_ahead: &[T],
+    rows: &[usize],
+    ahead: &[usize],
     t0: usize,
-    n: usize,
-    d: usize,
 ) -> ([*const T; TT], [*const T; TT]) {
-    let (mut rows, mut ahead) = ([k.as_ptr(); TT], [k_ahead.as_ptr(); TT]);
+    let mut out = ([k.as_ptr(); TT], [k.as_ptr(); TT]);
     for i in 0..TT {
-        let off = (t0 + i).min(n - 1) * d;
-        // SAFETY: off + d <= n * d, within both slices (caller).
-        (rows[i], ahead[i]) = unsafe { (k.as_ptr().add(off), k_ahead.as_ptr().add(off)) };
+        let u = (t0 + i).min(rows.len() - 1);
+        // SAFETY: both offsets lie in `k` (caller).
+        (out.0[i], out.1[i]) = unsafe { (k.as_ptr().add(rows[u]), k.as_ptr().add(ahead[u])) };
     }
-    (rows, ahead)
+    out
 }
 
 /// The probabilities `p` of one head (zero from `n` to the next multiple of 16) as
@@ -298,14 +287,15 @@ unsafe fn pack_bf16<S: Simd>(p: &[f32], n: usize, out: &mut [u32]) {
     }
 }
 
-/// `acc[g] += Σ_t p[g][t] · v[t]` for the `gt` (4 or 2) heads from `g0` over the `n` rows of
-/// the V tile `tile` (pool range) by the rows' pair dot products, prefetching the tile `ahead`
-/// (int8 rows take p already times their row scales). Pairs pay only when their interleaving
-/// serves several heads: a single head takes the widening path.
+/// `acc[g] += Σ_t p[g][t] · v[t]` for the `gt` (4 or 2) heads from `g0` over the rows of a
+/// step (pool offsets `rows` into the V pool `v`) by the rows' pair dot products, prefetching the
+/// rows at `ahead` (int8 rows take p already times their row scales). Pairs pay only when their
+/// interleaving serves several heads: a single head takes the widening path.
 ///
 /// # Safety
 /// The CPU must support `S` with these rows' dot products; `scratch` comes from `Scratch::new`
-/// for this geometry and its scores hold this tile's probabilities.
+/// for this geometry and its scores hold this step's probabilities; each offset in `rows` and
+/// `ahead` starts `d` elements of `v`.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub(crate) unsafe fn pv_pairs<S: Simd>(
@@ -313,16 +303,15 @@ pub(crate) unsafe fn pv_pairs<S: Simd>(
     g0: usize,
     gt: usize,
     v: Rows<'_>,
-    tile: Range<usize>,
-    ahead: Range<usize>,
-    n: usize,
+    rows: &[usize],
+    ahead: &[usize],
     d: usize,
 ) {
-    let (dp, sp) = (scratch.padded_dim, scratch.score_stride);
+    let (dp, sp, n) = (scratch.padded_dim, scratch.score_stride, rows.len());
     let ps = sp / 2;
     assert!(gt == 4 || gt == 2);
     assert!(n >= 1 && n <= sp && scratch.pairs.len() >= (g0 + gt) * ps && scratch.acc.len() >= (g0 + gt) * dp);
-    assert!(tile.len() >= n * d && ahead.len() >= n * d);
+    assert!(ahead.len() == n);
     for g in g0..g0 + gt {
         let (p, pairs) = (&mut scratch.scores[g * sp..(g + 1) * sp], &mut scratch.pairs[g * ps..(g + 1) * ps]);
         // Past n the softmax leaves (near) zeros; exact zeros keep the odd row out of the sums.
@@ -341,16 +330,15 @@ pub(crate) unsafe fn pv_pairs<S: Simd>(
     let pairs = scratch.pairs[g0 * ps..].as_ptr();
     let scales = &scratch.pair_scale[g0..];
     let acc = scratch.acc[g0 * dp..].as_mut_ptr();
-    // SAFETY: V tiles hold n rows of d (asserted); pairs hold ceil(n / 2) words per head at stride
-    // ps, acc gt rows of dp >= d at stride dp (asserted above); the CPU supports S with these dot
-    // products (caller).
+    // SAFETY: each row holds d elements of the pool (caller); pairs hold ceil(n / 2) words per
+    // head at stride ps, acc gt rows of dp >= d at stride dp (asserted above); the CPU supports S
+    // with these dot products (caller).
     unsafe {
-        match (v.slice(tile), v.slice(ahead), gt) {
-            (Rows::I8(v), Rows::I8(a), 4) => S::pv_i8::<4>(pairs, ps, scales, v.as_ptr(), a.as_ptr(), n, d, acc, dp),
-            (Rows::I8(v), Rows::I8(a), _) => S::pv_i8::<2>(pairs, ps, scales, v.as_ptr(), a.as_ptr(), n, d, acc, dp),
-            (Rows::Bf16(v), Rows::Bf16(a), 4) => S::pv_bf16::<4>(pairs, ps, v.as_ptr(), a.as_ptr(), n, d, acc, dp),
-            (Rows::Bf16(v), Rows::Bf16(a), _) => S::pv_bf16::<2>(pairs, ps, v.as_ptr(), a.as_ptr(), n, d, acc, dp),
-            _ => unreachable!("one pool, one element type"),
+        match (v, gt) {
+            (Rows::I8(v), 4) => S::pv_i8::<4>(pairs, ps, scales, v.as_ptr(), rows, ahead, d, acc, dp),
+            (Rows::I8(v), _) => S::pv_i8::<2>(pairs, ps, scales, v.as_ptr(), rows, ahead, d, acc, dp),
+            (Rows::Bf16(v), 4) => S::pv_bf16::<4>(pairs, ps, v.as_ptr(), rows, ahead, d, acc, dp),
+            (Rows::Bf16(v), _) => S::pv_bf16::<2>(pairs, ps, v.as_ptr(), rows, ahead, d, acc, dp),
         }
     }
 }

@@ -1,6 +1,6 @@
 //! One work item of paged decode attention — a (sequence, KV head, token chunk) — written once
-//! over the `Simd` primitives. The chunk is walked block by block with an online (single-pass)
-//! softmax; K/V rows are widened to f32 in registers straight from the pool (or read by the
+//! over the `Simd` primitives. The chunk is walked a few blocks at a time (a step, their rows
+//! interleaved: `Geometry::streams`) with an online (single-pass) softmax; K/V rows are widened to f32 in registers straight from the pool (or read by the
 //! tier's int8/bf16 dot products where it has them: `dot.rs`) and each load serves a register
 //! tile of query heads (q·k: heads x tokens = LANES accumulators folded by one transposed
 //! reduction; p·v: up to 4 heads per V-row load). The result is an unnormalised partial (acc,
@@ -13,8 +13,15 @@ use crate::attn::element::{Element, KvElement};
 use crate::attn::rotation;
 use crate::attn::simd::Simd;
 
-/// Blocks ahead of the current one whose K/V tiles are prefetched into L2.
-const PREFETCH_BLOCKS: usize = 2;
+/// Tiles one step of the block loop reads together, their rows interleaved (position `u` of a
+/// step is row `u / g` of its tile `u % g`), so that a core keeps several hardware prefetch
+/// streams going over scattered tiles: under the kernel's arithmetic, a read of random 4 KiB
+/// tiles four at a time ran about 1.4x one at a time on the VMs we measure on, whatever the
+/// software prefetching of the one-at-a-time read.
+const STREAMS: usize = 4;
+
+/// Rows of one step at most: p·v's int16 pair sums stay exact up to 128 rows (`dot.rs`).
+pub(crate) const MAX_STEP_ROWS: usize = 128;
 
 /// Per-call geometry shared by every item.
 #[derive(Debug, Clone, Copy)]
@@ -29,6 +36,12 @@ pub(crate) struct Geometry {
 }
 
 impl Geometry {
+    /// Tiles per step of the block loop (`STREAMS`, fewer where a step would pass
+    /// `MAX_STEP_ROWS`); the tiles of the step after are the ones prefetched.
+    pub fn streams(&self) -> usize {
+        (MAX_STEP_ROWS / self.block_size).clamp(1, STREAMS)
+    }
+
     /// f32 values in one item's partial: `acc[group][head_dim]`, then `max[group]`, `sum[group]`.
     pub fn partial_len(&self) -> usize {
         self.group * (self.head_dim + 2)
@@ -78,16 +91,16 @@ fn tile_range(geo: &Geometry, blocks: &[i32], kv_head: usize, b: usize) -> Range
 
 impl<Q, K> Item<'_, Q, K> {
     /// For block index `b` of the sequence: the number of tokens in it, and the pool ranges of
-    /// this head's tile and of the tile to prefetch — `PREFETCH_BLOCKS` ahead, running on into
-    /// the next item, or the current one at the very end (a harmless hint that keeps the hot
-    /// loops branch-free). Both ranges hold at least `n` rows.
+    /// this head's tile and of the tile to prefetch — a step (`Geometry::streams`) ahead, running
+    /// on into the next item, or the current one at the very end (a harmless hint that keeps the
+    /// hot loops branch-free). Both ranges hold at least `n` rows.
     #[inline(always)]
     fn block_tile(&self, geo: &Geometry, b: usize) -> (usize, Range<usize>, Range<usize>) {
         let bs = geo.block_size;
         let n = self.end.min((b + 1) * bs) - b * bs;
         let mut current = tile_range(geo, self.blocks, self.kv_head, b);
         current.end = current.start + n * geo.head_dim;
-        let (ahead, last) = (b + PREFETCH_BLOCKS, self.end.div_ceil(bs));
+        let (ahead, last) = (b + geo.streams(), self.end.div_ceil(bs));
         let ahead = if ahead < last {
             tile_range(geo, self.blocks, self.kv_head, ahead)
         } else {
@@ -99,6 +112,41 @@ impl<Q, K> Item<'_, Q, K> {
             }
         };
         (n, current, ahead)
+    }
+
+    /// The step of `g` tiles from block index `b` (`g == 1` unless all are full): the pool
+    /// offset of each of its rows into `rows` and of the same row of the tile to prefetch into
+    /// `ahead`, in step order (row `u / g` of tile `u % g` at position `u`); prefetches the row
+    /// scales of the tiles ahead. Returns the number of rows. Every row lies inside both pool
+    /// slices (asserted), so the pointers the loops derive from them stay in bounds.
+    ///
+    /// # Safety
+    /// The CPU must support `S`.
+    #[inline(always)]
+    unsafe fn step_rows<S: Simd>(
+        &self,
+        geo: &Geometry,
+        b: usize,
+        g: usize,
+        rows: &mut [usize],
+        ahead: &mut [usize],
+    ) -> usize
+    where
+        K: KvElement,
+    {
+        let d = geo.head_dim;
+        let mut n = 0;
+        for j in 0..g {
+            let (m, tile, next) = self.block_tile(geo, b + j);
+            assert!(tile.end <= self.k.len().min(self.v.len()) && next.end <= self.k.len().min(self.v.len()));
+            // SAFETY: forwarded caller contract.
+            unsafe { prefetch_scales::<S, Q, K>(self, geo, &next) };
+            for t in 0..m {
+                (rows[t * g + j], ahead[t * g + j]) = (tile.start + t * d, next.start + t * d);
+            }
+            n += m;
+        }
+        n
     }
 }
 
@@ -120,7 +168,7 @@ pub(crate) struct Scratch {
     /// per head) and each head's scale of them.
     pub(super) pairs: Vec<u32>,
     pub(super) pair_scale: Vec<f32>,
-    /// With int8 pools: the current block's K and V row scales, zero-padded to the score stride.
+    /// With int8 pools: the current step's K and V row scales, zero-padded to the score stride.
     k_scale: Vec<f32>,
     v_scale: Vec<f32>,
     pub(super) acc: Vec<f32>,
@@ -133,7 +181,7 @@ impl Scratch {
     pub fn new(geo: &Geometry, lanes: usize) -> Self {
         let padded_dim = geo.head_dim.next_multiple_of(lanes);
         // Scores are processed up to 16 f32 at a time, whatever the tier.
-        let score_stride = geo.block_size.next_multiple_of(16);
+        let score_stride = (geo.streams() * geo.block_size).next_multiple_of(16);
         let dot_dim = geo.head_dim.next_multiple_of(64);
         Scratch {
             padded_dim,
@@ -194,10 +242,11 @@ pub(crate) unsafe fn attend_item<S: Simd, Q: Element, K: KvElement, const DOT: u
         k.prepare_q::<S, Q>(scratch, it.q, group, d);
     }
 
-    let (first, last) = (it.start / geo.block_size, it.end.div_ceil(geo.block_size));
+    let bs = geo.block_size;
+    let (first, last, full) = (it.start / bs, it.end.div_ceil(bs), it.end / bs);
     // The tiles the loop below does not prefetch itself (warm already when the previous item
     // ran on this thread and looked ahead into this one).
-    for b in first..last.min(first + PREFETCH_BLOCKS) {
+    for b in first..last.min(first + geo.streams()) {
         let tile = tile_range(geo, it.blocks, it.kv_head, b);
         // SAFETY: the CPU supports S (caller); a prefetch never faults.
         unsafe {
@@ -206,31 +255,34 @@ pub(crate) unsafe fn attend_item<S: Simd, Q: Element, K: KvElement, const DOT: u
             prefetch_scales::<S, Q, K>(it, geo, &tile);
         }
     }
-    for b in first..last {
-        let (n, tile, ahead) = it.block_tile(geo, b);
-        let (k, v) = (&it.k[tile.clone()], &it.v[tile.clone()]);
-        let (k_ahead, v_ahead) = (&it.k[ahead.clone()], &it.v[ahead.clone()]);
-        // SAFETY: (whole block) the CPU supports S (caller); every slice length a helper relies
-        // on is asserted inside it.
+    let (mut row_buf, mut ahead_buf) = ([0usize; MAX_STEP_ROWS], [0usize; MAX_STEP_ROWS]);
+    let mut b = first;
+    while b < last {
+        let g = if b < full { geo.streams().min(full - b) } else { 1 };
+        // SAFETY: the CPU supports S (caller).
+        let n = unsafe { it.step_rows::<S>(geo, b, g, &mut row_buf, &mut ahead_buf) };
+        b += g;
+        let (rows, ahead) = (&row_buf[..n], &ahead_buf[..n]);
+        // SAFETY: (whole step) the CPU supports S (caller); every row lies in both pool slices
+        // (`step_rows`), and every slice length a helper relies on is asserted inside it.
         unsafe {
-            prefetch_scales::<S, Q, K>(it, geo, &ahead);
             if let Some((dk, _)) = dot_kv {
-                dot::qk::<S>(scratch, group, dk, tile.clone(), ahead.clone(), n, d, it.scale);
+                dot::qk::<S>(scratch, group, dk, rows, ahead, d, it.scale);
             } else {
                 let mut g0 = 0;
                 while g0 < group {
                     let gt = group_tile(group - g0);
-                    let (q, sc) = (&scratch.q[g0 * dp..], &mut scratch.scores[g0 * sp..]);
+                    let (q, sc, k) = (&scratch.q[g0 * dp..], &mut scratch.scores[g0 * sp..], it.k);
                     match (S::LANES, gt) {
-                        (16, 4) => qk_tile::<S, K, 4, 4>(q, k, k_ahead, n, d, dp, sc, sp),
-                        (16, 2) => qk_tile::<S, K, 2, 8>(q, k, k_ahead, n, d, dp, sc, sp),
-                        (16, _) => qk_tile::<S, K, 1, 16>(q, k, k_ahead, n, d, dp, sc, sp),
-                        (8, 4) => qk_tile::<S, K, 4, 2>(q, k, k_ahead, n, d, dp, sc, sp),
-                        (8, 2) => qk_tile::<S, K, 2, 4>(q, k, k_ahead, n, d, dp, sc, sp),
-                        (8, _) => qk_tile::<S, K, 1, 8>(q, k, k_ahead, n, d, dp, sc, sp),
-                        (4, 4) => qk_tile::<S, K, 4, 1>(q, k, k_ahead, n, d, dp, sc, sp),
-                        (4, 2) => qk_tile::<S, K, 2, 2>(q, k, k_ahead, n, d, dp, sc, sp),
-                        _ => qk_tile::<S, K, 1, 4>(q, k, k_ahead, n, d, dp, sc, sp),
+                        (16, 4) => qk_tile::<S, K, 4, 4>(q, k, rows, ahead, d, dp, sc, sp),
+                        (16, 2) => qk_tile::<S, K, 2, 8>(q, k, rows, ahead, d, dp, sc, sp),
+                        (16, _) => qk_tile::<S, K, 1, 16>(q, k, rows, ahead, d, dp, sc, sp),
+                        (8, 4) => qk_tile::<S, K, 4, 2>(q, k, rows, ahead, d, dp, sc, sp),
+                        (8, 2) => qk_tile::<S, K, 2, 4>(q, k, rows, ahead, d, dp, sc, sp),
+                        (8, _) => qk_tile::<S, K, 1, 8>(q, k, rows, ahead, d, dp, sc, sp),
+                        (4, 4) => qk_tile::<S, K, 4, 1>(q, k, rows, ahead, d, dp, sc, sp),
+                        (4, 2) => qk_tile::<S, K, 2, 2>(q, k, rows, ahead, d, dp, sc, sp),
+                        _ => qk_tile::<S, K, 1, 4>(q, k, rows, ahead, d, dp, sc, sp),
                     }
                     g0 += gt;
                 }
@@ -241,8 +293,9 @@ pub(crate) unsafe fn attend_item<S: Simd, Q: Element, K: KvElement, const DOT: u
             // time (entries past n are overwritten by the softmax step, or multiplied by 0).
             if K::SCALED {
                 let (ks, vs) = (&mut scratch.k_scale[..sp], &mut scratch.v_scale[..sp]);
-                ks[..n].copy_from_slice(row_scales(it.k_scale, geo, it, b, n));
-                vs[..n].copy_from_slice(row_scales(it.v_scale, geo, it, b, n));
+                for (u, &r) in rows.iter().enumerate() {
+                    (ks[u], vs[u]) = (it.k_scale[r / d], it.v_scale[r / d]);
+                }
                 ks[n..].fill(0.0);
                 vs[n..].fill(0.0);
             }
@@ -266,15 +319,15 @@ pub(crate) unsafe fn attend_item<S: Simd, Q: Element, K: KvElement, const DOT: u
             while g0 < group {
                 let gt = group_tile(group - g0);
                 if let (Some((_, dv)), 2.., true) = (dot_kv, gt, S::PAIR_DOTS) {
-                    dot::pv_pairs::<S>(scratch, g0, gt, dv, tile.clone(), ahead.clone(), n, d);
+                    dot::pv_pairs::<S>(scratch, g0, gt, dv, rows, ahead, d);
                     g0 += gt;
                     continue;
                 }
                 let (p, acc) = (&scratch.scores[g0 * sp..], &mut scratch.acc[g0 * dp..]);
                 match gt {
-                    4 => pv_tile::<S, K, 4, 2>(p, sp, v, v_ahead, n, d, dp, acc),
-                    2 => pv_tile::<S, K, 2, 4>(p, sp, v, v_ahead, n, d, dp, acc),
-                    _ => pv_tile::<S, K, 1, 8>(p, sp, v, v_ahead, n, d, dp, acc),
+                    4 => pv_tile::<S, K, 4, 2>(p, sp, it.v, rows, ahead, d, dp, acc),
+                    2 => pv_tile::<S, K, 2, 4>(p, sp, it.v, rows, ahead, d, dp, acc),
+                    _ => pv_tile::<S, K, 1, 8>(p, sp, it.v, rows, ahead, d, dp, acc),
                 }
                 g0 += gt;
             }
@@ -305,13 +358,6 @@ unsafe fn scale_scores<S: Simd>(scores: &mut [f32], scales: &[f32], n: usize) {
             S::store(p, S::mul(S::load(p), S::load(scales.as_ptr().add(c))));
         }
     }
-}
-
-/// The scales of the `n` rows of block index `b` in a row-scale pool layer (one f32 per row).
-#[inline(always)]
-fn row_scales<'a, Q, K>(scales: &'a [f32], geo: &Geometry, it: &Item<'_, Q, K>, b: usize, n: usize) -> &'a [f32] {
-    let rows = Geometry { head_dim: 1, ..*geo };
-    &scales[tile_range(&rows, it.blocks, it.kv_head, b)][..n]
 }
 
 /// With int8 pools, prefetches the row scales of the K/V tile at pool range `tile` (their row
@@ -366,29 +412,33 @@ unsafe fn load_chunk<S: Simd, E: KvElement>(p: *const E, count: usize) -> S::V {
     }
 }
 
-/// Scaled scores (q is pre-scaled) of `GT` query heads x `TT` tokens at a time (GT * TT = LANES
-/// accumulators, folded by one transposed reduction) for the `n` rows of a K tile.
+/// Scaled scores (q is pre-scaled) of `GT` query heads x `TT` rows at a time (GT * TT = LANES
+/// accumulators, folded by one transposed reduction) for the rows of a step of the K pool `k`
+/// (pool offsets `rows`; `ahead` prefetched).
+///
+/// # Safety
+/// The CPU must support `S`; each offset in `rows` and `ahead` starts `d` elements of `k`.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn qk_tile<S: Simd, E: KvElement, const GT: usize, const TT: usize>(
     q: &[f32],
     k: &[E],
-    k_ahead: &[E],
-    n: usize,
+    rows: &[usize],
+    ahead: &[usize],
     d: usize,
     dp: usize,
     scores: &mut [f32],
     sp: usize,
 ) {
-    assert!(GT * TT == S::LANES && S::LANES <= 16);
-    assert!(q.len() >= GT * dp && k.len() >= n * d && n >= 1 && scores.len() >= (GT - 1) * sp + n);
-    assert!(k_ahead.len() >= n * d);
+    let n = rows.len();
+    assert!(GT * TT == S::LANES && S::LANES <= 16 && ahead.len() == n);
+    assert!(q.len() >= GT * dp && n >= 1 && scores.len() >= (GT - 1) * sp + n);
     let (full, tail) = (d / S::LANES, d % S::LANES);
     for t0 in (0..n).step_by(TT) {
         // SAFETY: rows are clamped to n - 1 and chunks never pass d, so every read lies inside
-        // `k`; q offsets stay below GT * dp (asserted above); the CPU supports S (caller).
+        // `k` (caller); q offsets stay below GT * dp (asserted above); the CPU supports S (caller).
         unsafe {
-            let (rows, ahead) = tile_rows::<E, TT>(k, k_ahead, t0, n, d);
+            let (rows, ahead) = tile_rows::<E, TT>(k, rows, ahead, t0);
             let mut acc = [[S::zero(); TT]; GT];
             for c in 0..full {
                 qk_chunk::<S, E, GT, TT>(&rows, &ahead, q, dp, c * S::LANES, S::LANES, &mut acc);
@@ -472,38 +522,43 @@ unsafe fn online_softmax_step<S: Simd>(scores: &mut [f32], n: usize, acc: &mut [
     }
 }
 
-/// `acc[g] += Σ_t p[g][t] · v[t]` for `GT` query heads over the `n` rows of a V tile. Each
-/// pass keeps GT heads x CB chunks of LANES dims in registers (GT * CB = 4 or 8), so each widened
-/// V load serves every head and the per-row loop overhead is shared by CB chunks.
+/// `acc[g] += Σ_t p[g][t] · v[t]` for `GT` query heads over the rows of a step of the V pool `v`
+/// (pool offsets `rows`; `ahead` prefetched). Each pass keeps GT heads x CB chunks of LANES dims
+/// in registers (GT * CB = 4 or 8), so each widened V load serves every head and the per-row
+/// loop overhead is shared by CB chunks.
+///
+/// # Safety
+/// The CPU must support `S`; each offset in `rows` and `ahead` starts `d` elements of `v`.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn pv_tile<S: Simd, E: KvElement, const GT: usize, const CB: usize>(
     p: &[f32],
     sp: usize,
     v: &[E],
-    v_ahead: &[E],
-    n: usize,
+    rows: &[usize],
+    ahead: &[usize],
     d: usize,
     dp: usize,
     acc: &mut [f32],
 ) {
-    assert!(p.len() >= (GT - 1) * sp + n && v.len() >= n * d && v_ahead.len() >= n * d && acc.len() >= GT * dp);
+    let n = rows.len();
+    assert!(p.len() >= (GT - 1) * sp + n && ahead.len() == n && acc.len() >= GT * dp);
     let (full, tail) = (d / S::LANES, d % S::LANES);
     let l = S::LANES;
-    // SAFETY: the asserts above bound every offset (chunks never pass d <= dp); the CPU
-    // supports S (caller).
+    // SAFETY: the asserts above and the caller bound every offset (chunks never pass d <= dp);
+    // the CPU supports S (caller).
     unsafe {
         let mut c = 0;
         while c + CB <= full {
-            pv_chunks::<S, E, GT, CB>(p, sp, v, v_ahead, n, d, dp, c * l, l, acc);
+            pv_chunks::<S, E, GT, CB>(p, sp, v, rows, ahead, dp, c * l, l, acc);
             c += CB;
         }
         while c < full {
-            pv_chunks::<S, E, GT, 1>(p, sp, v, v_ahead, n, d, dp, c * l, l, acc);
+            pv_chunks::<S, E, GT, 1>(p, sp, v, rows, ahead, dp, c * l, l, acc);
             c += 1;
         }
         if tail > 0 {
-            pv_chunks::<S, E, GT, 1>(p, sp, v, v_ahead, n, d, dp, full * l, tail, acc);
+            pv_chunks::<S, E, GT, 1>(p, sp, v, rows, ahead, dp, full * l, tail, acc);
         }
     }
 }
@@ -516,17 +571,16 @@ unsafe fn pv_chunks<S: Simd, E: KvElement, const GT: usize, const CB: usize>(
     p: &[f32],
     sp: usize,
     v: &[E],
-    ahead: &[E],
-    n: usize,
-    d: usize,
+    rows: &[usize],
+    ahead: &[usize],
     dp: usize,
     c: usize,
     count: usize,
     acc: &mut [f32],
 ) {
-    // SAFETY: the caller (pv_tile) bounds every offset: rows t < n of `v` and `ahead` (only
-    // prefetched), dims c + (CB - 1) * LANES + count <= d, p[g * sp + t] for g < GT,
-    // acc[g * dp + c..][..CB * LANES].
+    // SAFETY: the caller (pv_tile) bounds every offset: the rows at `rows` and `ahead` (only
+    // prefetched) of `v`, dims c + (CB - 1) * LANES + count <= d, p[g * sp + t] for g < GT and
+    // t < rows.len(), acc[g * dp + c..][..CB * LANES].
     unsafe {
         let mut o = [[S::zero(); CB]; GT];
         let mut prow = [p.as_ptr(); GT];
@@ -536,11 +590,11 @@ unsafe fn pv_chunks<S: Simd, E: KvElement, const GT: usize, const CB: usize>(
             }
             prow[g] = p.as_ptr().add(g * sp);
         }
-        let (mut vrow, mut arow) = (v.as_ptr().add(c), ahead.as_ptr().add(c));
         // Each line of the V tile ahead once (from the chunk that starts it), as these chunks'
         // rows are read.
         let starts_line: [bool; CB] = std::array::from_fn(|j| ((c + j * S::LANES) * size_of::<E>()).is_multiple_of(64));
-        for t in 0..n {
+        for (t, (&r, &a)) in rows.iter().zip(ahead).enumerate() {
+            let (vrow, arow) = (v.as_ptr().add(r + c), v.as_ptr().add(a + c));
             let mut vv = [S::zero(); CB];
             for (j, x) in vv.iter_mut().enumerate() {
                 if starts_line[j] {
@@ -553,9 +607,6 @@ unsafe fn pv_chunks<S: Simd, E: KvElement, const GT: usize, const CB: usize>(
                 for j in 0..CB {
                     o[g][j] = S::fma(pg, vv[j], o[g][j]);
                 }
-            }
-            if t + 1 < n {
-                (vrow, arow) = (vrow.add(d), arow.add(d));
             }
         }
         for g in 0..GT {

@@ -79,17 +79,17 @@ pub trait Simd {
     }
     /// Int8 V rows by int16 pair dot products (VNNI tiers only): `acc[g * dp + x] += scale[g] *
     /// Σ_j (lo(pairs[g * ps + j]) * v[2j][x] + hi(…) * v[2j + 1][x])` for `x < d`, over the
-    /// `ceil(n / 2)` pairs of the `n` rows of `v` (row `n` stands in as row `n - 1` with a zero
-    /// weight); the same rows of `ahead` are prefetched. `acc` rows hold `dp >= d` f32, a multiple
-    /// of 16.
+    /// `ceil(n / 2)` pairs of the `n` rows at `v + rows[..]` (row `n` stands in as row `n - 1`
+    /// with a zero weight); the rows at `v + ahead[..]` are prefetched. Each row holds `d`
+    /// readable bytes; `acc` rows hold `dp >= d` f32, a multiple of 16.
     #[allow(clippy::too_many_arguments)]
     unsafe fn pv_i8<const GT: usize>(
         _pairs: *const u32,
         _ps: usize,
         _scale: &[f32],
         _v: *const i8,
-        _ahead: *const i8,
-        _n: usize,
+        _rows: &[usize],
+        _ahead: &[usize],
         _d: usize,
         _acc: *mut f32,
         _dp: usize,
@@ -103,8 +103,8 @@ pub trait Simd {
         _pairs: *const u32,
         _ps: usize,
         _v: *const u16,
-        _ahead: *const u16,
-        _n: usize,
+        _rows: &[usize],
+        _ahead: &[usize],
         _d: usize,
         _acc: *mut f32,
         _dp: usize,

@@ -194,13 +194,14 @@ impl Simd for Avx2 {
         ps: usize,
         scale: &[f32],
         v: *const i8,
-        ahead: *const i8,
-        n: usize,
+        rows: &[usize],
+        ahead: &[usize],
         d: usize,
         acc: *mut f32,
         dp: usize,
     ) {
-        assert!(scale.len() >= GT && n >= 1 && dp >= d && dp.is_multiple_of(8));
+        let n = rows.len();
+        assert!(scale.len() >= GT && n >= 1 && ahead.len() == n && dp >= d && dp.is_multiple_of(8));
         // Chunks per pass: as many as 2 x GT accumulators each leave registers for.
         let xs = if GT <= 2 { 2 } else { 1 };
         // SAFETY: the caller guarantees n rows of d bytes at `v` (and `ahead`, only prefetched),
@@ -213,10 +214,11 @@ impl Simd for Avx2 {
                 let mut lo = [[_mm256_setzero_si256(); 2]; GT];
                 let mut hi = [[_mm256_setzero_si256(); 2]; GT];
                 for j in 0..n.div_ceil(2) {
-                    let (r0, r1) = (2 * j * d + c, (2 * j + 1).min(n - 1) * d + c);
+                    let (u0, u1) = (2 * j, (2 * j + 1).min(n - 1));
+                    let (r0, r1) = (rows[u0] + c, rows[u1] + c);
                     if c.is_multiple_of(64) {
-                        _mm_prefetch::<_MM_HINT_T1>(ahead.add(r0).cast());
-                        _mm_prefetch::<_MM_HINT_T1>(ahead.add(r1).cast());
+                        _mm_prefetch::<_MM_HINT_T1>(v.add(ahead[u0] + c).cast());
+                        _mm_prefetch::<_MM_HINT_T1>(v.add(ahead[u1] + c).cast());
                     }
                     let mut l = [_mm256_setzero_si256(); 2];
                     let mut h = [_mm256_setzero_si256(); 2];

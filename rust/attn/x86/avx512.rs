@@ -230,15 +230,16 @@ impl Simd for Avx512 {
         ps: usize,
         scale: &[f32],
         v: *const i8,
-        ahead: *const i8,
-        n: usize,
+        rows: &[usize],
+        ahead: &[usize],
         d: usize,
         acc: *mut f32,
         dp: usize,
     ) {
-        assert!(scale.len() >= GT && n >= 1 && dp >= d && dp.is_multiple_of(16));
+        let n = rows.len();
+        assert!(scale.len() >= GT && n >= 1 && ahead.len() == n && dp >= d && dp.is_multiple_of(16));
         let xs = pair_pass::<GT>();
-        // SAFETY: the caller guarantees n rows of d bytes at `v` (and `ahead`, only prefetched),
+        // SAFETY: the caller guarantees d bytes at `v` + each of `rows` (and `ahead`, only prefetched),
         // ceil(n / 2) pair words per head at stride ps, GT acc rows of dp f32, and VNNI; loads
         // past `d` are masked off and acc is written below dp only.
         unsafe {
@@ -248,9 +249,10 @@ impl Simd for Avx512 {
                 let mut lo = [[_mm512_setzero_si512(); 4]; GT];
                 let mut hi = [[_mm512_setzero_si512(); 4]; GT];
                 for j in 0..n.div_ceil(2) {
-                    let (r0, r1) = (2 * j * d + c, (2 * j + 1).min(n - 1) * d + c);
-                    _mm_prefetch::<_MM_HINT_T1>(ahead.add(r0).cast());
-                    _mm_prefetch::<_MM_HINT_T1>(ahead.add(r1).cast());
+                    let (u0, u1) = (2 * j, (2 * j + 1).min(n - 1));
+                    let (r0, r1) = (rows[u0] + c, rows[u1] + c);
+                    _mm_prefetch::<_MM_HINT_T1>(v.add(ahead[u0] + c).cast());
+                    _mm_prefetch::<_MM_HINT_T1>(v.add(ahead[u1] + c).cast());
                     let mut l = [_mm512_setzero_si512(); 4];
                     let mut h = [_mm512_setzero_si512(); 4];
                     for x in 0..xs {
@@ -282,13 +284,14 @@ impl Simd for Avx512 {
         pairs: *const u32,
         ps: usize,
         v: *const u16,
-        ahead: *const u16,
-        n: usize,
+        rows: &[usize],
+        ahead: &[usize],
         d: usize,
         acc: *mut f32,
         dp: usize,
     ) {
-        assert!(n >= 1 && dp >= d && dp.is_multiple_of(16));
+        let n = rows.len();
+        assert!(n >= 1 && ahead.len() == n && dp >= d && dp.is_multiple_of(16));
         let xs = pair_pass::<GT>();
         // SAFETY: as for `pv_i8`, with bf16 rows and AVX512_BF16.
         unsafe {
@@ -298,12 +301,13 @@ impl Simd for Avx512 {
                 let mut lo = [[_mm512_setzero_ps(); 4]; GT];
                 let mut hi = [[_mm512_setzero_ps(); 4]; GT];
                 for j in 0..n.div_ceil(2) {
-                    let (r0, r1) = (2 * j * d + c, (2 * j + 1).min(n - 1) * d + c);
+                    let (u0, u1) = (2 * j, (2 * j + 1).min(n - 1));
+                    let (r0, r1, a0, a1) = (rows[u0] + c, rows[u1] + c, ahead[u0] + c, ahead[u1] + c);
                     let mut l = [bh(_mm512_setzero_si512()); 4];
                     let mut h = [bh(_mm512_setzero_si512()); 4];
                     for x in 0..xs {
-                        _mm_prefetch::<_MM_HINT_T1>(ahead.add(r0 + 32 * x).cast());
-                        _mm_prefetch::<_MM_HINT_T1>(ahead.add(r1 + 32 * x).cast());
+                        _mm_prefetch::<_MM_HINT_T1>(v.add(a0 + 32 * x).cast());
+                        _mm_prefetch::<_MM_HINT_T1>(v.add(a1 + 32 * x).cast());
                         let a = _mm512_maskz_loadu_epi16(mask[x], v.add(r0 + 32 * x).cast());
                         let b = _mm512_maskz_loadu_epi16(mask[x], v.add(r1 + 32 * x).cast());
                         (l[x], h[x]) = (bh(_mm512_unpacklo_epi16(a, b)), bh(_mm512_unpackhi_epi16(a, b)));
