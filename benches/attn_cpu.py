@@ -5,8 +5,8 @@ read and the ratios kernel / bandwidth and kernel / torch, and KV tokens per sec
 tokens x all KV heads, what matters across dtypes). `int8` rows: int8 pools with their f32 row
 scales (bytes counted with the scales), q and out in bfloat16; their torch baseline runs on the
 bfloat16 pages, and k/torch compares tokens per second. `tiles GB/s` reads the tiles the call
-reads, in its order, with no arithmetic (`gather_read`): what the access pattern alone reaches,
-and `k/tiles` the kernel's share of it. Figures only; not a CI gate.
+reads, in its order and four at a time as the kernel does, with no arithmetic (`gather_read`):
+what the access pattern alone reaches, and `k/tiles` the kernel's share of it. Figures only; not a CI gate.
 `--huge-pages` backs the pools and the read buffer with 2 MiB pages (the engine's pools are not:
 see `kv_cache.py`). `--cold` gives each call blocks the caches no longer hold: the pool holds
 copies of the batch's blocks, over 2 GiB in all, and the calls take them in turn, as the engine

@@ -47,7 +47,7 @@ class CpuAttention:
     @property
     def int8_dot(self) -> bool:
         """Whether int8 caches are read by integer dot products: q·k against q quantized per
-        head after the softmax scale, p·v against p quantized to int16 per head and block
+        head after the softmax scale, p·v against p quantized to int16 per head and step of blocks
         (AVX-512 VNNI, or AVX-VNNI on the AVX2 tier; on Arm's DotProd q·k alone; unless
         ``NEO_RS_INT8_DOT=0``)."""
     @property

@@ -142,9 +142,9 @@ impl Tier {
 }
 
 /// Low-precision dot-product instructions the kernel reads pools with, where they fit the
-/// element: `int8` (AVX-512 VNNI or AVX-VNNI: int8 q·k against q quantized per head, int16 p·v against p quantized
-/// per head and tile; Arm DotProd: the same q·k by `sdot`) and `bf16` (AVX512_BF16: bf16 q·k,
-/// p·v against p rounded to bf16).
+/// element: `int8` (AVX-512 VNNI or AVX-VNNI: int8 q·k against q quantized per head, int16 p·v
+/// against p quantized per head and step; Arm DotProd: the same q·k by `sdot`) and `bf16`
+/// (AVX512_BF16: bf16 q·k, p·v against p rounded to bf16).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DotProducts {
     pub int8: bool,

@@ -1,6 +1,6 @@
 //! The kernel's steps on a tier's low-precision dot-product instructions, for the pool element
 //! they fit: int8 pools on VNNI, AVX-512's or AVX-VNNI (q·k as int8 x int8 against q quantized
-//! per head, p·v as int16 x int16 against p quantized per head and tile) or on Arm's DotProd (q·k
+//! per head, p·v as int16 x int16 against p quantized per head and step) or on Arm's DotProd (q·k
 //! alone, by `sdot`); bf16 pools on AVX512_BF16 (q·k against q as bf16, p·v against p rounded
 //! to bf16, as GPU kernels compute P·V for a bf16 model). Both accumulate exactly or in f32; p·v
 //! reads V rows in pairs (two tokens per 32-bit lane), which is what these instructions sum.

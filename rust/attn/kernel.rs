@@ -1,10 +1,11 @@
 //! One work item of paged decode attention — a (sequence, KV head, token chunk) — written once
 //! over the `Simd` primitives. The chunk is walked a few blocks at a time (a step, their rows
-//! interleaved: `Geometry::streams`) with an online (single-pass) softmax; K/V rows are widened to f32 in registers straight from the pool (or read by the
-//! tier's int8/bf16 dot products where it has them: `dot.rs`) and each load serves a register
-//! tile of query heads (q·k: heads x tokens = LANES accumulators folded by one transposed
-//! reduction; p·v: up to 4 heads per V-row load). The result is an unnormalised partial (acc,
-//! max, sum) that `split.rs` merges FlashDecoding-style.
+//! interleaved: `Geometry::streams`) with an online (single-pass) softmax; K/V rows are widened
+//! to f32 in registers straight from the pool (or read by the tier's int8/bf16 dot products
+//! where it has them: `dot.rs`) and each load serves a register tile of query heads (q·k: heads
+//! x tokens = LANES accumulators folded by one transposed reduction; p·v: up to 4 heads per V-row
+//! load). The result is an unnormalised partial (acc, max, sum) that `split.rs` merges
+//! FlashDecoding-style.
 
 use std::ops::Range;
 
@@ -18,7 +19,7 @@ use crate::attn::simd::Simd;
 /// streams going over scattered tiles: under the kernel's arithmetic, a read of random 4 KiB
 /// tiles four at a time ran about 1.4x one at a time on the VMs we measure on, whatever the
 /// software prefetching of the one-at-a-time read.
-const STREAMS: usize = 4;
+pub(crate) const STREAMS: usize = 4;
 
 /// Rows of one step at most: p·v's int16 pair sums stay exact up to 128 rows (`dot.rs`).
 pub(crate) const MAX_STEP_ROWS: usize = 128;
@@ -470,7 +471,7 @@ unsafe fn qk_chunk<S: Simd, E: KvElement, const GT: usize, const TT: usize>(
         for (g, x) in qv.iter_mut().enumerate() {
             *x = S::load(q.as_ptr().add(g * dp + c));
         }
-        // Each line of the K tile PREFETCH_BLOCKS ahead once (from the chunk that starts it),
+        // Each line of the K rows a step ahead once (from the chunk that starts it),
         // spread over the rows read.
         let starts_line = (c * size_of::<E>()).is_multiple_of(64);
         for (i, row) in rows.iter().enumerate() {

@@ -4,6 +4,7 @@
 
 use rayon::prelude::*;
 
+use crate::attn::kernel::STREAMS;
 use crate::attn::CpuAttention;
 use crate::error::{ensure, Result};
 
@@ -21,9 +22,10 @@ impl CpuAttention {
     }
 
     /// Reads the runs of `run` words of `words` at the run indices `order`, in that order, spread
-    /// over this engine's pool; returns their wrapping sum. With a KV tile as the run and a block
-    /// table's tiles as the order, time it to get what the kernel's memory accesses alone reach:
-    /// scattered 4 KiB tiles read well below a streaming read's bandwidth.
+    /// over this engine's pool, as the kernel reads a step's tiles (`STREAMS` runs at a time, a
+    /// cache line of each in turn); returns their wrapping sum. With a KV tile as the run and a
+    /// block table's tiles as the order, time it to get what the kernel's memory accesses alone
+    /// reach: scattered 4 KiB tiles read below a streaming read's bandwidth.
     pub fn gather_read(&self, words: &[u64], run: usize, order: &[i32]) -> Result<u64> {
         ensure!(run > 0, Value, "run must be positive");
         let runs = words.len() / run;
@@ -37,9 +39,20 @@ impl CpuAttention {
             order
                 .par_chunks(64)
                 .map(|c| {
-                    c.iter().fold(0u64, |a, &i| {
-                        let r = &words[i as usize * run..][..run];
-                        r.iter().fold(a, |a, &x| a.wrapping_add(x))
+                    c.chunks(STREAMS).fold(0u64, |mut a, step| {
+                        let runs: [&[u64]; STREAMS] = std::array::from_fn(|j| {
+                            step.get(j).map_or(&[][..], |&i| &words[i as usize * run..][..run])
+                        });
+                        for line in (0..run).step_by(8) {
+                            for r in &runs {
+                                a = r
+                                    .get(line..(line + 8).min(r.len()))
+                                    .into_iter()
+                                    .flatten()
+                                    .fold(a, |a, &x| a.wrapping_add(x));
+                            }
+                        }
+                        a
                     })
                 })
                 .reduce(|| 0, u64::wrapping_add)

@@ -362,7 +362,7 @@ impl CpuAttention {
     }
 
     /// Whether int8 caches are read by integer dot products: q·k against q quantized per head
-    /// after the softmax scale, p·v against p quantized to int16 per head and block (AVX-512
+    /// after the softmax scale, p·v against p quantized to int16 per head and step of blocks (AVX-512
     /// VNNI, or AVX-VNNI on the AVX2 tier; on Arm's DotProd q·k alone; unless
     /// `NEO_RS_INT8_DOT=0`).
     #[getter]
