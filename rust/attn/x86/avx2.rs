@@ -204,7 +204,7 @@ impl Simd for Avx2 {
         assert!(scale.len() >= GT && n >= 1 && ahead.len() == n && dp >= d && dp.is_multiple_of(8));
         // Chunks per pass: as many as 2 x GT accumulators each leave registers for.
         let xs = if GT <= 2 { 2 } else { 1 };
-        // SAFETY: the caller guarantees n rows of d bytes at `v` (and `ahead`, only prefetched),
+        // SAFETY: the caller guarantees d bytes at `v` + each of `rows` (and `ahead`, only prefetched),
         // ceil(n / 2) pair words per head at stride ps, GT acc rows of dp f32, and AVX-VNNI;
         // chunks at or past d are neither read nor written, a partial one reads only the row's
         // bytes, and acc is written below d only.
