@@ -71,6 +71,9 @@ pub(crate) unsafe fn qk<S: Simd>(
                     let q8 = &scratch.q8[g0 * dq..];
                     let (qs, qo) = (&scratch.q8_scale[g0..], &scratch.q8_offset[g0..]);
                     match (S::LANES, gt) {
+                        (16, 4) if S::I8_HEAD_LANES => {
+                            qk_tile_i8_heads::<S>(&scratch.q8x[g0 * dq..], qs, qo, k, rows, ahead, d, s, sp)
+                        }
                         (16, 4) => qk_tile_i8::<S, 4, 4>(q8, dq, qs, qo, k, rows, ahead, d, s, sp),
                         (16, 2) => qk_tile_i8::<S, 2, 8>(q8, dq, qs, qo, k, rows, ahead, d, s, sp),
                         (16, _) => qk_tile_i8::<S, 1, 16>(q8, dq, qs, qo, k, rows, ahead, d, s, sp),
@@ -121,6 +124,14 @@ fn quantize_q(scratch: &mut Scratch, group: usize, d: usize, k_offset: f32) {
         let scale = crate::attn::element::quantize_row(&scratch.q[g * dp..g * dp + d], row);
         scratch.q8_scale[g] = scale;
         scratch.q8_offset[g] = k_offset * row.iter().map(|&x| f32::from(x)).sum::<f32>();
+    }
+    // Each whole 4-head tile also interleaved by 16-byte chunks (`Simd::dot_i8_heads`).
+    for g4 in 0..group / 4 {
+        let tile = 4 * g4 * dq;
+        for (c, x) in scratch.q8x[tile..tile + 4 * dq].chunks_exact_mut(16).enumerate() {
+            let (head, chunk) = (c % 4, c / 4);
+            x.copy_from_slice(&scratch.q8[tile + head * dq + 16 * chunk..][..16]);
+        }
     }
 }
 
@@ -190,6 +201,39 @@ pub(crate) fn scatter_scores<const GT: usize, const TT: usize>(
             row[..TT].copy_from_slice(&s[g * TT..(g + 1) * TT]);
         } else {
             row[..m].copy_from_slice(&s[g * TT..g * TT + m]);
+        }
+    }
+}
+
+/// `qk_tile_i8` for a tile of 4 heads x 4 rows by `Simd::dot_i8_heads` (`qx`: the heads' q8
+/// rows interleaved, as `Scratch::q8x` holds them).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn qk_tile_i8_heads<S: Simd>(
+    qx: &[i8],
+    q_scale: &[f32],
+    q_offset: &[f32],
+    k: &[i8],
+    rows: &[usize],
+    ahead: &[usize],
+    d: usize,
+    scores: &mut [f32],
+    sp: usize,
+) {
+    let n = rows.len();
+    assert!(S::LANES == 16 && qx.len() >= 4 * d.next_multiple_of(16) && q_scale.len() >= 4);
+    assert!(ahead.len() == n && n >= 1 && scores.len() >= 3 * sp + n);
+    let by_lane = |x: &[f32]| -> [f32; 16] { std::array::from_fn(|l| x[l / 4]) };
+    let (offset, scale) = (by_lane(q_offset), by_lane(q_scale));
+    for t0 in (0..n).step_by(4) {
+        // SAFETY: as in `qk_tile_i8`, with qx's extent asserted above.
+        unsafe {
+            let (rows, ahead) = tile_rows::<i8, 4>(k, rows, ahead, t0);
+            let dot = S::dot_i8_heads(qx.as_ptr(), &rows, &ahead, d);
+            let (offset, scale) = (S::load(offset.as_ptr()), S::load(scale.as_ptr()));
+            let mut s = [0f32; 16];
+            S::store(s.as_mut_ptr(), S::mul(S::sub(dot, offset), scale));
+            scatter_scores::<4, 4>(&s, scores, sp, t0, n);
         }
     }
 }

@@ -12,6 +12,7 @@ pub mod rotation;
 mod simd;
 mod split;
 mod team;
+mod widen;
 
 #[cfg(target_arch = "aarch64")]
 mod aarch64;

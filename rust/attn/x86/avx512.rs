@@ -15,6 +15,7 @@ impl Simd for Avx512 {
     type V = __m512;
     const I8_K_OFFSET: f32 = 128.0;
     const PAIR_DOTS: bool = true;
+    const I8_HEAD_LANES: bool = true;
 
     #[inline(always)]
     unsafe fn zero() -> __m512 {
@@ -175,6 +176,43 @@ impl Simd for Avx512 {
                 *s = _mm512_cvtepi32_ps(*a);
             }
             Self::transpose_sum(&sums)
+        }
+    }
+    /// VNNI: 16 dims of a row (offset by 128, as in `dot_i8`) broadcast to the four 128-bit
+    /// lanes against 16 dims of each head; dword s of lane g sums dims 4s..4s+3 of every chunk,
+    /// and a 4 x 4 transpose within the lanes adds them up. A row's last partial chunk is a
+    /// masked load (masked-off bytes never fault).
+    #[inline(always)]
+    unsafe fn dot_i8_heads(qx: *const i8, rows: &[*const i8], ahead: &[*const i8], d: usize) -> __m512 {
+        assert!(rows.len() == 4 && ahead.len() == 4 && d.is_multiple_of(8));
+        // SAFETY: the caller guarantees d readable bytes at each row, 4 * d.next_multiple_of(16)
+        // at qx, and dispatches this only on CPUs with AVX-512 VNNI; the partial chunk's load is
+        // masked to the row.
+        unsafe {
+            let bias = _mm512_set1_epi8(-128);
+            let mut acc = [_mm512_setzero_si512(); 4];
+            let mut c = 0;
+            while c < d {
+                let q = _mm512_loadu_si512(qx.add(4 * c).cast());
+                for i in 0..4 {
+                    if c.is_multiple_of(64) {
+                        _mm_prefetch::<_MM_HINT_T1>(ahead[i].add(c).cast());
+                    }
+                    let chunk = if d - c >= 16 {
+                        _mm_loadu_si128(rows[i].add(c).cast())
+                    } else {
+                        _mm_maskz_loadu_epi8((1 << (d - c)) - 1, rows[i].add(c))
+                    };
+                    let k = _mm512_xor_si512(_mm512_broadcast_i32x4(chunk), bias);
+                    acc[i] = _mm512_dpbusd_epi32(acc[i], k, q);
+                }
+                c += 16;
+            }
+            // Per lane g: [row 0 .. row 3] of [s0 .. s3] -> the four rows' totals.
+            let pair =
+                |a: __m512i, b: __m512i| _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+            let (r01, r23) = (pair(acc[0], acc[1]), pair(acc[2], acc[3]));
+            _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_unpacklo_epi64(r01, r23), _mm512_unpackhi_epi64(r01, r23)))
         }
     }
     /// AVX512_BF16: `vdpbf16ps` sums pairs of adjacent dims, 32 dims per instruction; the last
