@@ -71,10 +71,7 @@ pub(crate) unsafe fn qk<S: Simd>(
                     let q8 = &scratch.q8[g0 * dq..];
                     let (qs, qo) = (&scratch.q8_scale[g0..], &scratch.q8_offset[g0..]);
                     match (S::LANES, gt) {
-                        (16, 4) if S::I8_HEAD_LANES => {
-                            qk_tile_i8_heads::<S>(&scratch.q8x[g0 * dq..], qs, qo, k, rows, ahead, d, s, sp)
-                        }
-                        (16, 4) => qk_tile_i8::<S, 4, 4>(q8, dq, qs, qo, k, rows, ahead, d, s, sp),
+                        (16, 4) => qk_tile_i8_heads::<S>(&scratch.q8x[g0 * dq..], qs, qo, k, rows, ahead, d, s, sp),
                         (16, 2) => qk_tile_i8::<S, 2, 8>(q8, dq, qs, qo, k, rows, ahead, d, s, sp),
                         (16, _) => qk_tile_i8::<S, 1, 16>(q8, dq, qs, qo, k, rows, ahead, d, s, sp),
                         (8, 4) => qk_tile_i8::<S, 4, 2>(q8, dq, qs, qo, k, rows, ahead, d, s, sp),

@@ -18,9 +18,6 @@ pub trait Simd {
     /// Whether p·v runs on pair dot products (`pv_i8`, `pv_bf16`) when the tier's dot products
     /// are in use; otherwise p·v widens V, and only q·k takes the dot products.
     const PAIR_DOTS: bool = false;
-    /// Whether q·k of a 4-head register tile runs on `dot_i8_heads` (heads in 128-bit lanes)
-    /// rather than `dot_i8`, when int8 dot products are in use.
-    const I8_HEAD_LANES: bool = false;
 
     unsafe fn zero() -> Self::V;
     unsafe fn splat(x: f32) -> Self::V;
@@ -59,11 +56,12 @@ pub trait Simd {
     ) -> Self::V {
         unreachable!("this tier has no int8 dot product")
     }
-    /// `dot_i8` for 4 heads x 4 rows (`I8_HEAD_LANES` tiers only), reading q from `qx`: the 4
-    /// heads' q8 rows interleaved by 16-byte chunks (dims 16c.. of head g at byte 64c + 16g,
-    /// zero past `d`), so that one instruction takes 16 dims of a row against all 4 heads and
-    /// each row's sums fold within their lane (far fewer shuffles than `dot_i8`'s transposed
-    /// reduction). `rows` and `ahead` hold 4 pointers.
+    /// `dot_i8` for 4 heads x 4 rows, which 16-lane tiers with int8 dot products take instead
+    /// of `dot_i8::<4, 4>`, reading q from `qx`: the 4 heads' q8 rows interleaved by 16-byte
+    /// chunks (dims 16c.. of head g at byte 64c + 16g, zero past `d`), so that one instruction
+    /// takes 16 dims of a row against all 4 heads and each row's sums fold within their lane
+    /// (far fewer shuffles than `dot_i8`'s transposed reduction). `rows` and `ahead` hold 4
+    /// pointers.
     unsafe fn dot_i8_heads(_qx: *const i8, _rows: &[*const i8], _ahead: &[*const i8], _d: usize) -> Self::V {
         unreachable!("this tier has no int8 dot product by heads")
     }
