@@ -166,7 +166,7 @@ pub(crate) struct Scratch {
     pub(super) q8_scale: Vec<f32>,
     pub(super) q8_offset: Vec<f32>,
     pub(super) qb: Vec<u16>,
-    /// With dot products, the current tile's probabilities as pairs (`score_stride / 2` words
+    /// With dot products, the current step's probabilities as pairs (`score_stride / 2` words
     /// per head) and each head's scale of them.
     pub(super) pairs: Vec<u32>,
     pub(super) pair_scale: Vec<f32>,
@@ -299,8 +299,8 @@ pub(crate) unsafe fn attend_item<S: Simd, Q: Element, K: KvElement, const DOT: u
                 // Tile j's rows sit at positions j, j + tiles, ..., its scales in one run.
                 let m = n / tiles;
                 for j in 0..tiles {
-                    let first = rows[j] / d;
-                    let (kr, vr) = (&it.k_scale[first..first + m], &it.v_scale[first..first + m]);
+                    let row0 = rows[j] / d;
+                    let (kr, vr) = (&it.k_scale[row0..row0 + m], &it.v_scale[row0..row0 + m]);
                     for t in 0..m {
                         (ks[t * tiles + j], vs[t * tiles + j]) = (kr[t], vr[t]);
                     }
@@ -400,7 +400,7 @@ unsafe fn prefetch_lines<S: Simd, E>(x: &[E]) {
     }
 }
 
-/// Online-softmax step for one query head over one tile: turns `scores[..n]` into
+/// Online-softmax update for one query head over one step's scores: turns `scores[..n]` into
 /// probabilities relative to the running max, rescales `acc` and the running sum when the max
 /// grows. Entries from `n` up to the next multiple of LANES become (near) zero.
 #[inline(always)]

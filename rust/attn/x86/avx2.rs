@@ -187,7 +187,7 @@ impl Simd for Avx2 {
         }
     }
     /// AVX-VNNI: each pair of rows is widened to int16 and interleaved (`vpunpck[lh]wd`), so
-    /// that `vpdpwssd` adds both tokens' products per dim; 16 dims per chunk, int32 sums per tile.
+    /// that `vpdpwssd` adds both tokens' products per dim; 16 dims per chunk, int32 sums per step.
     #[inline(always)]
     unsafe fn pv_i8<const GT: usize>(
         pairs: *const u32,

@@ -260,7 +260,7 @@ impl Simd for Avx512 {
         unsafe { _mm256_storeu_si256(p.cast(), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(v))) }
     }
     /// VNNI: each pair of rows is widened to int16 and interleaved (`vpunpck[lh]wd`), so that
-    /// `vpdpwssd` adds both tokens' products per dim; 32 dims per pass, int32 sums per tile.
+    /// `vpdpwssd` adds both tokens' products per dim; 32 dims per pass, int32 sums per step.
     #[inline(always)]
     unsafe fn pv_i8<const GT: usize>(
         pairs: *const u32,
