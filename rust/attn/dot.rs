@@ -36,7 +36,7 @@ impl<'a> Rows<'a> {
     #[inline(always)]
     pub fn prepare_q<S: Simd, Q: Element>(self, scratch: &mut Scratch, q: &[Q], group: usize, d: usize) {
         match self {
-            Rows::I8(_) => quantize_q(scratch, group, d, S::I8_K_OFFSET),
+            Rows::I8(_) => quantize_q(scratch, group, d, S::I8_K_OFFSET, S::LANES == 16),
             Rows::Bf16(_) => round_q_bf16(scratch, q, group, d),
         }
     }
@@ -68,10 +68,10 @@ pub(crate) unsafe fn qk<S: Simd>(
         unsafe {
             match k {
                 Rows::I8(k) => {
-                    let q8 = &scratch.q8[g0 * dq..];
+                    let q8 = (&scratch.q8[g0 * dq..], &scratch.q8x[g0 * dq..]);
                     let (qs, qo) = (&scratch.q8_scale[g0..], &scratch.q8_offset[g0..]);
                     match (S::LANES, gt) {
-                        (16, 4) => qk_tile_i8_heads::<S>(&scratch.q8x[g0 * dq..], qs, qo, k, rows, ahead, d, s, sp),
+                        (16, 4) => qk_tile_i8::<S, 4, 4>(q8, dq, qs, qo, k, rows, ahead, d, s, sp),
                         (16, 2) => qk_tile_i8::<S, 2, 8>(q8, dq, qs, qo, k, rows, ahead, d, s, sp),
                         (16, _) => qk_tile_i8::<S, 1, 16>(q8, dq, qs, qo, k, rows, ahead, d, s, sp),
                         (8, 4) => qk_tile_i8::<S, 4, 2>(q8, dq, qs, qo, k, rows, ahead, d, s, sp),
@@ -114,7 +114,7 @@ const P16_MAX: f32 = 32767.0;
 /// with `k_offset * Σ q8`, what the tier's dot products add for their K offset. Inlined into the
 /// tier's item function, so rounding compiles to its vector instructions rather than a libm call.
 #[inline(always)]
-fn quantize_q(scratch: &mut Scratch, group: usize, d: usize, k_offset: f32) {
+fn quantize_q(scratch: &mut Scratch, group: usize, d: usize, k_offset: f32, heads_in_lanes: bool) {
     let (dp, dq) = (scratch.padded_dim, scratch.dot_dim);
     for g in 0..group {
         let row = &mut scratch.q8[g * dq..g * dq + d];
@@ -122,8 +122,9 @@ fn quantize_q(scratch: &mut Scratch, group: usize, d: usize, k_offset: f32) {
         scratch.q8_scale[g] = scale;
         scratch.q8_offset[g] = k_offset * row.iter().map(|&x| f32::from(x)).sum::<f32>();
     }
-    // Each whole 4-head tile also interleaved by 16-byte chunks (`Simd::dot_i8_heads`).
-    for g4 in 0..group / 4 {
+    // 16-lane tiers take each whole 4-head tile interleaved by 16-byte chunks too
+    // (`Simd::dot_i8_heads`).
+    for g4 in 0..if heads_in_lanes { group / 4 } else { 0 } {
         let tile = 4 * g4 * dq;
         for (c, x) in scratch.q8x[tile..tile + 4 * dq].chunks_exact_mut(16).enumerate() {
             let (head, chunk) = (c % 4, c / 4);
@@ -145,12 +146,13 @@ fn round_q_bf16<Q: Element>(scratch: &mut Scratch, q: &[Q], group: usize, d: usi
 }
 
 /// Scores of `GT` query heads x `TT` rows at a time of a step of an int8 K pool by int8 dot
-/// products (see `Simd::dot_i8`): `(dot - I8_K_OFFSET Σq8) * q_scale` (the K row scales are
-/// applied by the caller).
+/// products (see `Simd::dot_i8`; a 16-lane tier's 4-head tiles by `Simd::dot_i8_heads` on q8's
+/// interleaved copy, the second of `q8`): `(dot - I8_K_OFFSET Σq8) * q_scale` (the K row scales
+/// are applied by the caller).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn qk_tile_i8<S: Simd, const GT: usize, const TT: usize>(
-    q8: &[i8],
+    (q8, qx): (&[i8], &[i8]),
     dq: usize,
     q_scale: &[f32],
     q_offset: &[f32],
@@ -162,18 +164,24 @@ unsafe fn qk_tile_i8<S: Simd, const GT: usize, const TT: usize>(
     sp: usize,
 ) {
     let n = rows.len();
+    let heads_in_lanes = GT == 4 && S::LANES == 16;
     assert!(GT * TT == S::LANES && S::LANES <= 16 && q8.len() >= GT * dq && q_scale.len() >= GT);
+    assert!(!heads_in_lanes || qx.len() >= 4 * d.next_multiple_of(16));
     assert!(ahead.len() == n && n >= 1 && scores.len() >= (GT - 1) * sp + n);
     // Lane g * TT + i takes head g's value (lanes past LANES are never loaded).
     let by_lane = |x: &[f32]| -> [f32; 16] { std::array::from_fn(|l| if l < S::LANES { x[l / TT] } else { 0.0 }) };
     let (offset, scale) = (by_lane(q_offset), by_lane(q_scale));
     for t0 in (0..n).step_by(TT) {
         // SAFETY: rows are clamped to n - 1, so each holds d readable bytes of `k` (caller); q8
-        // rows hold dq bytes (asserted); the caller dispatched a tier with int8 dot products on a
-        // CPU that has them.
+        // rows hold dq bytes and qx a 4-head tile where it is read (asserted); the caller
+        // dispatched a tier with int8 dot products on a CPU that has them.
         unsafe {
             let (rows, ahead) = tile_rows::<i8, TT>(k, rows, ahead, t0);
-            let dot = S::dot_i8::<GT, TT>(q8.as_ptr(), dq, &rows, &ahead, d);
+            let dot = if heads_in_lanes {
+                S::dot_i8_heads(qx.as_ptr(), &rows, &ahead, d)
+            } else {
+                S::dot_i8::<GT, TT>(q8.as_ptr(), dq, &rows, &ahead, d)
+            };
             let (offset, scale) = (S::load(offset.as_ptr()), S::load(scale.as_ptr()));
             let mut s = [0f32; 16];
             S::store(s.as_mut_ptr(), S::mul(S::sub(dot, offset), scale));
@@ -198,39 +206,6 @@ pub(crate) fn scatter_scores<const GT: usize, const TT: usize>(
             row[..TT].copy_from_slice(&s[g * TT..(g + 1) * TT]);
         } else {
             row[..m].copy_from_slice(&s[g * TT..g * TT + m]);
-        }
-    }
-}
-
-/// `qk_tile_i8` for a tile of 4 heads x 4 rows by `Simd::dot_i8_heads` (`qx`: the heads' q8
-/// rows interleaved, as `Scratch::q8x` holds them).
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-unsafe fn qk_tile_i8_heads<S: Simd>(
-    qx: &[i8],
-    q_scale: &[f32],
-    q_offset: &[f32],
-    k: &[i8],
-    rows: &[usize],
-    ahead: &[usize],
-    d: usize,
-    scores: &mut [f32],
-    sp: usize,
-) {
-    let n = rows.len();
-    assert!(S::LANES == 16 && qx.len() >= 4 * d.next_multiple_of(16) && q_scale.len() >= 4);
-    assert!(ahead.len() == n && n >= 1 && scores.len() >= 3 * sp + n);
-    let by_lane = |x: &[f32]| -> [f32; 16] { std::array::from_fn(|l| x[l / 4]) };
-    let (offset, scale) = (by_lane(q_offset), by_lane(q_scale));
-    for t0 in (0..n).step_by(4) {
-        // SAFETY: as in `qk_tile_i8`, with qx's extent asserted above.
-        unsafe {
-            let (rows, ahead) = tile_rows::<i8, 4>(k, rows, ahead, t0);
-            let dot = S::dot_i8_heads(qx.as_ptr(), &rows, &ahead, d);
-            let (offset, scale) = (S::load(offset.as_ptr()), S::load(scale.as_ptr()));
-            let mut s = [0f32; 16];
-            S::store(s.as_mut_ptr(), S::mul(S::sub(dot, offset), scale));
-            scatter_scores::<4, 4>(&s, scores, sp, t0, n);
         }
     }
 }

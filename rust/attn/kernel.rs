@@ -134,11 +134,11 @@ impl<Q, K> Item<'_, Q, K> {
     where
         K: KvElement,
     {
-        let d = geo.head_dim;
+        let (d, len) = (geo.head_dim, self.k.len().min(self.v.len()));
         let mut n = 0;
         for j in 0..g {
             let (m, tile, next) = self.block_tile(geo, b + j);
-            assert!(tile.end <= self.k.len().min(self.v.len()) && next.end <= self.k.len().min(self.v.len()));
+            assert!(tile.end <= len && next.end <= len);
             // SAFETY: forwarded caller contract.
             unsafe { prefetch_scales::<S, Q, K>(self, geo, &next) };
             for t in 0..m {
@@ -161,7 +161,8 @@ pub(crate) struct Scratch {
     /// rounded to bf16.
     pub(super) dot_dim: usize,
     pub(super) q8: Vec<i8>,
-    /// q8's whole 4-head tiles interleaved by 16-byte chunks (`Simd::dot_i8_heads`).
+    /// On 16-lane tiers, q8's whole 4-head tiles interleaved by 16-byte chunks
+    /// (`Simd::dot_i8_heads`).
     pub(super) q8x: Vec<i8>,
     pub(super) q8_scale: Vec<f32>,
     pub(super) q8_offset: Vec<f32>,
