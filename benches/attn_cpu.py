@@ -35,6 +35,7 @@ import neo_rs
 import torch
 import torch.nn.functional as F
 from neo_rs._core import quantize_rows
+from neo_rs.kv_cache import page_aligned_empty
 
 MODELS = {"llama3-8b": (32, 8), "llama2-7b": (32, 32)}  # (q heads, kv heads), head_dim 128
 SHAPES = [(1, 8192), (16, 2048), (64, 512), (256, 256)]
@@ -86,7 +87,7 @@ def read_bandwidth(attn, buf, reps):
 
 def empty(shape, dtype, huge):
     if not huge:
-        return torch.empty(shape, dtype=dtype)
+        return page_aligned_empty(shape, dtype)  # as the engine's CPU pools are
     # An anonymous mapping advised before its first write, so that the kernel backs it with 2 MiB
     # pages where it can (THP in `madvise` mode); the tensor keeps the mapping alive.
     numel = math.prod(shape)

@@ -1,11 +1,12 @@
 """The KV pools as tensors: a CPU pool leaves the OS its default page size (``kv_cache.py`` says why:
-a 2 MiB page faulted inside a decode step stalls it for milliseconds), and keeps each (block, KV
-head)'s K and V tiles side by side."""
+a 2 MiB page faulted inside a decode step stalls it for milliseconds), starts on a page boundary,
+and keeps each (block, KV head)'s K and V tiles side by side."""
 
+from mmap import PAGESIZE
 from pathlib import Path
 
 import torch
-from neo_rs.kv_cache import KvLayout, KvPool
+from neo_rs.kv_cache import KvLayout, KvPool, page_aligned_empty
 
 HUGE = 2 << 20
 
@@ -44,3 +45,26 @@ def test_cpu_pool_keeps_k_and_v_tiles_side_by_side():
         pool.k.fill_(1)
         pool.v.fill_(2)
         assert (pool.k == 1).all() and (pool.v == 2).all()
+
+
+def test_cpu_pool_starts_on_a_page_boundary():
+    # Llama-3-8B's shapes: an int8 tile pair is exactly one 4 KiB page, a bfloat16 one two pages,
+    # and a large torch.empty starts 64 bytes into a page (one page more per tile pair read).
+    layout = KvLayout(num_layers=1, num_kv_heads=8, block_size=16, head_dim=128, dtype=torch.bfloat16)
+    for quantized in (False, True):
+        pool = KvPool(layout, num_blocks=256, device=torch.device("cpu"), quantized=quantized)
+        # The scales' pairs start where K's scales do (V's are their second half).
+        tensors = [pool.tile_pairs] + ([pool.k_scale] if quantized else [])
+        assert all(t.data_ptr() % PAGESIZE == 0 for t in tensors)
+        pair = pool.tile_pairs[0, 0, 0]
+        assert pair.numel() * pair.element_size() == (1 if quantized else 2) * PAGESIZE
+
+
+def test_page_aligned_empty_is_a_plain_contiguous_tensor():
+    for dtype in (torch.int8, torch.bfloat16, torch.float32):
+        t = page_aligned_empty((3, 5, 7), dtype)
+        assert t.shape == (3, 5, 7) and t.dtype == dtype and t.is_contiguous()
+        assert t.data_ptr() % PAGESIZE == 0
+        want = torch.arange(105).view(3, 5, 7)
+        t.copy_(want)
+        assert torch.equal(t.long(), want)
