@@ -153,10 +153,10 @@ def _pair(
 
 def page_aligned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized CPU tensor whose data starts on a page boundary. A large ``torch.empty``
-    starts 64 bytes into a page, so each 4 KiB tile pair of an int8 pool (bf16's are 8 KiB) would
-    touch one page more than it needs: one more TLB miss and one more hardware-prefetch stream
-    to start per tile. Reading the tiles of a decode call out of the caches ran 1.02-1.12x faster
-    aligned (``benches/attn_cpu.py`` reads its pools so too)."""
+    starts 64 bytes into a page, so each 4 KiB tile pair of an int8 pool (block 16, head_dim 128;
+    bf16's are 8 KiB) would touch one page more than it needs: one more TLB miss and one more
+    hardware-prefetch stream to start per tile. Reading the tiles of a decode call out of the
+    caches ran 1.02-1.12x faster aligned (``benches/attn_cpu.py`` reads its pools so too)."""
     nbytes = prod(shape) * dtype.itemsize
     raw = torch.empty(nbytes + PAGESIZE, dtype=torch.uint8)
     start = -raw.data_ptr() % PAGESIZE
