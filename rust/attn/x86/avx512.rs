@@ -287,12 +287,15 @@ impl Simd for Avx512 {
                 let mut hi = [[_mm512_setzero_si512(); 4]; GT];
                 for j in 0..n.div_ceil(2) {
                     let (u0, u1) = (2 * j, (2 * j + 1).min(n - 1));
-                    let (r0, r1) = (rows[u0] + c, rows[u1] + c);
-                    _mm_prefetch::<_MM_HINT_T1>(v.add(ahead[u0] + c).cast());
-                    _mm_prefetch::<_MM_HINT_T1>(v.add(ahead[u1] + c).cast());
+                    let (r0, r1, a0, a1) = (rows[u0] + c, rows[u1] + c, ahead[u0] + c, ahead[u1] + c);
                     let mut l = [_mm512_setzero_si512(); 4];
                     let mut h = [_mm512_setzero_si512(); 4];
                     for x in 0..xs {
+                        // Every line of the pass (two 32-byte chunks per line; c is line-aligned).
+                        if x % 2 == 0 {
+                            _mm_prefetch::<_MM_HINT_T1>(v.add(a0 + 32 * x).cast());
+                            _mm_prefetch::<_MM_HINT_T1>(v.add(a1 + 32 * x).cast());
+                        }
                         let a = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask[x], v.add(r0 + 32 * x)));
                         let b = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask[x], v.add(r1 + 32 * x)));
                         (l[x], h[x]) = (_mm512_unpacklo_epi16(a, b), _mm512_unpackhi_epi16(a, b));
