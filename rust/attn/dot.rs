@@ -36,7 +36,7 @@ impl<'a> Rows<'a> {
     #[inline(always)]
     pub fn prepare_q<S: Simd, Q: Element>(self, scratch: &mut Scratch, q: &[Q], group: usize, d: usize) {
         match self {
-            Rows::I8(_) => quantize_q(scratch, group, d, S::I8_K_OFFSET, S::LANES == 16),
+            Rows::I8(_) => quantize_q(scratch, group, d, S::I8_K_OFFSET, S::I8_DOT_BY_HEADS),
             Rows::Bf16(_) => round_q_bf16(scratch, q, group, d),
         }
     }
@@ -124,7 +124,7 @@ fn quantize_q(scratch: &mut Scratch, group: usize, d: usize, k_offset: f32, head
         // a fifth of a 64-token item).
         scratch.q8_offset[g] = k_offset * row.iter().map(|&x| i32::from(x)).sum::<i32>() as f32;
     }
-    // 16-lane tiers take each whole 4-head tile interleaved by 16-byte chunks too
+    // Tiers with `I8_DOT_BY_HEADS` take each whole 4-head tile interleaved by 16-byte chunks too
     // (`Simd::dot_i8_heads`).
     for g4 in 0..if heads_in_lanes { group / 4 } else { 0 } {
         let tile = 4 * g4 * dq;
@@ -148,8 +148,8 @@ fn round_q_bf16<Q: Element>(scratch: &mut Scratch, q: &[Q], group: usize, d: usi
 }
 
 /// Scores of `GT` query heads x `TT` rows at a time of a step of an int8 K pool by int8 dot
-/// products (see `Simd::dot_i8`; a 16-lane tier's 4-head tiles by `Simd::dot_i8_heads` on q8's
-/// interleaved copy, the second of `q8`): `(dot - I8_K_OFFSET Σq8) * q_scale` (the K row scales
+/// products (see `Simd::dot_i8`; 4-head tiles by `Simd::dot_i8_heads` where the tier has it, on
+/// q8's interleaved copy, the second of `q8`): `(dot - I8_K_OFFSET Σq8) * q_scale` (the K row scales
 /// are applied by the caller).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
@@ -166,7 +166,7 @@ unsafe fn qk_tile_i8<S: Simd, const GT: usize, const TT: usize>(
     sp: usize,
 ) {
     let n = rows.len();
-    let heads_in_lanes = GT == 4 && S::LANES == 16;
+    let heads_in_lanes = GT == 4 && S::I8_DOT_BY_HEADS;
     assert!(GT * TT == S::LANES && S::LANES <= 16 && q8.len() >= GT * dq && q_scale.len() >= GT);
     assert!(!heads_in_lanes || qx.len() >= 4 * d.next_multiple_of(16));
     assert!(ahead.len() == n && n >= 1 && scores.len() >= (GT - 1) * sp + n);

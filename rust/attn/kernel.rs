@@ -161,7 +161,7 @@ pub(crate) struct Scratch {
     /// rounded to bf16.
     pub(super) dot_dim: usize,
     pub(super) q8: Vec<i8>,
-    /// On 16-lane tiers, q8's whole 4-head tiles interleaved by 16-byte chunks
+    /// On tiers with `Simd::I8_DOT_BY_HEADS`, q8's whole 4-head tiles interleaved by 16-byte chunks
     /// (`Simd::dot_i8_heads`).
     pub(super) q8x: Vec<i8>,
     pub(super) q8_scale: Vec<f32>,

@@ -18,6 +18,9 @@ pub trait Simd {
     /// Whether p·v runs on pair dot products (`pv_i8`, `pv_bf16`) when the tier's dot products
     /// are in use; otherwise p·v widens V, and only q·k takes the dot products.
     const PAIR_DOTS: bool = false;
+    /// Whether 4-head int8 tiles take `dot_i8_heads` (the tier implements it) rather than
+    /// `dot_i8::<4, 4>`; q8 is then also kept interleaved for it (`Scratch::q8x`).
+    const I8_DOT_BY_HEADS: bool = false;
 
     unsafe fn zero() -> Self::V;
     unsafe fn splat(x: f32) -> Self::V;
@@ -56,7 +59,7 @@ pub trait Simd {
     ) -> Self::V {
         unreachable!("this tier has no int8 dot product")
     }
-    /// `dot_i8` for 4 heads x 4 rows, which 16-lane tiers with int8 dot products take instead
+    /// `dot_i8` for 4 heads x 4 rows, which tiers with `I8_DOT_BY_HEADS` take instead
     /// of `dot_i8::<4, 4>`, reading q from `qx`: the 4 heads' q8 rows interleaved by 16-byte
     /// chunks (dims 16c.. of head g at byte 64c + 16g, zero past `d`), so that one instruction
     /// takes 16 dims of a row against all 4 heads and each row's sums fold within their lane

@@ -15,6 +15,7 @@ impl Simd for Avx512 {
     type V = __m512;
     const I8_K_OFFSET: f32 = 128.0;
     const PAIR_DOTS: bool = true;
+    const I8_DOT_BY_HEADS: bool = true;
 
     #[inline(always)]
     unsafe fn zero() -> __m512 {
