@@ -9,7 +9,8 @@ rm -rf .whl
 mkdir -p .whl
 .venv/bin/python -m pip wheel -q --no-deps -w .whl .
 .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-    gguf pydantic pydantic-core annotated-types typing-inspection typing-extensions prometheus-client tqdm
+    --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .whl gguf pydantic pydantic-core annotated-types typing-inspection typing-extensions \
+    prometheus-client tqdm "llguidance$(.venv/bin/python -c 'import importlib.metadata as m; print("==" + m.version("llguidance"))')"
 du -sh .whl
 ls .whl

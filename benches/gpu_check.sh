@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The one prepared script for a lent GPU machine: unattended, about 8 minutes, everything it
+# The one prepared script for a lent GPU machine: unattended, at most about 7 minutes (each step
+# has its own time limit, so one hung step costs its slot, not the run's log), everything it
 # writes under $OUT (a temporary folder when unset). That machine has no network and no Rust
 # toolchain; its Python 3.12 has torch, Triton, transformers, safetensors, aiohttp, numpy and
 # pytest. So first, here:
@@ -26,6 +27,7 @@ if [ "${1:-}" = "--cpu-smoke" ]; then
     TESTS="tests/python/test_transfer.py"
     FALLBACK_TESTS="tests/python/test_transfer.py"
     SMOKE=--smoke
+    PYTEST_GPU=
 else
     PY=python3
     "$PY" -m pip install -q --no-index --no-deps --target /tmp/neo_rs_site .whl/*.whl
@@ -35,23 +37,28 @@ else
         tests/python/test_transfer.py tests/python/test_triton_decode.py tests/python/test_device_decode.py
         tests/python/test_triton_prefill.py tests/python/test_prefix_cache.py"
     FALLBACK_TESTS="tests/python/test_model_parity.py tests/python/test_offload.py"
-    SMOKE=
+    # The image has pytest-xdist and pytest-timeout: Triton's compiles spread over its 16 cores,
+    # and a test that hangs on CUDA fails alone instead of taking its whole step's log with it.
+    PYTEST_GPU="-n 8 --timeout 120"
+    # A smaller stack than Llama-3-8B's 32 layers by default, to fit a lease; set GPU_CHECK_ARGS.
+    SMOKE=${GPU_CHECK_ARGS:---layers 8 --requests 64}
 fi
 "$PY" -c "import torch, neo_rs; print('neo_rs', neo_rs.__version__, 'torch', torch.__version__,
     torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU')" | tee "$OUT/versions.txt"
 
 # shellcheck disable=SC2086  # the test lists are word lists
-NEO_RS_DEVICE_ATTENTION=triton timeout 240 "$PY" -m pytest -q -p no:cacheprovider $TESTS 2>&1 \
+NEO_RS_DEVICE_ATTENTION=triton timeout 150 "$PY" -m pytest -q -p no:cacheprovider $PYTEST_GPU $TESTS 2>&1 \
     | tee "$OUT/tests_triton.log" || status=1
 # shellcheck disable=SC2086
-NEO_RS_DEVICE_ATTENTION=torch timeout 150 "$PY" -m pytest -q -p no:cacheprovider $FALLBACK_TESTS 2>&1 \
+NEO_RS_DEVICE_ATTENTION=torch timeout 80 "$PY" -m pytest -q -p no:cacheprovider $PYTEST_GPU $FALLBACK_TESTS 2>&1 \
     | tee "$OUT/tests_torch_fallback.log" || status=1
 if "$PY" -c "import flashinfer" 2>/dev/null; then  # only if its wheels travelled
     # shellcheck disable=SC2086
-    NEO_RS_DEVICE_ATTENTION=flashinfer timeout 150 "$PY" -m pytest -q -p no:cacheprovider $FALLBACK_TESTS 2>&1 \
+    NEO_RS_DEVICE_ATTENTION=flashinfer timeout 80 "$PY" -m pytest -q -p no:cacheprovider $PYTEST_GPU $FALLBACK_TESTS 2>&1 \
         | tee "$OUT/tests_flashinfer.log" || status=1
 fi
-timeout 300 "$PY" benches/gpu_check.py --out "$OUT" $SMOKE 2>&1 | tee "$OUT/gpu_check.log" || status=1
+# shellcheck disable=SC2086  # SMOKE is a word list
+timeout 200 "$PY" benches/gpu_check.py --out "$OUT" $SMOKE 2>&1 | tee "$OUT/gpu_check.log" || status=1
 
 echo "== summary ($OUT)"
 tail -n 1 "$OUT/tests_triton.log" | sed 's/^/tests, Triton decode:  /'

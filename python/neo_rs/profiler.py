@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import platform
 import statistics
 import time
@@ -282,7 +283,7 @@ def load_or_profile(
         on_profile(max_tokens, max_model_len)
     tables = profile(runner, max_tokens, max_model_len)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # processes profiling at once each write their own
     tmp.write_text(json.dumps(asdict(tables)))
     tmp.replace(path)
     log.info("profiled stage times in %.1f s, cached in %s", time.perf_counter() - t, path)
