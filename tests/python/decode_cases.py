@@ -4,7 +4,30 @@ with every pool slot past a sequence's length poisoned (never-cleared memory: Na
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+# Where the Triton kernels run in their tests: compiled on the GPU where CUDA is present, else in
+# Triton's interpreter on the CPU (CI). Triton decides when it decorates a kernel whether to
+# interpret it, and checks again at calls: the test modules set the variable for their imports
+# (interpret_imports) and for each test, never on a CUDA host, where every other test in the
+# session must get the compiled kernels.
+KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+INTERPRET = KERNEL_DEVICE.type == "cpu"
+
+
+class interpret_imports:  # noqa: N801 (used as a context manager, like contextlib's)
+    """``TRITON_INTERPRET=1`` for the imports inside, without CUDA only; restored after."""
+
+    def __enter__(self) -> None:
+        self._was = os.environ.get("TRITON_INTERPRET")
+        if INTERPRET:
+            os.environ["TRITON_INTERPRET"] = "1"
+
+    def __exit__(self, *exc: object) -> None:
+        if self._was is None:
+            os.environ.pop("TRITON_INTERPRET", None)
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 

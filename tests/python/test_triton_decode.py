@@ -1,30 +1,23 @@
-"""Our Triton paged decode kernel (what device decodes run on CUDA), executed on the CPU by Triton's
-interpreter, against the Rust kernel on random shapes: GQA groups (powers of two and not), ragged
+"""Our Triton paged decode kernel (what device decodes run on CUDA), compiled on a CUDA host and
+otherwise executed on the CPU by Triton's interpreter, against the Rust kernel on random shapes: GQA groups (powers of two and not), ragged
 last blocks, empty, one-token and 8k-token sequences (split into pieces), bf16, fp16 and fp32,
 with every pool slot past a sequence's length poisoned."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from decode_cases import CASES, INTERPRET, KERNEL_DEVICE, TOL, interpret_imports, make_case
 from neo_rs import CpuAttention
 
-# Triton decides when it decorates the kernel whether to interpret it, and checks again at calls;
-# set for the import here and for each test below, not for the rest of the session.
-_was = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-from decode_cases import CASES, TOL, make_case  # noqa: E402
-from neo_rs.cuda.paged_decode import SplitPlan, paged_decode  # noqa: E402
-
-if _was is None:
-    del os.environ["TRITON_INTERPRET"]
+with interpret_imports():
+    from neo_rs.cuda.paged_decode import SplitPlan, paged_decode
 
 
 @pytest.fixture(autouse=True)
 def _interpret(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if INTERPRET:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
@@ -36,9 +29,10 @@ def test_triton_decode_matches_the_rust_kernel(case: int, dtype: torch.dtype) ->
     want = torch.empty_like(q)
     CpuAttention().forward(q, k, v, 1, tables, seq_lens, scale, want)
     plan = SplitPlan.for_lengths(max(lens), block_size)
+    q, k, v, tables, seq_lens = (t.to(KERNEL_DEVICE) for t in (q, k, v, tables, seq_lens))
     got = torch.full_like(q, float("nan"))
     paged_decode(q, k[1], v[1], tables, seq_lens, scale, got, plan)
-    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(got.cpu().float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
     if max(lens) == 8192:
         assert plan.num_splits > 1, plan
 

@@ -1,33 +1,30 @@
 """Our Triton paged prefill kernel (later prefill chunks on CUDA: chunked prefills, prompts after a
-cached prefix), executed on the CPU by Triton's interpreter, against SDPA over the whole sequence
+cached prefix), compiled on a CUDA host and otherwise executed on the CPU by Triton's interpreter,
+against SDPA over the whole sequence
 in float64: GQA groups, block sizes below and above the kernel's token tile, head dims that are not
 powers of two, chunks of one row to several row tiles, from position 0 or after a prefix, every
 pool slot past the sequence poisoned."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
+from decode_cases import INTERPRET, KERNEL_DEVICE, interpret_imports
+from neo_rs import CpuAttention
+from neo_rs.attention import Attention, Prefill
+from neo_rs.device_decode import select_paged_prefill
+from neo_rs.kv_cache import KvLayout, KvPool
+from neo_rs.transfer import HostTransfer
 
-_was = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"  # as in test_triton_decode.py: read when the kernel is made
-from neo_rs import CpuAttention  # noqa: E402
-from neo_rs.attention import Attention, Prefill  # noqa: E402
-from neo_rs.cuda.paged_prefill import paged_prefill  # noqa: E402
-from neo_rs.device_decode import select_paged_prefill  # noqa: E402
-from neo_rs.kv_cache import KvLayout, KvPool  # noqa: E402
-from neo_rs.transfer import HostTransfer  # noqa: E402
-
-if _was is None:
-    del os.environ["TRITON_INTERPRET"]
+with interpret_imports():
+    from neo_rs.cuda.paged_prefill import paged_prefill
 
 
 @pytest.fixture(autouse=True)
 def _interpret(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if INTERPRET:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -57,7 +54,8 @@ def test_paged_prefill_matches_sdpa_over_the_whole_sequence(case: int, dtype: to
         k_cache[table[pos // bs], :, pos % bs] = k_seq[pos]
         v_cache[table[pos // bs], :, pos % bs] = v_seq[pos]
     scale = head_dim**-0.5
-    got = paged_prefill(q, k_cache, v_cache, table, computed, seq_len, scale)
+    on = KERNEL_DEVICE
+    got = paged_prefill(q.to(on), k_cache.to(on), v_cache.to(on), table.to(on), computed, seq_len, scale).cpu()
     rows = torch.arange(computed, seq_len)[:, None]
     mask = torch.arange(seq_len)[None, :] <= rows
     want = F.scaled_dot_product_attention(
@@ -69,15 +67,17 @@ def test_paged_prefill_matches_sdpa_over_the_whole_sequence(case: int, dtype: to
 
 
 def test_attention_hands_later_chunks_to_the_kernel_as_it_would_on_cuda() -> None:
-    # A CPU runner gathers the context; with the kernel put in (as a CUDA runner selects it),
-    # the same chunk gives the same rows: the call's arguments are the kernel's.
+    # Without the kernel (a CPU runner) the context is gathered; with it put in (as a CUDA runner
+    # selects it), the same chunk gives the same rows: the call's arguments are the kernel's.
+    on = KERNEL_DEVICE
     layout = KvLayout(num_layers=2, num_kv_heads=2, block_size=16, head_dim=32, dtype=torch.float32)
-    pool = KvPool(layout, 8, torch.device("cpu"))
+    pool = KvPool(layout, 8, on)
     pool.k.normal_(), pool.v.normal_()
-    attn = Attention(32**-0.5, CpuAttention(), HostTransfer(torch.device("cpu")))
-    assert attn.paged_prefill is None
-    q, k, v = (torch.randn(20, n, 32) for n in (8, 2, 2))
-    chunk = Prefill(0, 20, 30, 50, torch.tensor([5, 2, 7, 0]))
+    attn = Attention(32**-0.5, CpuAttention(), HostTransfer(on))
+    assert attn.paged_prefill is (paged_prefill if on.type == "cuda" else None)
+    attn.paged_prefill = None
+    q, k, v = (torch.randn(20, n, 32, device=on) for n in (8, 2, 2))
+    chunk = Prefill(0, 20, 30, 50, torch.tensor([5, 2, 7, 0], device=on))
     gathered = attn.prefill(q, k, v, pool, 1, chunk)
     attn.paged_prefill = paged_prefill
     torch.testing.assert_close(attn.prefill(q, k, v, pool, 1, chunk), gathered, atol=1e-5, rtol=1e-5)

@@ -17,7 +17,7 @@ import triton.language as tl
 # Blocks one program walks before the sequence is split further; at most MAX_SPLITS splits.
 BLOCKS_PER_SPLIT = 32
 MAX_SPLITS = 16
-_EMPTY = -1e30  # the running max before any token (finite: exp(m - m) never sees inf - inf)
+_EMPTY = tl.constexpr(-1e30)  # the running max before any token (finite: exp(m - m) never sees inf - inf)
 
 
 @dataclass(frozen=True)

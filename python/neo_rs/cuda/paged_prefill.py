@@ -16,7 +16,7 @@ import triton.language as tl
 from neo_rs.cuda.paged_decode import _bits, _widen
 
 BLOCK_M = 16  # query rows per program
-_EMPTY = -1e30  # the running max before any token (finite: exp(m - m) never sees inf - inf)
+_EMPTY = tl.constexpr(-1e30)  # the running max before any token (finite: exp(m - m) never sees inf - inf)
 
 
 @triton.jit
