@@ -12,6 +12,7 @@
 # Llama-3-8B-shaped bf16 model, neo vs none at equal load (benches/gpu_check.py); (3) the
 # start-up perf profile and model config, the input of `python -m neo_rs.sim --calibrate`.
 # One table at the end; JSON and logs in $OUT.
+# `--bench` runs step (2) alone: a rerun inside one lease, once the tests have passed.
 # `--cpu-smoke` runs the same steps in this repository's .venv on the CPU, with a tiny one-layer
 # model and one small test file, so that CI keeps the script from rotting.
 set -euo pipefail
@@ -46,13 +47,14 @@ fi
 "$PY" -c "import torch, neo_rs; print('neo_rs', neo_rs.__version__, 'torch', torch.__version__,
     torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU')" | tee "$OUT/versions.txt"
 
+if [ "${1:-}" = "--bench" ]; then TESTS= FALLBACK_TESTS=; fi
 # shellcheck disable=SC2086  # the test lists are word lists
-NEO_RS_DEVICE_ATTENTION=triton timeout 150 "$PY" -m pytest -q -p no:cacheprovider $PYTEST_GPU $TESTS 2>&1 \
+[ -z "$TESTS" ] || NEO_RS_DEVICE_ATTENTION=triton timeout 150 "$PY" -m pytest -q -p no:cacheprovider $PYTEST_GPU $TESTS 2>&1 \
     | tee "$OUT/tests_triton.log" || status=1
 # shellcheck disable=SC2086
-NEO_RS_DEVICE_ATTENTION=torch timeout 80 "$PY" -m pytest -q -p no:cacheprovider $PYTEST_GPU $FALLBACK_TESTS 2>&1 \
+[ -z "$FALLBACK_TESTS" ] || NEO_RS_DEVICE_ATTENTION=torch timeout 80 "$PY" -m pytest -q -p no:cacheprovider $PYTEST_GPU $FALLBACK_TESTS 2>&1 \
     | tee "$OUT/tests_torch_fallback.log" || status=1
-if "$PY" -c "import flashinfer" 2>/dev/null; then  # only if its wheels travelled
+if [ -n "$FALLBACK_TESTS" ] && "$PY" -c "import flashinfer" 2>/dev/null; then  # only if its wheels travelled
     # shellcheck disable=SC2086
     NEO_RS_DEVICE_ATTENTION=flashinfer timeout 80 "$PY" -m pytest -q -p no:cacheprovider $PYTEST_GPU $FALLBACK_TESTS 2>&1 \
         | tee "$OUT/tests_flashinfer.log" || status=1
@@ -61,8 +63,9 @@ fi
 timeout 200 "$PY" benches/gpu_check.py --out "$OUT" $SMOKE 2>&1 | tee "$OUT/gpu_check.log" || status=1
 
 echo "== summary ($OUT)"
-tail -n 1 "$OUT/tests_triton.log" | sed 's/^/tests, Triton decode:  /'
-tail -n 1 "$OUT/tests_torch_fallback.log" | sed 's/^/tests, torch fallback: /'
+for f in tests_triton:"Triton decode:  " tests_torch_fallback:"torch fallback: "; do
+    if [ -f "$OUT/${f%%:*}.log" ]; then tail -n 1 "$OUT/${f%%:*}.log" | sed "s/^/tests, ${f#*:}/"; fi
+done
 if [ -f "$OUT/tests_flashinfer.log" ]; then tail -n 1 "$OUT/tests_flashinfer.log" | sed 's/^/tests, FlashInfer:     /'; fi
 grep -A 3 "^mode " "$OUT/gpu_check.log" || true
 exit $status
