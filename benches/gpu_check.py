@@ -131,6 +131,7 @@ def run(path: Path, mode: str, reqs: list[tuple[list[int], int]], args: argparse
     for prompt, n in reqs:
         engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     per_token, tokens, modes = [], 0, {"gpu-only": 0, "sequential": 0, "pipelined": 0}
+    moved = {"cpu_decodes": 0, "swapped_out_blocks": 0, "swapped_in_blocks": 0, "recomputed": 0}
     cpu_attn_ms = cpu_wait_ms = 0.0
     while engine.has_unfinished():
         for o in engine.step():
@@ -141,6 +142,8 @@ def run(path: Path, mode: str, reqs: list[tuple[list[int], int]], args: argparse
         stats = engine.last_stats
         assert stats is not None
         modes[stats.mode] += 1
+        for key in moved:
+            moved[key] += getattr(stats, "num_" + key)
         if stats.mode == "pipelined":
             times = engine.runner.last_times
             cpu_attn_ms += sum(times.cpu_attn_ms)
@@ -152,6 +155,7 @@ def run(path: Path, mode: str, reqs: list[tuple[list[int], int]], args: argparse
         "ms_per_token": statistics.median(per_token),
         "hidden": hidden,
         **modes,
+        **moved,
     }
     if mode == "neo":
         profile = cache_dir() / "profiles" / f"{profile_key(engine.runner, args.budget)}.json"
@@ -167,6 +171,7 @@ def main() -> None:
     ap.add_argument("--kv-share", type=float, default=0.3, help="device KV, as a share of the workload's")
     ap.add_argument("--cpu-gib", type=float, default=48.0)
     ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--modes", default="none,neo", help="in this order (the first also warms caches)")
     ap.add_argument("--budget", type=int, default=4096, help="max_num_batched_tokens")
     args = ap.parse_args()
     shape, input_len, output_len = LLAMA3_8B, 1000, 200
@@ -180,7 +185,7 @@ def main() -> None:
         t = time.perf_counter()
         path = make_model(Path(tmp), shape, args.layers)
         print(f"random checkpoint ({args.layers} layers) in {time.perf_counter() - t:.0f} s", flush=True)
-        results = {mode: run(path, mode, reqs, args) for mode in ("none", "neo")}
+        results = {mode: run(path, mode, reqs, args) for mode in args.modes.split(",")}
         (args.out / "model").mkdir(exist_ok=True)
         shutil.copy(path / "config.json", args.out / "model" / "config.json")
     shutil.copy(results["neo"].pop("profile"), args.out / "profile.json")
@@ -196,12 +201,15 @@ def main() -> None:
     base = results["none"]["tok_s"]
     print(f"{name}, {args.requests} requests, device KV {args.kv_share:.0%} of theirs, {args.layers} layers")
     columns = f"{'mode':<6}{'tok/s':>9}{'vs none':>9}{'p50 ms/token':>14}{'CPU attn hidden':>17}"
-    print(columns + "  iterations gpu-only/sequential/pipelined")
+    print(columns + "  iterations gpu-only/sequential/pipelined  CPU decodes  blocks out/in  recomputed")
     for mode, r in results.items():
         mix = f"{r['gpu-only']}/{r['sequential']}/{r['pipelined']}"
         hidden = "-" if r["hidden"] is None else f"{r['hidden']:.0%}"
         speed = f"{r['tok_s']:>9.1f}{r['tok_s'] / base:>8.2f}x{r['ms_per_token']:>14.1f}"
-        print(f"{mode:<6}{speed}{hidden:>17}  {mix}")
+        blocks = f"{r['swapped_out_blocks']}/{r['swapped_in_blocks']}"
+        print(
+            f"{mode:<6}{speed}{hidden:>17}  {mix:>34}{r['cpu_decodes']:>13}{blocks:>15}{r['recomputed']:>12}"
+        )
     print(
         f"calibrate the simulator: python -m neo_rs.sim --calibrate {args.out}/profile.json "
         f"--model-dir {args.out}/model --dtype bfloat16"
