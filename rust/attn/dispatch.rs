@@ -1,11 +1,10 @@
 //! Kernel tiers and their run-time selection: probed once per `CpuAttention`, overridable with
 //! `NEO_RS_SIMD=scalar|avx2|avx512|neon`. Never compiled for the build host (`target-cpu=native`).
 
-use crate::attn::dot;
-use crate::attn::element::{Element, KvElement};
-use crate::attn::kernel::{self, Geometry, Item, Scratch};
+use crate::attn::kernel::{self, Item};
 use crate::attn::simd::{Portable, Simd};
 use crate::attn::split::Kernel;
+use crate::attn::types::{dot_kind, Element, Geometry, KvElement, Scratch};
 use crate::config;
 use crate::error::{NeoError, Result};
 
@@ -115,23 +114,23 @@ impl Tier {
         self.require()?;
         Ok(match self {
             #[cfg(target_arch = "x86_64")]
-            Tier::Avx2 if K::DOT == dot::INT8 && dots.int8 => {
+            Tier::Avx2 if K::DOT == dot_kind::INT8 && dots.int8 => {
                 Kernel { lanes: 8, item: crate::attn::x86::avx2::attend_item_vnni::<Q, K> }
             }
             #[cfg(target_arch = "x86_64")]
             Tier::Avx2 => Kernel { lanes: 8, item: crate::attn::x86::avx2::attend_item::<Q, K> },
             #[cfg(target_arch = "x86_64")]
-            Tier::Avx512 if K::DOT == dot::INT8 && dots.int8 => {
+            Tier::Avx512 if K::DOT == dot_kind::INT8 && dots.int8 => {
                 Kernel { lanes: 16, item: crate::attn::x86::avx512::attend_item_vnni::<Q, K> }
             }
             #[cfg(target_arch = "x86_64")]
-            Tier::Avx512 if K::DOT == dot::BF16 && dots.bf16 => {
+            Tier::Avx512 if K::DOT == dot_kind::BF16 && dots.bf16 => {
                 Kernel { lanes: 16, item: crate::attn::x86::avx512::attend_item_bf16::<Q, K> }
             }
             #[cfg(target_arch = "x86_64")]
             Tier::Avx512 => Kernel { lanes: 16, item: crate::attn::x86::avx512::attend_item::<Q, K> },
             #[cfg(target_arch = "aarch64")]
-            Tier::Neon if K::DOT == dot::INT8 && dots.int8 => {
+            Tier::Neon if K::DOT == dot_kind::INT8 && dots.int8 => {
                 Kernel { lanes: 4, item: crate::attn::aarch64::neon::attend_item_sdot::<Q, K> }
             }
             #[cfg(target_arch = "aarch64")]
@@ -159,5 +158,5 @@ unsafe fn scalar_item<Q: Element, K: KvElement>(
     partial: &mut [f32],
 ) {
     // SAFETY: the portable tier runs on any CPU; the scratch contract is forwarded.
-    unsafe { kernel::attend_item::<Portable, Q, K, { dot::NONE }>(it, geo, scratch, partial) }
+    unsafe { kernel::attend_item::<Portable, Q, K, { dot_kind::NONE }>(it, geo, scratch, partial) }
 }

@@ -5,33 +5,10 @@
 //! to bf16, as GPU kernels compute P·V for a bf16 model). Both accumulate exactly or in f32; p·v
 //! reads V rows in pairs (two tokens per 32-bit lane), which is what these instructions sum.
 
-use crate::attn::element::{Element, KvElement};
-use crate::attn::kernel::Scratch;
 use crate::attn::simd::Simd;
+use crate::attn::types::{Element, Rows, Scratch};
 
-/// Which dot products an item function is compiled with (its `DOT` const parameter).
-pub(crate) const NONE: u8 = 0;
-pub(crate) const INT8: u8 = 1;
-pub(crate) const BF16: u8 = 2;
-
-/// One layer of a pool as its dot products read it.
-#[derive(Clone, Copy)]
-pub(crate) enum Rows<'a> {
-    I8(&'a [i8]),
-    Bf16(&'a [u16]),
-}
-
-impl<'a> Rows<'a> {
-    /// The pool of `K` for an item compiled with dot products `DOT`, if they fit its element.
-    #[inline(always)]
-    pub fn of<K: KvElement, const DOT: u8>(pool: &'a [K]) -> Option<Self> {
-        match DOT {
-            INT8 => K::as_i8(pool).map(Rows::I8),
-            BF16 => K::as_bf16(pool).map(Rows::Bf16),
-            _ => None,
-        }
-    }
-
+impl Rows<'_> {
     /// q in the form these rows' dot products on tier `S` take (see `Scratch`).
     #[inline(always)]
     pub fn prepare_q<S: Simd, Q: Element>(self, scratch: &mut Scratch, q: &[Q], group: usize, d: usize) {
@@ -118,7 +95,7 @@ fn quantize_q(scratch: &mut Scratch, group: usize, d: usize, k_offset: f32, head
     let (dp, dq) = (scratch.padded_dim, scratch.dot_dim);
     for g in 0..group {
         let row = &mut scratch.q8[g * dq..g * dq + d];
-        let scale = crate::attn::element::quantize_row(&scratch.q[g * dp..g * dp + d], row);
+        let scale = crate::attn::types::quantize_row(&scratch.q[g * dp..g * dp + d], row);
         scratch.q8_scale[g] = scale;
         // An integer sum (exact, and it vectorizes; an f32 sum stays a serial chain of adds,
         // a fifth of a 64-token item).

@@ -7,46 +7,11 @@
 
 use std::ops::Range;
 
-use crate::attn::dot::{self, group_tile, Rows};
-use crate::attn::element::{Element, KvElement};
+use crate::attn::dot::{self, group_tile};
 use crate::attn::rotation;
 use crate::attn::simd::Simd;
+use crate::attn::types::{Element, Geometry, KvElement, Rows, Scratch, MAX_STEP_ROWS};
 use crate::attn::widen::{pv_tile, qk_tile};
-
-/// Tiles one step of the block loop reads together, their rows interleaved (position `u` of a
-/// step is row `u / g` of its tile `u % g`), so that a core keeps several hardware prefetch
-/// streams going over scattered tiles: under the kernel's arithmetic, a read of random 4 KiB
-/// tiles four at a time ran about 1.4x one at a time on the VMs we measure on, whatever the
-/// software prefetching of the one-at-a-time read.
-pub(crate) const STREAMS: usize = 4;
-
-/// Rows of one step at most: p·v's int16 pair sums stay exact up to 128 rows (`dot.rs`).
-pub(crate) const MAX_STEP_ROWS: usize = 128;
-
-/// Per-call geometry shared by every item.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Geometry {
-    pub head_dim: usize,
-    pub block_size: usize,
-    pub num_kv_heads: usize,
-    /// Query heads per KV head (GQA ratio).
-    pub group: usize,
-    /// Tiles from one (block, KV head) to the next in a pool slice (`PagedShape::tile_stride`).
-    pub tile_stride: usize,
-}
-
-impl Geometry {
-    /// Tiles per step of the block loop (`STREAMS`, fewer where a step would pass
-    /// `MAX_STEP_ROWS`); the tiles of the step after are the ones prefetched.
-    pub fn streams(&self) -> usize {
-        (MAX_STEP_ROWS / self.block_size).clamp(1, STREAMS)
-    }
-
-    /// f32 values in one item's partial: `acc[group][head_dim]`, then `max[group]`, `sum[group]`.
-    pub fn partial_len(&self) -> usize {
-        self.group * (self.head_dim + 2)
-    }
-}
 
 /// What one item reads. Slices are pre-checked by `check.rs`; indexing below still bounds-checks
 /// every row slice, so a bug can panic but never read out of bounds.
@@ -147,64 +112,6 @@ impl<Q, K> Item<'_, Q, K> {
             n += m;
         }
         n
-    }
-}
-
-/// Per-thread f32 workspaces, sized once per call for the padded head dim (a multiple of LANES,
-/// zero-filled past `head_dim` so padded lanes contribute nothing).
-pub(crate) struct Scratch {
-    pub(super) padded_dim: usize,
-    pub(super) score_stride: usize,
-    pub(super) q: Vec<f32>,
-    /// With dot products (`dot.rs`), rows of `dot_dim` (zero past head_dim) per head: q
-    /// quantized to int8, with each head's scale and `128 * Σ q8` (see `Simd::dot_i8`), or q
-    /// rounded to bf16.
-    pub(super) dot_dim: usize,
-    pub(super) q8: Vec<i8>,
-    /// On tiers with `Simd::I8_DOT_BY_HEADS`, q8's whole 4-head tiles interleaved by 16-byte chunks
-    /// (`Simd::dot_i8_heads`).
-    pub(super) q8x: Vec<i8>,
-    pub(super) q8_scale: Vec<f32>,
-    pub(super) q8_offset: Vec<f32>,
-    pub(super) qb: Vec<u16>,
-    /// With dot products, the current step's probabilities as pairs (`score_stride / 2` words
-    /// per head) and each head's scale of them.
-    pub(super) pairs: Vec<u32>,
-    pub(super) pair_scale: Vec<f32>,
-    /// With int8 pools: the current step's K and V row scales, zero-padded to the score stride.
-    k_scale: Vec<f32>,
-    v_scale: Vec<f32>,
-    pub(super) acc: Vec<f32>,
-    pub(super) scores: Vec<f32>,
-    max: Vec<f32>,
-    sum: Vec<f32>,
-}
-
-impl Scratch {
-    pub fn new(geo: &Geometry, lanes: usize) -> Self {
-        let padded_dim = geo.head_dim.next_multiple_of(lanes);
-        // Scores are processed up to 16 f32 at a time, whatever the tier.
-        let score_stride = (geo.streams() * geo.block_size).next_multiple_of(16);
-        let dot_dim = geo.head_dim.next_multiple_of(64);
-        Scratch {
-            padded_dim,
-            score_stride,
-            q: vec![0.0; geo.group * padded_dim],
-            dot_dim,
-            q8: vec![0; geo.group * dot_dim],
-            q8x: vec![0; geo.group * dot_dim],
-            q8_scale: vec![0.0; geo.group],
-            q8_offset: vec![0.0; geo.group],
-            qb: vec![0; geo.group * dot_dim],
-            pairs: vec![0; geo.group * score_stride / 2],
-            pair_scale: vec![0.0; geo.group],
-            k_scale: vec![0.0; score_stride],
-            v_scale: vec![0.0; score_stride],
-            acc: vec![0.0; geo.group * padded_dim],
-            scores: vec![0.0; geo.group * score_stride],
-            max: vec![0.0; geo.group],
-            sum: vec![0.0; geo.group],
-        }
     }
 }
 

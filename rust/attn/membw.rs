@@ -4,7 +4,7 @@
 
 use rayon::prelude::*;
 
-use crate::attn::kernel::STREAMS;
+use crate::attn::types::STREAMS;
 use crate::attn::CpuAttention;
 use crate::error::{ensure, Result};
 

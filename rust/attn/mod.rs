@@ -5,13 +5,13 @@
 pub mod check;
 pub mod dispatch;
 mod dot;
-pub mod element;
 mod kernel;
 mod membw;
 pub mod rotation;
 mod simd;
 mod split;
 mod team;
+pub mod types;
 mod widen;
 
 #[cfg(target_arch = "aarch64")]
@@ -26,10 +26,10 @@ use rayon::{ThreadPool, ThreadPoolBuilder};
 
 pub use check::{DecodeBatch, DecodeParams, PagedShape};
 pub use dispatch::{DotProducts, Tier};
-pub use element::{quantize_row, DType, Element, KvElement};
 pub use split::Pools;
 use split::Workers;
 pub use team::Team;
+pub use types::{quantize_row, DType, Element, KvElement};
 
 use crate::config;
 use crate::error::{ensure, NeoError, Result};
@@ -240,15 +240,19 @@ impl CpuAttention {
         }
         check::check_append(shape, batch, new_k.len(), new_v.len())?;
         let (tile, bs) = (shape.tile(), shape.block_size);
+        // Rows are head_dim long, at most MAX_HEAD_DIM (checked above).
+        let store = |src: &[E], dst: &mut [K]| {
+            K::store_row(src, dst, |s, d| rotation::quantize_kv_row(s, d, &mut [0.0; check::MAX_HEAD_DIM]))
+        };
         for_each_new_row(shape, batch, |src, dst, row| {
             // K's slot, then V's: the same offsets in separate pools, one tile on when interleaved.
             let (k_scale, v_scale) = match &mut kv {
                 PoolsMut::Separate { k, v, .. } => {
-                    (K::store_row(&new_k[src.clone()], &mut k[dst.clone()]), K::store_row(&new_v[src], &mut v[dst]))
+                    (store(&new_k[src.clone()], &mut k[dst.clone()]), store(&new_v[src], &mut v[dst]))
                 }
                 PoolsMut::Interleaved { kv, .. } => {
                     let v_dst = dst.start + tile..dst.end + tile;
-                    (K::store_row(&new_k[src.clone()], &mut kv[dst]), K::store_row(&new_v[src], &mut kv[v_dst]))
+                    (store(&new_k[src.clone()], &mut kv[dst]), store(&new_v[src], &mut kv[v_dst]))
                 }
             };
             if K::SCALED {

@@ -14,7 +14,7 @@
 //! the later ones add and subtract whole 16-value runs, so every step is plain vector arithmetic
 //! on any SIMD tier the compiler targets.
 
-use crate::attn::element::{quantize_row, Element};
+use crate::attn::types::{quantize_row, Element};
 
 /// `H16[j][l] = (-1)^popcount(j & l)`: the unnormalized Hadamard matrix of 16 (Sylvester's).
 const H16: [[f32; 16]; 16] = {

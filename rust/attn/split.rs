@@ -9,9 +9,9 @@ use rayon::prelude::*;
 use rayon::ThreadPool;
 
 use crate::attn::check::{DecodeBatch, DecodeParams, PagedShape};
-use crate::attn::element::{Element, KvElement};
-use crate::attn::kernel::{Geometry, Item, NextItem, Scratch};
+use crate::attn::kernel::{Item, NextItem};
 use crate::attn::team::Team;
+use crate::attn::types::{Element, Geometry, KvElement, Scratch};
 
 /// Items each thread should get when the batch is big enough (room for work stealing).
 const ITEMS_PER_THREAD: usize = 4;

@@ -4,8 +4,8 @@
 //! element type and tier takes this path; `dot.rs` replaces it where a tier's dot products fit.
 
 use crate::attn::dot::{scatter_scores, tile_rows};
-use crate::attn::element::KvElement;
 use crate::attn::simd::Simd;
+use crate::attn::types::KvElement;
 
 /// `count` (<= LANES) elements at `p` widened to f32, the rest of the lanes zero. With
 /// `count == LANES` (the literal, after inlining) this is one widening load.

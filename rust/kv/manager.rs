@@ -7,7 +7,7 @@ use std::collections::HashMap;
 
 use super::prefix::{hash_block, BlockHash, Evicted, PrefixCache};
 use super::{BlockId, BlockPool, Device};
-use crate::sched::RequestId;
+use crate::kv::RequestId;
 
 mod host_tier;
 

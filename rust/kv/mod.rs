@@ -38,3 +38,14 @@ impl fmt::Display for BlockId {
         write!(f, "#{}", self.0)
     }
 }
+
+/// Caller-chosen request id (Python numbers its requests). Defined with the block ids, since the
+/// managers key block tables on it; the scheduler re-exports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(pub u64);
+
+impl fmt::Display for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}

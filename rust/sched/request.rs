@@ -1,19 +1,8 @@
 //! A request as the scheduler sees it (vLLM's `Request`): its tokens (prompt, then outputs),
 //! how many have KV computed, its token limit and where it stands.
 
-use std::fmt;
-
+pub use crate::kv::RequestId;
 use crate::kv::{BlockHash, Device};
-
-/// Caller-chosen request id (Python numbers its requests).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct RequestId(pub u64);
-
-impl fmt::Display for RequestId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.0)
-    }
-}
 
 /// Which queue holds the request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -3,10 +3,9 @@
 use std::arch::aarch64::*;
 use std::arch::asm;
 
-use crate::attn::dot;
-use crate::attn::element::{Element, KvElement};
-use crate::attn::kernel::{self, Geometry, Item, Scratch};
+use crate::attn::kernel::{self, Item};
 use crate::attn::simd::{exp_consts as ec, Simd};
+use crate::attn::types::{dot_kind, Element, Geometry, KvElement, Scratch};
 
 #[derive(Clone, Copy)]
 pub(crate) struct Neon;
@@ -196,7 +195,7 @@ pub(crate) unsafe fn attend_item<Q: Element, K: KvElement>(
     partial: &mut [f32],
 ) {
     // SAFETY: forwarded caller contract.
-    unsafe { kernel::attend_item::<Neon, Q, K, { dot::NONE }>(it, geo, scratch, partial) }
+    unsafe { kernel::attend_item::<Neon, Q, K, { dot_kind::NONE }>(it, geo, scratch, partial) }
 }
 
 /// The kernel item for NEON with DotProd: int8 pools take q·k as `sdot` dot products.
@@ -211,5 +210,5 @@ pub(crate) unsafe fn attend_item_sdot<Q: Element, K: KvElement>(
     partial: &mut [f32],
 ) {
     // SAFETY: forwarded caller contract.
-    unsafe { kernel::attend_item::<Neon, Q, K, { dot::INT8 }>(it, geo, scratch, partial) }
+    unsafe { kernel::attend_item::<Neon, Q, K, { dot_kind::INT8 }>(it, geo, scratch, partial) }
 }

@@ -3,10 +3,9 @@
 
 use std::arch::x86_64::*;
 
-use crate::attn::dot;
-use crate::attn::element::{Element, KvElement};
-use crate::attn::kernel::{self, Geometry, Item, Scratch};
+use crate::attn::kernel::{self, Item};
 use crate::attn::simd::{exp_consts as ec, Simd};
+use crate::attn::types::{dot_kind, Element, Geometry, KvElement, Scratch};
 
 #[derive(Clone, Copy)]
 pub(crate) struct Avx2;
@@ -314,7 +313,7 @@ pub(crate) unsafe fn attend_item<Q: Element, K: KvElement>(
     partial: &mut [f32],
 ) {
     // SAFETY: forwarded caller contract.
-    unsafe { kernel::attend_item::<Avx2, Q, K, { dot::NONE }>(it, geo, scratch, partial) }
+    unsafe { kernel::attend_item::<Avx2, Q, K, { dot_kind::NONE }>(it, geo, scratch, partial) }
 }
 
 /// The kernel item for AVX2 with AVX-VNNI: int8 pools take q·k and p·v as integer dot products.
@@ -329,5 +328,5 @@ pub(crate) unsafe fn attend_item_vnni<Q: Element, K: KvElement>(
     partial: &mut [f32],
 ) {
     // SAFETY: forwarded caller contract.
-    unsafe { kernel::attend_item::<Avx2, Q, K, { dot::INT8 }>(it, geo, scratch, partial) }
+    unsafe { kernel::attend_item::<Avx2, Q, K, { dot_kind::INT8 }>(it, geo, scratch, partial) }
 }

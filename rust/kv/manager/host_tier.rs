@@ -88,7 +88,7 @@ impl KvManager {
 
     /// The hash chain of a request's registered blocks, for tests.
     #[cfg(test)]
-    fn chain(&self, id: crate::sched::RequestId) -> &[BlockHash] {
+    fn chain(&self, id: crate::kv::RequestId) -> &[BlockHash] {
         self.chains.get(&id).map_or(&[], Vec::as_slice)
     }
 
@@ -103,7 +103,7 @@ mod tests {
     use super::*;
     use crate::kv::prefix::hash_block;
     use crate::kv::Device;
-    use crate::sched::RequestId;
+    use crate::kv::RequestId;
 
     fn tokens(seed: u32, n: usize) -> Vec<u32> {
         (0..n as u32).map(|i| seed * 1000 + i).collect()

@@ -1,10 +1,11 @@
-//! Storage dtypes of q, output and the KV pools (f32, f16, bf16; the pools also int8 with a
-//! scale per token and KV head); all arithmetic is f32.
+//! The kernel's core types, apart from the code that runs on them so that every kernel module
+//! depends on this one and not on each other: the storage dtypes of q, output and the KV pools
+//! (f32, f16, bf16; the pools also int8 with a scale per token and KV head; all arithmetic is
+//! f32), the dot-product kinds and the pool rows they read, a call's geometry and a thread's
+//! workspaces.
 
 use half::{bf16, f16};
 
-use crate::attn::check::MAX_HEAD_DIM;
-use crate::attn::rotation::quantize_kv_row;
 use crate::attn::simd::Simd;
 
 /// A dtype tag that crosses the Python boundary as a string.
@@ -132,9 +133,10 @@ pub trait KvElement: Copy + Send + Sync + 'static + sealed::Sealed {
     /// `p` must be valid for `S::LANES` reads and the CPU must support `S`.
     #[doc(hidden)]
     unsafe fn widen<S: Simd>(p: *const Self) -> S::V;
-    /// Stores a row of `src` into `dst` (the fused append): converted, or quantized with its
-    /// scale returned (1 for float pools, which keep no scale).
-    fn store_row<E: Element>(src: &[E], dst: &mut [Self]) -> f32;
+    /// Stores a row of `src` into `dst` (the fused append): converted (float pools, which keep
+    /// no scale: returns 1), or by `quantize` (int8 pools: `rotation::quantize_kv_row`, passed in
+    /// so that this module needs none of the kernels), which returns the row's scale.
+    fn store_row<E: Element>(src: &[E], dst: &mut [Self], quantize: impl FnOnce(&[E], &mut [i8]) -> f32) -> f32;
     /// The pool as int8 bytes, for int8 dot products (`None` for float pools).
     fn as_i8(pool: &[Self]) -> Option<&[i8]> {
         let _ = pool;
@@ -151,7 +153,7 @@ macro_rules! float_kv {
     ($($t:ty),*) => {$(
         impl KvElement for $t {
             const SCALED: bool = false;
-            const DOT: u8 = if matches!(<$t as Element>::DTYPE, DType::BF16) { crate::attn::dot::BF16 } else { crate::attn::dot::NONE };
+            const DOT: u8 = if matches!(<$t as Element>::DTYPE, DType::BF16) { dot_kind::BF16 } else { dot_kind::NONE };
             #[inline(always)]
             fn widen_one(self) -> f32 {
                 Element::to_f32(self)
@@ -162,7 +164,7 @@ macro_rules! float_kv {
                 unsafe { <$t as Element>::widen::<S>(p) }
             }
             #[inline(always)]
-            fn store_row<E: Element>(src: &[E], dst: &mut [Self]) -> f32 {
+            fn store_row<E: Element>(src: &[E], dst: &mut [Self], _: impl FnOnce(&[E], &mut [i8]) -> f32) -> f32 {
                 for (d, s) in dst.iter_mut().zip(src) {
                     *d = <$t as Element>::from_f32(s.to_f32());
                 }
@@ -183,7 +185,7 @@ float_kv!(f32, f16, bf16);
 
 impl KvElement for i8 {
     const SCALED: bool = true;
-    const DOT: u8 = crate::attn::dot::INT8;
+    const DOT: u8 = dot_kind::INT8;
     #[inline(always)]
     fn widen_one(self) -> f32 {
         f32::from(self)
@@ -193,12 +195,130 @@ impl KvElement for i8 {
         // SAFETY: forwarded caller contract.
         unsafe { S::widen_i8(p) }
     }
-    fn store_row<E: Element>(src: &[E], dst: &mut [Self]) -> f32 {
-        // Rows are head_dim long, at most MAX_HEAD_DIM (checked before any append).
-        quantize_kv_row(src, dst, &mut [0.0; MAX_HEAD_DIM])
+    fn store_row<E: Element>(src: &[E], dst: &mut [Self], quantize: impl FnOnce(&[E], &mut [i8]) -> f32) -> f32 {
+        quantize(src, dst)
     }
     fn as_i8(pool: &[Self]) -> Option<&[i8]> {
         Some(pool)
+    }
+}
+
+/// Which dot products an item function is compiled with (its `DOT` const parameter; `dot.rs`).
+pub(crate) mod dot_kind {
+    pub(crate) const NONE: u8 = 0;
+    pub(crate) const INT8: u8 = 1;
+    pub(crate) const BF16: u8 = 2;
+}
+
+/// One layer of a pool as its dot products read it.
+#[derive(Clone, Copy)]
+pub(crate) enum Rows<'a> {
+    I8(&'a [i8]),
+    Bf16(&'a [u16]),
+}
+
+impl<'a> Rows<'a> {
+    /// The pool of `K` for an item compiled with dot products `DOT`, if they fit its element.
+    #[inline(always)]
+    pub fn of<K: KvElement, const DOT: u8>(pool: &'a [K]) -> Option<Self> {
+        match DOT {
+            dot_kind::INT8 => K::as_i8(pool).map(Rows::I8),
+            dot_kind::BF16 => K::as_bf16(pool).map(Rows::Bf16),
+            _ => None,
+        }
+    }
+}
+
+/// Tiles one step of the block loop reads together, their rows interleaved (position `u` of a
+/// step is row `u / g` of its tile `u % g`), so that a core keeps several hardware prefetch
+/// streams going over scattered tiles: under the kernel's arithmetic, a read of random 4 KiB
+/// tiles four at a time ran about 1.4x one at a time on the VMs we measure on, whatever the
+/// software prefetching of the one-at-a-time read.
+pub(crate) const STREAMS: usize = 4;
+
+/// Rows of one step at most: p·v's int16 pair sums stay exact up to 128 rows (`dot.rs`).
+pub(crate) const MAX_STEP_ROWS: usize = 128;
+
+/// Per-call geometry shared by every item.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Geometry {
+    pub head_dim: usize,
+    pub block_size: usize,
+    pub num_kv_heads: usize,
+    /// Query heads per KV head (GQA ratio).
+    pub group: usize,
+    /// Tiles from one (block, KV head) to the next in a pool slice (`PagedShape::tile_stride`).
+    pub tile_stride: usize,
+}
+
+impl Geometry {
+    /// Tiles per step of the block loop (`STREAMS`, fewer where a step would pass
+    /// `MAX_STEP_ROWS`); the tiles of the step after are the ones prefetched.
+    pub fn streams(&self) -> usize {
+        (MAX_STEP_ROWS / self.block_size).clamp(1, STREAMS)
+    }
+
+    /// f32 values in one item's partial: `acc[group][head_dim]`, then `max[group]`, `sum[group]`.
+    pub fn partial_len(&self) -> usize {
+        self.group * (self.head_dim + 2)
+    }
+}
+
+/// Per-thread f32 workspaces, sized once per call for the padded head dim (a multiple of LANES,
+/// zero-filled past `head_dim` so padded lanes contribute nothing).
+pub(crate) struct Scratch {
+    pub(super) padded_dim: usize,
+    pub(super) score_stride: usize,
+    pub(super) q: Vec<f32>,
+    /// With dot products (`dot.rs`), rows of `dot_dim` (zero past head_dim) per head: q
+    /// quantized to int8, with each head's scale and `128 * Σ q8` (see `Simd::dot_i8`), or q
+    /// rounded to bf16.
+    pub(super) dot_dim: usize,
+    pub(super) q8: Vec<i8>,
+    /// On tiers with `Simd::I8_DOT_BY_HEADS`, q8's whole 4-head tiles interleaved by 16-byte chunks
+    /// (`Simd::dot_i8_heads`).
+    pub(super) q8x: Vec<i8>,
+    pub(super) q8_scale: Vec<f32>,
+    pub(super) q8_offset: Vec<f32>,
+    pub(super) qb: Vec<u16>,
+    /// With dot products, the current step's probabilities as pairs (`score_stride / 2` words
+    /// per head) and each head's scale of them.
+    pub(super) pairs: Vec<u32>,
+    pub(super) pair_scale: Vec<f32>,
+    /// With int8 pools: the current step's K and V row scales, zero-padded to the score stride.
+    pub(super) k_scale: Vec<f32>,
+    pub(super) v_scale: Vec<f32>,
+    pub(super) acc: Vec<f32>,
+    pub(super) scores: Vec<f32>,
+    pub(super) max: Vec<f32>,
+    pub(super) sum: Vec<f32>,
+}
+
+impl Scratch {
+    pub fn new(geo: &Geometry, lanes: usize) -> Self {
+        let padded_dim = geo.head_dim.next_multiple_of(lanes);
+        // Scores are processed up to 16 f32 at a time, whatever the tier.
+        let score_stride = (geo.streams() * geo.block_size).next_multiple_of(16);
+        let dot_dim = geo.head_dim.next_multiple_of(64);
+        Scratch {
+            padded_dim,
+            score_stride,
+            q: vec![0.0; geo.group * padded_dim],
+            dot_dim,
+            q8: vec![0; geo.group * dot_dim],
+            q8x: vec![0; geo.group * dot_dim],
+            q8_scale: vec![0.0; geo.group],
+            q8_offset: vec![0.0; geo.group],
+            qb: vec![0; geo.group * dot_dim],
+            pairs: vec![0; geo.group * score_stride / 2],
+            pair_scale: vec![0.0; geo.group],
+            k_scale: vec![0.0; score_stride],
+            v_scale: vec![0.0; score_stride],
+            acc: vec![0.0; geo.group * padded_dim],
+            scores: vec![0.0; geo.group * score_stride],
+            max: vec![0.0; geo.group],
+            sum: vec![0.0; geo.group],
+        }
     }
 }
 
