@@ -28,7 +28,7 @@ test-rust:
 	NEO_RS_SIMD=scalar cargo test --release --test attn_cpu
 
 # Second pass: the tests that move KV and activations between the pools, with every device->host
-# copy deferred to its wait and its destination poisoned until then, as on CUDA (transfer.py).
+# copy deferred to its wait and its destination poisoned until then, as on CUDA (kv/transfer.py).
 EMULATED_COPY_TESTS := tests/python/test_model_parity.py tests/python/test_offload.py \
 	tests/python/test_engine.py tests/python/test_faults.py tests/python/test_transfer.py \
 	tests/python/test_int8_kv.py tests/python/test_prefix_cache.py \
@@ -60,6 +60,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check python tests benches
 	$(VENV)/bin/ruff format --check python tests benches
 	$(VENV)/bin/mypy python/neo_rs
+	$(VENV)/bin/lint-imports
 
 bench: build
 	cargo bench --bench attn_cpu

@@ -8,11 +8,11 @@ bfloat16 pages, and k/torch compares tokens per second. `tiles GB/s` reads the t
 reads, in its order and four at a time as the kernel does, with no arithmetic (`gather_read`):
 what the access pattern alone reaches, and `k/tiles` the kernel's share of it. Figures only; not a CI gate.
 `--huge-pages` backs the pools and the read buffer with 2 MiB pages (the engine's pools are not:
-see `kv_cache.py`). `--cold` gives each call blocks the caches no longer hold: the pool holds
+see `kv/pools.py`). `--cold` gives each call blocks the caches no longer hold: the pool holds
 copies of the batch's blocks, over 2 GiB in all, and the calls take them in turn, as the engine
 reads a host pool far larger than the LLC (a 1-layer pool of one batch otherwise stays in a large
 LLC between calls, and the kernel then outruns the streaming read).
-The pools are laid out as the engine's CPU pools are (`kv_cache.py`): K and V the halves of one
+The pools are laid out as the engine's CPU pools are (`kv/pools.py`): K and V the halves of one
 tensor, a (block, KV head)'s K and V tiles side by side, so `tiles GB/s` reads one run per tile
 pair. `--compare-layouts` adds the Mtok/s of separate K and V pools measured alternately with
 them, and the ratio of their times. `--compare-dots` adds the Mtok/s of the widening path (no
@@ -35,7 +35,7 @@ import neo_rs
 import torch
 import torch.nn.functional as F
 from neo_rs._core import quantize_rows
-from neo_rs.kv_cache import page_aligned_empty
+from neo_rs.kv.pools import page_aligned_empty
 
 MODELS = {"llama3-8b": (32, 8), "llama2-7b": (32, 32)}  # (q heads, kv heads), head_dim 128
 SHAPES = [(1, 8192), (16, 2048), (64, 512), (256, 256)]

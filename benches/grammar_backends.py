@@ -33,9 +33,9 @@ def main() -> None:
         sys.exit("this comparison needs xgrammar: pip install xgrammar")
     import llguidance
     import llguidance.hf
+    from neo_rs.engine.tokenizer import load_tokenizer
     from neo_rs.model.registry import resolve_model
-    from neo_rs.structured import JSON_OPTIONS
-    from neo_rs.tokenizer import load_tokenizer
+    from neo_rs.sample.structured import JSON_OPTIONS
     from structured import SCHEMA
     from test_structured import random_schema
 

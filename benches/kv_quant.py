@@ -21,10 +21,10 @@ import sysconfig
 import time
 from pathlib import Path
 
-import neo_rs.engine
+import neo_rs.engine.llm_engine
 import torch
 from neo_rs import LLM, CpuAttention, SamplingParams
-from neo_rs.sampling import SampleResult, SampleRow
+from neo_rs.sample.sampling import SampleResult, SampleRow
 
 TEXT = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
 NUM_TOKENS, PROMPT_TOKENS = 2176, 32

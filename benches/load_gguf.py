@@ -19,7 +19,7 @@ import json, os, resource, sys, time
 os.environ["NEO_RS_CACHE_DIR"] = sys.argv[1]
 import torch, transformers, gguf  # noqa: F401  (imports are not part of the load)
 from neo_rs.config import ModelConfig
-from neo_rs.model import load_model
+from neo_rs.model.loader import load_model
 from neo_rs.model.registry import DEFAULT_MODEL, resolve_model
 
 def rss_mib():

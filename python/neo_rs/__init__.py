@@ -6,7 +6,9 @@ paged-attention kernel; Python owns tensors and the model.
 
 from neo_rs._core import AttentionHandle, CpuAttention, Scheduler, SchedulerOutput, simd_tiers
 from neo_rs.config import EngineArgs
-from neo_rs.engine import LLMEngine
+from neo_rs.engine.llm import LLM
+from neo_rs.engine.llm_engine import LLMEngine
+from neo_rs.engine.sequence import CompletionOutput, RequestOutput
 from neo_rs.errors import (
     BackendError,
     DTypeError,
@@ -17,10 +19,8 @@ from neo_rs.errors import (
     NeoRsError,
     ShapeError,
 )
-from neo_rs.llm import LLM
-from neo_rs.sampling import RequestOutputKind, SamplingParams
-from neo_rs.sequence import CompletionOutput, RequestOutput
-from neo_rs.structured import StructuredOutputsParams
+from neo_rs.sample.sampling import RequestOutputKind, SamplingParams
+from neo_rs.sample.structured import StructuredOutputsParams
 
 __version__ = "0.1.0"
 

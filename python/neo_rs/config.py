@@ -182,7 +182,7 @@ def build_atomically(target: Path, build: Callable[[Path], None]) -> None:
 
 def emulate_async_copies() -> bool:
     """``NEO_RS_EMULATE_ASYNC_COPIES=1``: on a CPU device, device->host copies land only when
-    waited on, as on CUDA (``transfer.py``)."""
+    waited on, as on CUDA (``kv/transfer.py``)."""
     return os.environ.get("NEO_RS_EMULATE_ASYNC_COPIES", "") not in ("", "0")
 
 
@@ -193,14 +193,14 @@ def openmp_team() -> bool:
 
 
 def device_attention() -> str:
-    """``NEO_RS_DEVICE_ATTENTION``: the backend of device decodes on CUDA (``device_decode.py``),
+    """``NEO_RS_DEVICE_ATTENTION``: the backend of device decodes on CUDA (``attention/device_decode.py``),
     ``flashinfer``, ``triton`` or ``torch``; default ``auto``, the first of them that imports
     (``benches/gpu_check.sh`` checks each)."""
     return os.environ.get("NEO_RS_DEVICE_ATTENTION", "auto")
 
 
 def fail_steps() -> str:
-    """``NEO_RS_FAIL_STEPS``: model runs that raise, for fault-injection tests (``faults.py``)."""
+    """``NEO_RS_FAIL_STEPS``: model runs that raise, for fault-injection tests (``worker/faults.py``)."""
     return os.environ.get("NEO_RS_FAIL_STEPS", "")
 
 

@@ -67,7 +67,7 @@ def _config(kind: str):  # noqa: ANN202 (a transformers config)
 
 
 def make_checkpoint(root: Path, kind: str, shard: bool = False) -> Path:
-    from neo_rs.demo import save_tokenizer
+    from neo_rs.model.demo import save_tokenizer
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(1234)

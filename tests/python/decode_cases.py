@@ -29,6 +29,7 @@ class interpret_imports:  # noqa: N801 (used as a context manager, like contextl
         if self._was is None:
             os.environ.pop("TRITON_INTERPRET", None)
 
+
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 

@@ -394,7 +394,7 @@ def test_openmp_team_matches_the_pool_bit_for_bit():
 
 def test_on_a_cpu_device_one_thread_count_serves_torch_and_the_kernel(monkeypatch):
     from neo_rs.config import EngineArgs
-    from neo_rs.runner import cpu_attention
+    from neo_rs.worker.runner import cpu_attention
 
     monkeypatch.delenv("NEO_RS_CPU_THREADS", raising=False)
     before = torch.get_num_threads()

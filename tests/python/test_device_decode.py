@@ -13,16 +13,16 @@ import pytest
 import torch
 from decode_cases import CASES, TOL, make_case
 from neo_rs import CpuAttention, InvalidArgumentError
-from neo_rs.attention import DecodeRows
-from neo_rs.cuda.flashinfer_decode import FlashInferDecode, paged_kv_args
-from neo_rs.device_decode import (
+from neo_rs.attention.cuda.flashinfer_decode import FlashInferDecode, paged_kv_args
+from neo_rs.attention.device_decode import (
     TokenIndex,
     TorchDecode,
     TritonDecode,
     paged_decode_torch,
     select_device_decode,
 )
-from neo_rs.kv_cache import KvLayout, KvPool
+from neo_rs.attention.metadata import DecodeRows
+from neo_rs.kv.pools import KvLayout, KvPool
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 

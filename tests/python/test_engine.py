@@ -12,11 +12,11 @@ import pytest
 import torch
 from conftest import assert_all_blocks_free
 from neo_rs import LLM, LLMEngine, ModelLoadError, SamplingParams
-from neo_rs.attention import AttentionBatch
+from neo_rs.attention.device_decode import TorchDecode
+from neo_rs.attention.metadata import AttentionBatch
 from neo_rs.config import EngineArgs
-from neo_rs.demo import demo_model_dir
-from neo_rs.device_decode import TorchDecode
-from neo_rs.tokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer, load_tokenizer
+from neo_rs.engine.tokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer, load_tokenizer
+from neo_rs.model.demo import demo_model_dir
 
 
 def test_load_errors_name_the_problem(checkpoints, tmp_path) -> None:

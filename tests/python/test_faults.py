@@ -14,7 +14,7 @@ from conftest import assert_all_blocks_free
 from neo_rs import LLMEngine, SamplingParams
 from neo_rs.config import EngineArgs
 from neo_rs.errors import EngineStepError
-from neo_rs.faults import parse_calls
+from neo_rs.worker.faults import parse_calls
 from server_util import Server
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -12,7 +12,7 @@ import torch
 from conftest import ARCHS, assert_all_blocks_free
 from neo_rs import LLM, CpuAttention, InvalidArgumentError, SamplingParams
 from neo_rs._core import dequantize_rows, quantize_rows
-from neo_rs.kv_cache import INT8_POISON, KvLayout, KvPool
+from neo_rs.kv.pools import INT8_POISON, KvLayout, KvPool
 from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

@@ -1,4 +1,4 @@
-"""The KV pools as tensors: a CPU pool leaves the OS its default page size (``kv_cache.py`` says why:
+"""The KV pools as tensors: a CPU pool leaves the OS its default page size (``kv/pools.py`` says why:
 a 2 MiB page faulted inside a decode step stalls it for milliseconds), starts on a page boundary,
 and keeps each (block, KV head)'s K and V tiles side by side."""
 
@@ -6,7 +6,7 @@ from mmap import PAGESIZE
 from pathlib import Path
 
 import torch
-from neo_rs.kv_cache import KvLayout, KvPool, page_aligned_empty
+from neo_rs.kv.pools import KvLayout, KvPool, page_aligned_empty
 
 HUGE = 2 << 20
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import assert_all_blocks_free
 from neo_rs import LLM, InvalidArgumentError, RequestOutput, RequestOutputKind, SamplingParams
-from neo_rs.sampling import SampleRow, sample
+from neo_rs.sample.sampling import SampleRow, sample
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,7 @@ def test_sampler_filters_and_penalties() -> None:
 
 
 def test_top_k_top_p_on_candidates_matches_the_full_sort() -> None:
-    from neo_rs.sampling import _top_k_top_p, _top_k_top_p_sorted
+    from neo_rs.sample.sampling import _top_k_top_p, _top_k_top_p_sorted
 
     g = torch.Generator().manual_seed(0)
     vocab = 20000

@@ -17,7 +17,7 @@ import openai
 import pytest
 from neo_rs import LLM, SamplingParams
 from neo_rs.errors import InvalidArgumentError
-from neo_rs.structured import StructuredOutputsParams
+from neo_rs.sample.structured import StructuredOutputsParams
 from pydantic import BaseModel, Field
 from server_util import Server
 

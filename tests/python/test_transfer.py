@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from neo_rs.kv_cache import KvLayout, KvPool
-from neo_rs.layer_copies import LayerCopies
-from neo_rs.transfer import INT_POISON, HostTransfer
+from neo_rs.kv.layer_copies import LayerCopies
+from neo_rs.kv.pools import KvLayout, KvPool
+from neo_rs.kv.transfer import INT_POISON, HostTransfer
 
 CPU = torch.device("cpu")
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, block_size=4, head_dim=8, dtype=torch.float32)

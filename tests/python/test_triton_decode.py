@@ -1,7 +1,7 @@
 """Our Triton paged decode kernel (what device decodes run on CUDA), compiled on a CUDA host and
-otherwise executed on the CPU by Triton's interpreter, against the Rust kernel on random shapes: GQA groups (powers of two and not), ragged
-last blocks, empty, one-token and 8k-token sequences (split into pieces), bf16, fp16 and fp32,
-with every pool slot past a sequence's length poisoned."""
+otherwise executed on the CPU by Triton's interpreter, against the Rust kernel on random shapes:
+GQA groups (powers of two and not), ragged last blocks, empty, one-token and 8k-token sequences
+(split into pieces), bf16, fp16 and fp32, with every pool slot past a sequence's length poisoned."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from decode_cases import CASES, INTERPRET, KERNEL_DEVICE, TOL, interpret_imports
 from neo_rs import CpuAttention
 
 with interpret_imports():
-    from neo_rs.cuda.paged_decode import SplitPlan, paged_decode
+    from neo_rs.attention.cuda.paged_decode import SplitPlan, paged_decode
 
 
 @pytest.fixture(autouse=True)

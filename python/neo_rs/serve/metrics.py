@@ -8,9 +8,9 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from neo_rs.engine import LLMEngine
-from neo_rs.sequence import RequestOutput
-from neo_rs.stats import IterationStats
+from neo_rs.engine.llm_engine import LLMEngine
+from neo_rs.engine.sequence import RequestOutput
+from neo_rs.engine.stats import IterationStats
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 

@@ -13,11 +13,11 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from neo_rs.engine.sequence import CompletionOutput, RequestOutput
 from neo_rs.errors import InvalidArgumentError
-from neo_rs.sampling import MAX_LOGPROBS, RequestOutputKind, SamplingParams
-from neo_rs.sequence import CompletionOutput, RequestOutput
+from neo_rs.sample.sampling import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from neo_rs.sample.structured import StructuredOutputsParams
 from neo_rs.serve.tools import ToolChoice
-from neo_rs.structured import StructuredOutputsParams
 
 
 class ApiError(Exception):

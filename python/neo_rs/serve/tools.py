@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from neo_rs.structured import StructuredOutputsParams
+from neo_rs.sample.structured import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
 

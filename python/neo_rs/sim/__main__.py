@@ -18,11 +18,11 @@ import torch
 from neo_rs.bench import workloads
 from neo_rs.bench.arrivals import arrival_times
 from neo_rs.config import ModelConfig, resolve_dtype
-from neo_rs.profiler import PerfTables
 from neo_rs.sim.calibrate import fit, model_profile
 from neo_rs.sim.cost import CostModel, Efficiency
 from neo_rs.sim.profiles import GPUS, HOSTS, MODELS, load_profiles
 from neo_rs.sim.simulate import capacity_at_slo, simulate, verdict
+from neo_rs.worker.profiler import PerfTables
 
 
 def _calibrate(args: argparse.Namespace) -> None:

@@ -8,9 +8,9 @@ from __future__ import annotations
 import dataclasses
 
 from neo_rs.config import ModelConfig
-from neo_rs.profiler import PerfTables
 from neo_rs.sim.cost import CostModel, Efficiency
 from neo_rs.sim.profiles import ModelProfile
+from neo_rs.worker.profiler import PerfTables
 
 
 def model_profile(cfg: ModelConfig, name: str, dtype_bytes: int) -> ModelProfile:

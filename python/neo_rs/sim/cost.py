@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from neo_rs.profiler import PerfTables
 from neo_rs.sim.profiles import GpuProfile, HostProfile, ModelProfile
+from neo_rs.worker.profiler import PerfTables
 
 GIB = 1 << 30
 

@@ -27,15 +27,15 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 import torch
 import torch.multiprocessing as mp
 
-from neo_rs import faults
 from neo_rs.config import EngineArgs
 from neo_rs.errors import BackendError, InvalidArgumentError
 from neo_rs.parallel.group import JOIN_TIMEOUT, TensorParallel, join
-from neo_rs.profiler import profile
+from neo_rs.worker import faults
+from neo_rs.worker.profiler import profile
 
 if TYPE_CHECKING:
     from neo_rs._core import SchedulerOutput
-    from neo_rs.runner import ModelRunner, RunnerSetup
+    from neo_rs.worker.runner import ModelRunner, RunnerSetup
 
 log = logging.getLogger(__name__)
 

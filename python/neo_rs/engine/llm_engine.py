@@ -14,21 +14,21 @@ from typing import Any
 
 import torch
 
-from neo_rs import faults
 from neo_rs._core import Scheduler, SchedulerOutput
 from neo_rs.config import EngineArgs, ModelConfig, cache_dir, resolve_dtype
+from neo_rs.engine.sequence import RequestMetrics, RequestOutput, Sequence
+from neo_rs.engine.stats import IterationStats, calibrate
+from neo_rs.engine.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
 from neo_rs.errors import EngineDeadError, EngineStepError, InvalidArgumentError
 from neo_rs.model.registry import DEMO_MODEL, resolve_model
 from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel, rank_device
 from neo_rs.parallel.shards import TpShard
-from neo_rs.parallel.workers import TpWorkers, budget_threads
-from neo_rs.profiler import load_or_profile
-from neo_rs.runner import RunnerSetup, resolve_device
-from neo_rs.sampling import RequestOutputKind, SamplingParams, sample
-from neo_rs.sequence import RequestMetrics, RequestOutput, Sequence
-from neo_rs.stats import IterationStats, calibrate
-from neo_rs.structured import Grammars
-from neo_rs.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
+from neo_rs.sample.sampling import RequestOutputKind, SamplingParams, sample
+from neo_rs.sample.structured import Grammars
+from neo_rs.worker import faults
+from neo_rs.worker.profiler import load_or_profile
+from neo_rs.worker.runner import RunnerSetup, resolve_device
+from neo_rs.worker.tp_workers import TpWorkers, budget_threads
 
 log = logging.getLogger(__name__)
 

@@ -23,11 +23,11 @@ import torch
 from tqdm import tqdm
 
 from neo_rs._core import Scheduler
-from neo_rs.attention import DecodeRows, Prefill
+from neo_rs.attention.metadata import DecodeRows, Prefill
 from neo_rs.model.llama import DecoderLayer, Rope
 
 if TYPE_CHECKING:
-    from neo_rs.runner import ModelRunner
+    from neo_rs.worker.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from neo_rs.kv_cache import KvPool, Slots
+from neo_rs.kv.pools import KvPool, Slots
 from neo_rs.timing import HostWaits, StageClock
 
 CPU = torch.device("cpu")

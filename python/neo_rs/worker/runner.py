@@ -15,17 +15,18 @@ import numpy as np
 import torch
 
 from neo_rs._core import CpuAttention, SchedulerOutput
-from neo_rs.attention import Attention, AttentionBatch, PendingCpuAttention
+from neo_rs.attention.layer import Attention, PendingCpuAttention
+from neo_rs.attention.metadata import AttentionBatch
 from neo_rs.config import EngineArgs, ModelConfig, emulate_async_copies, openmp_team
 from neo_rs.errors import InvalidArgumentError
-from neo_rs.kv_cache import KvLayout, KvPool, block_pairs
-from neo_rs.layer_copies import LayerCopies
-from neo_rs.model import load_model
+from neo_rs.kv.layer_copies import LayerCopies
+from neo_rs.kv.pools import KvLayout, KvPool, block_pairs
+from neo_rs.kv.transfer import HostTransfer, Staged
 from neo_rs.model.llama import Rope
+from neo_rs.model.loader import load_model
 from neo_rs.model.packed import pack_linears, packing_applies
 from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel, rank_device
 from neo_rs.timing import HostWaits, MeasuredTimes, StageClock
-from neo_rs.transfer import HostTransfer, Staged
 
 log = logging.getLogger(__name__)
 

@@ -9,10 +9,10 @@ from typing import Any
 from tqdm import tqdm
 
 from neo_rs.config import EngineArgs
-from neo_rs.engine import LLMEngine
+from neo_rs.engine.llm_engine import LLMEngine
+from neo_rs.engine.sequence import RequestOutput
 from neo_rs.errors import InvalidArgumentError
-from neo_rs.sampling import SamplingParams
-from neo_rs.sequence import RequestOutput
+from neo_rs.sample.sampling import SamplingParams
 
 Prompt = str | list[int]
 # vLLM's prompt dicts: {"prompt": text} (TextPrompt) or {"prompt_token_ids": ids} (TokensPrompt).

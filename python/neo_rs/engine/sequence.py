@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from neo_rs.sampling import RequestOutputKind, SampleRow, SamplingParams
-from neo_rs.structured import advance
-from neo_rs.tokenizer import IncrementalDetokenizer
+from neo_rs.engine.tokenizer import IncrementalDetokenizer
+from neo_rs.sample.sampling import RequestOutputKind, SampleRow, SamplingParams
+from neo_rs.sample.structured import advance
 
 
 @dataclass

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from neo_rs.errors import InvalidArgumentError
-from neo_rs.structured import StructuredOutputsParams, TokenMask
+from neo_rs.sample.structured import StructuredOutputsParams, TokenMask
 
 MAX_LOGPROBS = 20
 SEED_RANGE = (-(2**63), 2**63 - 1)  # torch.Generator's; vLLM bounds the API's seed the same way

@@ -59,7 +59,7 @@ class KvPool:
         store = torch.int8 if quantized else layout.dtype
         # torch.empty never zero-fills: a host pool costs nothing until its pages are used. It is
         # never pinned: every device<->host copy stages through pinned buffers from torch's
-        # caching host allocator (``transfer.py``), and the host side is a scatter or gather in
+        # caching host allocator (``kv/transfer.py``), and the host side is a scatter or gather in
         # host memory. Pinning tens of GiB would take minutes at start-up, lock the memory and
         # may fail; this way start-up stays instant on any host.
         # In CPU memory K and V are the halves of ``tile_pairs`` (None elsewhere).
@@ -73,7 +73,7 @@ class KvPool:
         # kernel, but a pool's pages are first touched inside decode steps (the prefix cache
         # keeps drawing fresh blocks until the whole pool has been used). On the VMs we measure
         # on, first writes to fresh memory ran at 0.3-1.1 GB/s on 2 MiB pages against 5.4 GB/s on
-        # 4 KiB pages, and the offline SmolLM2 run lost 1.5 s of 8.9 s to such stalls (README,
+        # 4 KiB pages, and the offline SmolLM2 run lost 1.5 s of 8.9 s to such stalls (docs/benchmarks.md,
         # CPU-only serving).
 
     @property

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from neo_rs.config import EngineArgs
-from neo_rs.engine import LLMEngine
+from neo_rs.engine.llm_engine import LLMEngine
+from neo_rs.engine.sequence import RequestOutput
+from neo_rs.engine.stats import IterationStats
+from neo_rs.engine.tokenizer import load_tokenizer
 from neo_rs.errors import EngineDeadError, EngineStepError, InvalidArgumentError, NeoRsError
-from neo_rs.sampling import SamplingParams
-from neo_rs.sequence import RequestOutput
-from neo_rs.stats import IterationStats
-from neo_rs.tokenizer import load_tokenizer
+from neo_rs.sample.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from neo_rs.cuda.paged_decode import _bits, _widen
+from neo_rs.attention.cuda.paged_decode import _bits, _widen
 
 BLOCK_M = 16  # query rows per program
 _EMPTY = tl.constexpr(-1e30)  # the running max before any token (finite: exp(m - m) never sees inf - inf)

@@ -6,148 +6,15 @@ K/V there."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from neo_rs._core import AttentionHandle, CpuAttention, SchedulerOutput
-from neo_rs.device_decode import select_device_decode, select_paged_prefill
-from neo_rs.kv_cache import KvPool, Slots, split_slots
+from neo_rs._core import AttentionHandle, CpuAttention
+from neo_rs.attention.device_decode import select_device_decode, select_paged_prefill
+from neo_rs.attention.metadata import AttentionBatch, DecodeRows, Prefill
+from neo_rs.kv.pools import KvPool
+from neo_rs.kv.transfer import HostTransfer, Staged
 from neo_rs.timing import StageClock
-from neo_rs.transfer import HostTransfer, Staged
-
-
-@dataclass
-class Prefill:
-    """Rows ``start:end`` of the batch: positions ``num_computed .. seq_len`` of one sequence."""
-
-    start: int
-    end: int
-    num_computed: int
-    seq_len: int
-    block_table: torch.Tensor  # int64 block ids covering seq_len
-
-
-@dataclass
-class DecodeRows:
-    """Rows ``start:end`` of the batch: one-token decodes over one pool."""
-
-    start: int
-    end: int
-    block_tables: torch.Tensor  # [rows, max_blocks] int32, on the pool's device
-    seq_lens: torch.Tensor  # [rows] int32, on the pool's device
-    max_seq_len: int  # known on the host, so kernels plan their splits without a device sync
-    # The same tables and lengths in CPU memory, for backends that plan on the host.
-    host_tables: torch.Tensor
-    host_lens: torch.Tensor
-
-    def __len__(self) -> int:
-        return self.end - self.start
-
-
-@dataclass
-class AttentionBatch:
-    """The per-iteration metadata every layer's attention shares, for one sub-batch. Rows: GPU
-    decodes, CPU attention (decodes, and prompts decoded in place over host-tier blocks, a row
-    per token), device prefill chunks, host prefills."""
-
-    tokens: slice  # this sub-batch's rows of the whole batch
-    device_writes: list[tuple[slice, Slots]]  # rows whose K/V go to the device pool
-    host_writes: tuple[slice, Slots] | None  # whole prompts whose K/V go to the host pool
-    gpu_decodes: DecodeRows  # tables on the device
-    cpu_decodes: DecodeRows  # tables in CPU memory (the host pool's), a row per token
-    prefills: list[Prefill]
-    # The GPU decodes' K/V is appended by the decode kernel (not in ``device_writes``).
-    append_decodes: bool = False
-
-    @staticmethod
-    def from_plan(plan: SchedulerOutput, transfer: HostTransfer, block_size: int) -> list[AttentionBatch]:
-        """One batch per sub-batch of the plan (two when it is pipelined); each batch's rows
-        count from its own first token."""
-        n, s1 = len(plan.req_ids), plan.sub_batch1_start
-        nd, ncd, nhp = plan.num_decodes, plan.num_cpu_decodes, plan.num_host_prefills
-        batches = [AttentionBatch._rows(plan, 0, s1, (nd, ncd, nhp), transfer, block_size)]
-        if s1 < n:
-            batches.append(AttentionBatch._rows(plan, s1, n, (n - s1, n - s1, 0), transfer, block_size))
-        return batches
-
-    @staticmethod
-    def _rows(
-        plan: SchedulerOutput,
-        lo: int,
-        hi: int,
-        counts: tuple[int, int, int],
-        transfer: HostTransfer,
-        block_size: int,
-    ) -> AttentionBatch:
-        """Requests ``lo:hi``; ``counts``: their decodes, CPU decodes among them, host prefills.
-        Everything the device reads is uploaded here, once per iteration, not per layer."""
-        up = transfer.upload
-
-        def up_slots(rows: slice) -> Slots:
-            block, offset = split_slots(slots[rows], block_size)
-            return up(block), up(offset)
-
-        nd, ncd, nhp = counts
-        ngd = nd - ncd
-        qsl = plan.query_start_loc[lo : hi + 1] - plan.query_start_loc[lo]
-        lens = plan.seq_lens[lo:hi]
-        tables = torch.from_numpy(plan.block_tables[lo:hi])
-        seq_lens = torch.from_numpy(lens)
-        prefills = []
-        for i in range(nd, hi - lo):
-            nblocks = -(-int(lens[i]) // block_size)
-            start, end = int(qsl[i]), int(qsl[i + 1])
-            seq_len = int(lens[i])
-            prefills.append(
-                Prefill(start, end, seq_len - (end - start), seq_len, up(tables[i, :nblocks].long()))
-            )
-        t0, t1 = int(plan.query_start_loc[lo]), int(plan.query_start_loc[hi])
-        slots = plan.slot_mapping[t0:t1]
-        # Rows: GPU decodes, CPU attention (the kernel appends their K/V), device prefills, then
-        # host prefills (the last rows). Slots are split once here, not once per layer.
-        cpu_start, cpu_end, host = int(qsl[ngd]), int(qsl[nd]), int(qsl[hi - lo - nhp])
-        # A device pool in CPU memory: the Rust kernel appends the GPU decodes' K/V itself, unless
-        # blocks are staged to the host pool (copied in each layer's pre stage, after its writes).
-        append_decodes = transfer.device.type == "cpu" and not len(plan.prefill_to_host)
-        decodes_written = 0 if append_decodes else cpu_start
-        cpu_tables, cpu_lens = tables[ngd:nd], seq_lens[ngd:nd]
-        if cpu_end - cpu_start > nd - ngd:
-            # A prompt decoded in place over host blocks has several rows: each attends as a
-            # decode at its own position, over its request's table.
-            cpu_tables = cpu_tables.repeat_interleave(torch.from_numpy(np.diff(qsl[ngd : nd + 1])), dim=0)
-            cpu_lens = torch.from_numpy(plan.positions[t0 + cpu_start : t0 + cpu_end] + 1).to(torch.int32)
-        to_device = [r for r in (slice(0, decodes_written), slice(cpu_end, host)) if r.stop > r.start]
-        host_rows = slice(host, t1 - t0)
-        return AttentionBatch(
-            tokens=slice(t0, t1),
-            device_writes=[(r, up_slots(r)) for r in to_device],
-            host_writes=(host_rows, split_slots(slots[host_rows], block_size))
-            if host_rows.stop > host_rows.start
-            else None,
-            gpu_decodes=DecodeRows(
-                0,
-                ngd,
-                up(tables[:ngd]),
-                up(seq_lens[:ngd]),
-                int(lens[:ngd].max(initial=0)),
-                tables[:ngd],
-                seq_lens[:ngd],
-            ),
-            cpu_decodes=DecodeRows(
-                cpu_start,
-                cpu_end,
-                cpu_tables,
-                cpu_lens,
-                int(lens[ngd:nd].max(initial=0)),
-                cpu_tables,
-                cpu_lens,
-            ),
-            prefills=prefills,
-            append_decodes=append_decodes,
-        )
 
 
 class PendingCpuAttention:

@@ -1,5 +1,5 @@
 """Decode attention over the device pool on CUDA (on a CPU device the Rust kernel reads the pool
-directly, ``attention.py``). Three backends with one call, each planning once per iteration and
+directly, ``layer.py``). Three backends with one call, each planning once per iteration and
 sub-batch (the first layer's call for a new ``DecodeRows``) and only running in later layers:
 
 - FlashInfer's batch decode, when ``flashinfer`` is installed (``cuda/flashinfer_decode.py``);
@@ -8,7 +8,7 @@ sub-batch (the first layer's call for a new ``DecodeRows``) and only running in 
 
 ``NEO_RS_DEVICE_ATTENTION`` picks one (``auto``, the default, takes the first available). Later
 prefill chunks over the pool take our Triton kernel (``cuda/paged_prefill.py``) unless it says
-``torch`` or Triton does not import (then ``attention.py`` gathers the context for SDPA)."""
+``torch`` or Triton does not import (then ``layer.py`` gathers the context for SDPA)."""
 
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ import torch.nn.functional as F
 
 from neo_rs.config import device_attention
 from neo_rs.errors import InvalidArgumentError
-from neo_rs.kv_cache import KvPool
+from neo_rs.kv.pools import KvPool
 
 if TYPE_CHECKING:
-    from neo_rs.attention import DecodeRows
+    from neo_rs.attention.metadata import DecodeRows
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class TorchDecode:
 
 class TritonDecode:
     def __init__(self) -> None:
-        from neo_rs.cuda.paged_decode import SplitPlan, paged_decode  # noqa: PLC0415 (needs Triton)
+        from neo_rs.attention.cuda.paged_decode import SplitPlan, paged_decode  # noqa: PLC0415 (needs Triton)
 
         self._kernel, self._split = paged_decode, SplitPlan.for_lengths
         self._planned: tuple[DecodeRows, SplitPlan] | None = None
@@ -141,7 +141,7 @@ def select_paged_prefill() -> PagedPrefill | None:
     if device_attention() == "torch":
         return None
     try:
-        from neo_rs.cuda.paged_prefill import paged_prefill  # noqa: PLC0415 (needs Triton)
+        from neo_rs.attention.cuda.paged_prefill import paged_prefill  # noqa: PLC0415 (needs Triton)
     except ImportError as e:
         log.warning("later prefill chunks gather their context for SDPA (Triton does not import: %s)", e)
         return None
@@ -149,7 +149,7 @@ def select_paged_prefill() -> PagedPrefill | None:
 
 
 def _flashinfer(device: torch.device) -> DeviceDecode:
-    from neo_rs.cuda.flashinfer_decode import FlashInferDecode  # noqa: PLC0415
+    from neo_rs.attention.cuda.flashinfer_decode import FlashInferDecode  # noqa: PLC0415
 
     return FlashInferDecode(device)
 

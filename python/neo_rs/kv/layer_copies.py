@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from neo_rs._core import SchedulerOutput
-from neo_rs.kv_cache import KvPool, block_pairs
-from neo_rs.transfer import HostTransfer, Staged
+from neo_rs.kv.pools import KvPool, block_pairs
+from neo_rs.kv.transfer import HostTransfer, Staged
 
 
 class LayerCopies:

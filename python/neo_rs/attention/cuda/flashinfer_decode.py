@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from neo_rs.kv_cache import KvPool
+from neo_rs.kv.pools import KvPool
 
 if TYPE_CHECKING:
-    from neo_rs.attention import DecodeRows
+    from neo_rs.attention.metadata import DecodeRows
 
 # FlashInfer's float workspace (its split-K partials); vLLM sizes it the same.
 _WORKSPACE_BYTES = 128 << 20
@@ -36,7 +36,7 @@ def paged_kv_args(
 
 
 class FlashInferDecode:
-    """The ``DeviceDecode`` backend (``attention.py``) on FlashInfer's
+    """The ``DeviceDecode`` backend (``attention/device_decode.py``) on FlashInfer's
     ``BatchDecodeWithPagedKVCacheWrapper``."""
 
     def __init__(self, device: torch.device) -> None:
