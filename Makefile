@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: build serve test test-rust test-python test-gpu-script test-aarch64 lint bench clean
+.PHONY: build serve test test-rust test-python test-gpu-compile test-gpu-script test-aarch64 lint bench clean
 
 $(VENV)/bin/python:
 	$(PY) -m venv $(VENV)
@@ -40,11 +40,16 @@ test-python: build
 	$(VPY) -m pytest -q
 	NEO_RS_EMULATE_ASYNC_COPIES=1 $(VPY) -m pytest -q $(EMULATED_COPY_TESTS)
 
+# Every Triton kernel compiled for sm_75-sm_90 with no GPU: fails on a compile error, a register
+# spill or shared memory over a target's limit (cached by the kernels' source, ~/.cache/neo_rs).
+test-gpu-compile: build
+	$(VPY) benches/gpu_compile.py
+
 # The GPU machine's prepared script, dry-run on the CPU so that it cannot rot.
 test-gpu-script: build
 	bash benches/gpu_check.sh --cpu-smoke
 
-test: test-rust test-python test-gpu-script
+test: test-rust test-gpu-compile test-python test-gpu-script
 
 # The NEON tier under qemu-user (needs: rustup target add aarch64-unknown-linux-gnu;
 # apt-get install qemu-user gcc-aarch64-linux-gnu libc6-dev-arm64-cross). Not part of `make test`.

@@ -7,7 +7,8 @@
 #     bash benches/gpu_bundle.sh        # .whl/: our abi3 wheel and the wheels that image lacks
 # then carry .whl/ (ignored by git) and, on the device, from the repository root:
 #     bash benches/gpu_check.sh
-# Steps: (1) the parity, offload and kernel tests on CUDA, with our Triton decode kernel and
+# Steps: (0) benches/gpu_compile.py's table for this GPU's target, built by the Triton there;
+# (1) the parity, offload and kernel tests on CUDA, with our Triton decode kernel and
 # again with the torch fallback (and FlashInfer, if it is installed there); (2) a
 # Llama-3-8B-shaped bf16 model, neo vs none at equal load (benches/gpu_check.py); (3) the
 # start-up perf profile and model config, the input of `python -m neo_rs.sim --calibrate`.
@@ -48,6 +49,11 @@ fi
     torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU')" | tee "$OUT/versions.txt"
 
 if [ "${1:-}" = "--bench" ]; then TESTS= FALLBACK_TESTS=; fi
+if [ -n "$TESTS" ] && [ -n "$PYTEST_GPU" ]; then  # on a GPU; `make test` runs it for every target
+    ARCH=$("$PY" -c "import torch; print('%d%d' % torch.cuda.get_device_capability())")
+    timeout 120 "$PY" benches/gpu_compile.py --targets "$ARCH" --no-cache 2>&1 \
+        | tee "$OUT/gpu_compile.log" || status=1
+fi
 # shellcheck disable=SC2086  # the test lists are word lists
 [ -z "$TESTS" ] || NEO_RS_DEVICE_ATTENTION=triton timeout 150 "$PY" -m pytest -q -p no:cacheprovider $PYTEST_GPU $TESTS 2>&1 \
     | tee "$OUT/tests_triton.log" || status=1
@@ -63,6 +69,7 @@ fi
 timeout 200 "$PY" benches/gpu_check.py --out "$OUT" $SMOKE 2>&1 | tee "$OUT/gpu_check.log" || status=1
 
 echo "== summary ($OUT)"
+if [ -f "$OUT/gpu_compile.log" ]; then grep -A 5 "^kernel " "$OUT/gpu_compile.log" | sed 's/^/compile: /'; fi
 for f in tests_triton:"Triton decode:  " tests_torch_fallback:"torch fallback: "; do
     if [ -f "$OUT/${f%%:*}.log" ]; then tail -n 1 "$OUT/${f%%:*}.log" | sed "s/^/tests, ${f#*:}/"; fi
 done

@@ -9,6 +9,7 @@ interpreter (``TRITON_INTERPRET=1``), where CI tests this kernel against the Rus
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -17,6 +18,8 @@ import triton.language as tl
 # Blocks one program walks before the sequence is split further; at most MAX_SPLITS splits.
 BLOCKS_PER_SPLIT = 32
 MAX_SPLITS = 16
+# f32 values of a q·k or p·v broadcast product per thread (see decode_launch).
+PRODUCT_PER_THREAD = 16
 _EMPTY = tl.constexpr(-1e30)  # the running max before any token (finite: exp(m - m) never sees inf - inf)
 
 
@@ -51,12 +54,12 @@ def _paged_decode_split(
     stride_as, stride_ah, stride_ap,
     stride_ms, stride_mh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, IS_BF16: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, TOKENS: tl.constexpr, IS_BF16: tl.constexpr,
 ):  # fmt: skip
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
-    t = tl.arange(0, BLOCK_SIZE)
+    t = tl.arange(0, TOKENS)
     g_ok, d_ok = g < GROUP, d < HEAD_DIM
     heads = kv_head * GROUP + g
     q = tl.load(
@@ -64,20 +67,24 @@ def _paged_decode_split(
     )
     q = _widen(q, IS_BF16) * scale
     seq_len = tl.load(lens_ptr + seq)
-    first = split * blocks_per_split
-    last = tl.minimum(first + blocks_per_split, tl.cdiv(seq_len, BLOCK_SIZE))
+    # The split's blocks, walked TOKENS rows at a time (a block's rows in several tiles when the
+    # group x tokens x head-dim products would not fit in registers).
+    tiles = BLOCK_SIZE // TOKENS
+    first = split * blocks_per_split * tiles
+    last = tl.minimum(first + blocks_per_split * tiles, tl.cdiv(seq_len, TOKENS))
     m = tl.full([BLOCK_G], _EMPTY, tl.float32)
     lsum = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for j in range(first, last):
-        block = tl.load(tables_ptr + seq * max_blocks + j).to(tl.int64)
-        pos = j * BLOCK_SIZE + t
+    for i in range(first, last):
+        block = tl.load(tables_ptr + seq * max_blocks + i // tiles).to(tl.int64)
+        row = (i % tiles) * TOKENS + t
+        pos = i * TOKENS + t
         t_ok = pos < seq_len  # slots past the length hold whatever the pool held: never load them
-        kv_at = block * stride_kb + kv_head * stride_kh + t[:, None] * stride_kt + d[None, :]
+        kv_at = block * stride_kb + kv_head * stride_kh + row[:, None] * stride_kt + d[None, :]
         kv_ok = t_ok[:, None] & d_ok[None, :]
         k = _widen(tl.load(k_ptr + kv_at, kv_ok, 0), IS_BF16)
         v = _widen(tl.load(v_ptr + kv_at, kv_ok, 0), IS_BF16)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, BLOCK_SIZE]
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, TOKENS]
         s = tl.where(t_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
@@ -95,6 +102,27 @@ def _paged_decode_split(
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """bfloat16 as its 16-bit words (the kernel widens them); other dtypes as they are."""
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def decode_launch(group: int, head_dim: int, block_size: int, dtype: torch.dtype) -> dict[str, Any]:
+    """The decode kernel's compile-time arguments for one model shape and dtype: its constants and
+    warps, as ``benches/gpu_compile.py`` compiles them for each GPU target. q·k and p·v are
+    broadcast products of ``[group, tokens, head_dim]`` f32 values, held in registers: tiles of
+    ``TOKENS`` rows keep them to ``PRODUCT_PER_THREAD`` values a thread (whole blocks of 32 rows
+    at group 8 and head dim 128 spilled kilobytes on every target)."""
+    block_g, block_d = triton.next_power_of_2(group), triton.next_power_of_2(head_dim)
+    warps = 4 if block_g * block_d <= 512 else 8
+    tokens = max(1, PRODUCT_PER_THREAD * 32 * warps // (block_g * block_d))
+    return dict(
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_G=block_g,
+        BLOCK_D=block_d,
+        TOKENS=min(block_size, triton.next_power_of_2(tokens + 1) // 2),  # a power of two, at most
+        IS_BF16=dtype == torch.bfloat16,
+        num_warps=warps,
+    )
 
 
 def paged_decode(
@@ -120,7 +148,6 @@ def paged_decode(
     acc = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     m = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
     lsum = torch.empty_like(m)
-    group = num_heads // num_kv_heads
     _paged_decode_split[(num_seqs, num_kv_heads, splits)](
         _bits(q), _bits(k_cache), _bits(v_cache), block_tables, seq_lens, acc, m, lsum,
         scale, block_tables.shape[1], plan.blocks_per_split,
@@ -128,9 +155,7 @@ def paged_decode(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         acc.stride(0), acc.stride(1), acc.stride(2),
         m.stride(0), m.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_G=triton.next_power_of_2(group), BLOCK_D=triton.next_power_of_2(head_dim),
-        IS_BF16=q.dtype == torch.bfloat16,
+        **decode_launch(num_heads // num_kv_heads, head_dim, block_size, q.dtype),
     )  # fmt: skip
     # Merge the splits by their log-sum-exp; empty splits (and empty sequences) weigh nothing.
     weight = torch.exp(m - m.max(dim=2, keepdim=True).values) * (lsum > 0)

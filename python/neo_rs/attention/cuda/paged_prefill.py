@@ -9,6 +9,8 @@ the kernel also runs under Triton's CPU interpreter, where CI tests it."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -70,6 +72,30 @@ def _paged_prefill(
     )
 
 
+def prefill_launch(group: int, head_dim: int, block_size: int, dtype: torch.dtype) -> dict[str, Any]:
+    """The prefill kernel's compile-time arguments for one model shape and dtype, as
+    ``benches/gpu_compile.py`` compiles them for each GPU target."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    # Tokens per tile: a block's worth, but 16 for float32 and past head dim 128 (32 spilled
+    # registers, and took 80 KiB of a T4's 64 KiB of shared memory at head dim 256).
+    block_n = 16 if dtype == torch.float32 or block_d > 128 else max(16, block_size)
+    return dict(
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        IS_BF16=dtype == torch.bfloat16,
+        # 16-bit inputs are exact in tf32, and the probabilities lose no more there than
+        # FlashAttention's rounding to the model dtype; float32 models keep full precision.
+        PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        # At 4 warps some targets spilled (sm_75 at head dim 64, sm_80 at 256); at 8 none did,
+        # with a third fewer registers (benches/gpu_compile.py).
+        num_warps=8,
+    )
+
+
 def paged_prefill(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -90,17 +116,12 @@ def paged_prefill(
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     if rows == 0:
         return out.to(q.dtype)
-    # 16-bit inputs are exact in tf32, and the probabilities lose no more there than FlashAttention's
-    # rounding to the model dtype; float32 models keep full precision.
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _paged_prefill[(triton.cdiv(rows, BLOCK_M), num_heads)](
         _bits(q), _bits(k_cache), _bits(v_cache), block_table, out,
         scale, num_computed, seq_len, rows,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=BLOCK_M, BLOCK_N=max(16, block_size), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        IS_BF16=q.dtype == torch.bfloat16, PRECISION=precision,
+        **prefill_launch(num_heads // num_kv_heads, head_dim, block_size, q.dtype),
     )  # fmt: skip
     return out.to(q.dtype)
