@@ -111,6 +111,14 @@ def signature(fn: triton.JITFunction, dtype: torch.dtype, constants: dict) -> di
     return sig
 
 
+def ptxas(arch: int) -> str:
+    """The ptxas in Triton's wheel (one per architecture family from Triton 3.7 on)."""
+    try:
+        return get_ptxas(arch).path  # type: ignore[call-arg]
+    except TypeError:
+        return get_ptxas().path  # type: ignore[call-arg]
+
+
 def occupancy(limits: Limits, registers: int, smem: int, warps: int) -> float:
     """Resident warps over the SM's maximum, from registers (allocated per warp in 256s), shared
     memory and the block and warp limits."""
@@ -141,7 +149,7 @@ def build(case: Case) -> Built:
         f.write(ptx)
         f.flush()
         gpu = target.group(1) if target else f"sm_{case.arch}"
-        cmd = [get_ptxas(case.arch).path, "-v", "--gpu-name", gpu, f.name, "-o", os.devnull]
+        cmd = [ptxas(case.arch), "-v", "--gpu-name", gpu, f.name, "-o", os.devnull]
         run = subprocess.run(cmd, capture_output=True, text=True)
     report = run.stdout + run.stderr
     if run.returncode:
