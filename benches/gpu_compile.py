@@ -112,7 +112,7 @@ def signature(fn: triton.JITFunction, dtype: torch.dtype, constants: dict) -> di
 
 
 def ptxas(arch: int) -> str:
-    """The ptxas in Triton's wheel (one per architecture family from Triton 3.7 on)."""
+    """The ptxas in Triton's wheel (newer Triton picks one per architecture, older has one)."""
     try:
         return get_ptxas(arch).path  # type: ignore[call-arg]
     except TypeError:
