@@ -212,15 +212,31 @@ def fail_rank() -> int:
         raise InvalidArgumentError("NEO_RS_FAIL_RANK must be an integer") from e
 
 
-def resolve_dtype(name: str | torch.dtype, auto: torch.dtype) -> torch.dtype:
-    """``name`` as a torch dtype; ``auto`` is what "auto" stands for (the checkpoint's dtype)."""
+def resolve_dtype(
+    name: str | torch.dtype, auto: torch.dtype, capability: tuple[int, int] | None = None
+) -> torch.dtype:
+    """``name`` as a torch dtype; ``auto`` is what "auto" stands for (the checkpoint's dtype).
+    ``capability``: the CUDA device's, if the model runs on one. A GPU before sm_80 (a T4, a V100)
+    has no bfloat16, so there, as in vLLM, "auto" takes float16 for a bfloat16 checkpoint (and
+    says so once), and an explicit bfloat16 is refused."""
+    no_bf16 = capability is not None and capability < (8, 0)
     if isinstance(name, torch.dtype):
-        return name
-    if name == "auto":
+        dtype = name
+    elif name == "auto":
+        if auto == torch.bfloat16 and no_bf16:
+            log.warning("compute capability %s has no bfloat16: the checkpoint runs in float16", capability)
+            return torch.float16
         return auto
-    if name not in DTYPES:
+    elif name not in DTYPES:
         raise InvalidArgumentError(f"dtype must be auto, float32, float16 or bfloat16, got {name!r}")
-    return DTYPES[name]
+    else:
+        dtype = DTYPES[name]
+    if dtype == torch.bfloat16 and no_bf16:
+        raise InvalidArgumentError(
+            f"dtype bfloat16 needs a GPU of compute capability 8.0 or later; this one is {capability}: "
+            "use float16"
+        )
+    return dtype
 
 
 @dataclass

@@ -76,8 +76,9 @@ class LLMEngine:
             log.warning("using the built-in demo model: its weights are RANDOM")
         self.model_dir = model_dir = resolve_model(args.model, args.dtype)
         self.model_config = cfg = ModelConfig.from_dir(model_dir)
-        self.dtype = resolve_dtype(args.dtype, cfg.torch_dtype)
         self.device = resolve_device(args.device)
+        cuda = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
+        self.dtype = resolve_dtype(args.dtype, cfg.torch_dtype, cuda)
         limit = cfg.max_model_len()
         if args.max_model_len is not None and args.max_model_len > limit:
             raise InvalidArgumentError(
