@@ -5,6 +5,8 @@ with every pool slot past a sequence's length poisoned (never-cleared memory: Na
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -17,16 +19,16 @@ KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERPRET = KERNEL_DEVICE.type == "cpu"
 
 
-class interpret_imports:  # noqa: N801 (used as a context manager, like contextlib's)
+@contextmanager
+def interpret_imports() -> Iterator[None]:
     """``TRITON_INTERPRET=1`` for the imports inside, without CUDA only; restored after."""
-
-    def __enter__(self) -> None:
-        self._was = os.environ.get("TRITON_INTERPRET")
-        if INTERPRET:
-            os.environ["TRITON_INTERPRET"] = "1"
-
-    def __exit__(self, *exc: object) -> None:
-        if self._was is None:
+    was = os.environ.get("TRITON_INTERPRET")
+    if INTERPRET:
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if was is None:
             os.environ.pop("TRITON_INTERPRET", None)
 
 
