@@ -247,6 +247,8 @@ class AsyncEngine:
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they come; leaving early (a disconnect) aborts it."""
+        if self._stopping.is_set():
+            raise EngineDeadError("the engine is stopped: shutdown() was called", [request_id])
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._num_pending += 1
@@ -270,9 +272,24 @@ class AsyncEngine:
             self._inbox.put(_Abort(request_id))
 
     async def stop(self) -> None:
-        """End the engine thread after its current iteration (at shutdown, after ``drain``)."""
+        """End the engine thread after its current iteration (at shutdown, after ``drain``); the
+        thread shuts its engine down as it ends."""
         self._stopping.set()
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30.0)
+        if self._thread.is_alive():
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30.0)
+
+    async def shutdown(self) -> None:
+        """``stop``, then the tokenizer's thread; idempotent. ``async with AsyncEngine(args) as
+        engine:`` starts the engine and calls it on leaving."""
+        await self.stop()
+        self._tokenize_pool.shutdown(wait=True)
+
+    async def __aenter__(self) -> AsyncEngine:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
 
     async def drain(self, timeout: float) -> bool:
         """Wait until no request is in flight, at most ``timeout`` s; True if it got there."""

@@ -42,6 +42,17 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
 
+    def shutdown(self) -> None:
+        """Free the engine's workers, pools and threads (``LLMEngine.shutdown``); idempotent.
+        ``with LLM(...) as llm:`` calls it on leaving the block."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 

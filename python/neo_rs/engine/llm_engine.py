@@ -4,10 +4,12 @@ sample -> stop checks -> update (Rust). Requests enter as text or token ids with
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
 import uuid
+import weakref
 from concurrent.futures import wait
 from dataclasses import dataclass
 from typing import Any
@@ -69,9 +71,36 @@ class _Request:
         )
 
 
+class _Owned:
+    """What an engine must give back however it ends (``shutdown`` or garbage collection): rank 0's
+    tensor-parallel workers with their process group, and the grammar worker's threads. The pools
+    and the CPU kernel's threads go with the runner."""
+
+    def __init__(self) -> None:
+        self.workers: TpWorkers | None = None
+        self.grammars: Grammars | None = None
+
+    def release(self) -> None:
+        if self.workers is not None:
+            self.workers.stop()
+            self.workers = None
+        if self.grammars is not None:
+            self.grammars.close()
+            self.grammars = None
+
+
+def _collected(owned: _Owned) -> None:
+    log.warning(
+        "an LLMEngine was garbage-collected without shutdown(): its workers are stopped now; "
+        "call shutdown(), or use `with LLM(...) as llm:`"
+    )
+    owned.release()
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         args.validate()
+        self._closed = False
         if args.model in (None, DEMO_MODEL):
             log.warning("using the built-in demo model: its weights are RANDOM")
         self.model_dir = model_dir = resolve_model(args.model, args.dtype)
@@ -92,11 +121,16 @@ class LLMEngine:
             TpShard(0, args.tensor_parallel_size).check(cfg)
             args = budget_threads(args, args.tensor_parallel_size)
         setup = RunnerSetup(args, model_dir, cfg, self.dtype, self.device, self.max_model_len)
-        if args.tensor_parallel_size > 1:
-            self.device = rank_device(self.device, 0)
-            self.workers = TpWorkers(setup)
-            tp = self.workers.tp
+        # From here on the engine holds processes, threads and memory: given back by shutdown(),
+        # or by this finalizer if the engine is dropped without it.
+        self._owned = _Owned()
+        self._finalizer = weakref.finalize(self, _collected, self._owned)
+        self._finalizer.atexit = False  # at exit they go anyway, with no warning needed
         try:
+            if args.tensor_parallel_size > 1:
+                self.device = rank_device(self.device, 0)
+                self.workers = self._owned.workers = TpWorkers(setup)
+                tp = self.workers.tp
             self._build(setup, tp)
         except BaseException:
             self.shutdown()
@@ -108,7 +142,7 @@ class LLMEngine:
         self.runner = setup.build(tp)
         self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(model_dir)
         self.eos_ids = eos_token_ids(model_dir, self.tokenizer)
-        self.grammars = (
+        self.grammars = self._owned.grammars = (
             None if self.tokenizer is None else Grammars(self.tokenizer, cfg.vocab_size, self.eos_ids)
         )
         self.scheduler = Scheduler(
@@ -184,6 +218,7 @@ class LLMEngine:
         anything. ``cache_salt`` (vLLM's): the request shares prefix-cache blocks only with
         requests of the same salt, so one tenant cannot learn another's prompts from timing (an
         empty salt is an ``InvalidArgumentError`` from the scheduler)."""
+        self._check_open()
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._requests:
@@ -226,6 +261,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks; its final output, or None if unknown."""
+        self._check_open()
         req = self._requests.pop(request_id, None)
         if req is None:
             return None
@@ -248,14 +284,39 @@ class LLMEngine:
         return bool(self._requests)
 
     def dead(self) -> EngineDeadError | None:
-        """Why this engine can no longer run (a tensor-parallel rank is gone), else None."""
-        reason = self.workers.dead() if self.workers is not None else None
-        return EngineDeadError(f"the engine is stopped: {reason}", list(self._requests)) if reason else None
+        """Why this engine can no longer run (shut down, or a tensor-parallel rank is gone), else
+        None."""
+        if self._closed:
+            reason: str | None = "shutdown() was called"
+        else:
+            reason = self.workers.dead() if self.workers is not None else None
+        if reason is None:
+            return None
+        return EngineDeadError(f"the engine is stopped: {reason}", list(getattr(self, "_requests", ())))
+
+    def _check_open(self) -> None:
+        """After shutdown() nothing is left to queue or free requests in. (An engine whose rank
+        died still takes requests and aborts, so that callers can clean up; ``step`` raises.)"""
+        if self._closed and (dead := self.dead()) is not None:
+            raise dead
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (the engine cannot step afterwards)."""
-        if self.workers is not None:
-            self.workers.stop()
+        """Give back everything the engine holds: rank 0's tensor-parallel workers and their
+        process group, both KV pools (pinned buffers too), the CPU kernel's threads and the
+        grammar worker. Idempotent; the engine raises ``EngineDeadError`` afterwards. An engine
+        collected without it does the same, with a warning."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer.detach()
+        self._owned.release()
+        self.workers = None
+        for name in ("runner", "scheduler"):  # the pools, and the CPU kernel with its threads
+            if hasattr(self, name):
+                delattr(self, name)
+        gc.collect()  # what held them in reference cycles goes now, not at some later collection
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # back to the driver, as after vLLM's shutdown
 
     # -- the step loop ----------------------------------------------------------------------
 

@@ -172,6 +172,13 @@ class Grammars:
     def release(self) -> None:
         self.active -= 1
 
+    def close(self) -> None:
+        """Stop the mask worker and drop llguidance's executor (their threads end with them)."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+        self._executor = None
+
     def start_masks(self, matchers: list[llguidance.LLMatcher | None]) -> Future[TokenMask] | None:
         """Begin computing the masks of the rows that have a matcher (None if none has)."""
         rows = [i for i, m in enumerate(matchers) if m is not None]

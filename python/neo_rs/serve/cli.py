@@ -166,7 +166,7 @@ async def serve(args: argparse.Namespace) -> int:
             log.warning("aborting the requests still running")
             engine.abort_all()
             await engine.drain(5.0)
-    await engine.stop()
+    await engine.shutdown()
     await runner.cleanup()
     return code
 
