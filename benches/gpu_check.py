@@ -178,6 +178,8 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=4096, help="max_num_batched_tokens")
     ap.add_argument("--child", nargs=3, metavar=("MODE", "MODEL_DIR", "RESULT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if sorted(args.modes.split(",")) != ["neo", "none"]:
+        ap.error("--modes names none and neo, each once (the table compares them)")
     shape, input_len, output_len = LLAMA3_8B, 1000, 200
     if args.smoke:
         shape, input_len, output_len = TINY, 64, 16

@@ -30,7 +30,7 @@ if [ "${1:-}" = "--cpu-smoke" ]; then
     PY=.venv/bin/python
     TESTS="tests/python/test_transfer.py"
     FALLBACK_TESTS="tests/python/test_transfer.py"
-    SMOKE=--smoke
+    CHECK_ARGS=--smoke
     PYTEST_GPU=
 else
     PY=python3
@@ -45,7 +45,7 @@ else
     # and a test that hangs on CUDA fails alone instead of taking its whole step's log with it.
     PYTEST_GPU="-n 8 --timeout 120"
     # A smaller stack than Llama-3-8B's 32 layers by default, to fit a lease; set GPU_CHECK_ARGS.
-    SMOKE=${GPU_CHECK_ARGS:---layers 8 --requests 64}
+    CHECK_ARGS=${GPU_CHECK_ARGS:---layers 8 --requests 64}
 fi
 "$PY" -c "import torch, neo_rs; print('neo_rs', neo_rs.__version__, 'torch', torch.__version__,
     torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU')" | tee "$OUT/versions.txt"
@@ -72,8 +72,8 @@ if [ -n "$FALLBACK_TESTS" ] && "$PY" -c "import flashinfer" 2>/dev/null; then  #
     NEO_RS_DEVICE_ATTENTION=flashinfer timeout 80 "$PY" -m pytest -q -p no:cacheprovider $PYTEST_GPU $FALLBACK_TESTS 2>&1 \
         | tee "$OUT/tests_flashinfer.log" || status=1
 fi
-# shellcheck disable=SC2086  # SMOKE is a word list
-[ -n "${SKIP_BENCH:-}" ] || timeout 200 "$PY" benches/gpu_check.py --out "$OUT" $SMOKE 2>&1 \
+# shellcheck disable=SC2086  # CHECK_ARGS is a word list
+[ -n "${SKIP_BENCH:-}" ] || timeout 200 "$PY" benches/gpu_check.py --out "$OUT" $CHECK_ARGS 2>&1 \
     | tee "$OUT/gpu_check.log" || status=1
 
 echo "== summary ($OUT)"

@@ -26,6 +26,7 @@ import tempfile
 import warnings
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -171,8 +172,9 @@ def cases(archs: list[int]) -> list[Case]:
 
 
 def source_key() -> str:
-    """The kernels' source and Triton's version: what the results depend on."""
+    """The kernels' source, this script's and Triton's version: what the results depend on."""
     h = hashlib.sha256(triton.__version__.encode())
+    h.update(Path(__file__).read_bytes())
     for module in (paged_decode, paged_prefill):
         h.update(inspect.getsource(module).encode())
     return h.hexdigest()[:20]

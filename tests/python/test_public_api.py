@@ -18,8 +18,9 @@ def test_each_public_name_imports_from_the_root(name: str) -> None:
 
 def test_the_user_facing_names_are_public() -> None:
     wanted = {"LLM", "SamplingParams", "StructuredOutputsParams", "NeoRsError", "InvalidArgumentError"}
-    errors = {"BackendError", "DTypeError", "EngineDeadError", "EngineStepError", "ModelLoadError"}
-    errors.add("ShapeError")
+    errors = {
+        "BackendError", "DTypeError", "EngineDeadError", "EngineStepError", "ModelLoadError", "ShapeError"
+    }  # fmt: skip
     assert wanted | errors <= set(neo_rs.__all__)
     assert all(issubclass(getattr(neo_rs, e), neo_rs.NeoRsError) for e in errors)
 

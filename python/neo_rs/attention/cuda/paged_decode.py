@@ -109,7 +109,7 @@ def decode_launch(group: int, head_dim: int, block_size: int, dtype: torch.dtype
     warps, as ``benches/gpu_compile.py`` compiles them for each GPU target. q·k and p·v are
     broadcast products of ``[group, tokens, head_dim]`` f32 values, held in registers: tiles of
     ``TOKENS`` rows keep them to ``PRODUCT_PER_THREAD`` values a thread (whole blocks of 32 rows
-    at group 8 and head dim 128 spilled kilobytes on every target)."""
+    at group 8 spilled kilobytes on sm_90)."""
     block_g, block_d = triton.next_power_of_2(group), triton.next_power_of_2(head_dim)
     warps = 4 if block_g * block_d <= 512 else 8
     tokens = max(1, PRODUCT_PER_THREAD * 32 * warps // (block_g * block_d))
