@@ -4,9 +4,11 @@ weights, the device KV pool cut so that ``none`` must queue, a synthetic workloa
 mode in a process of its own and warmed up there first (on the first H200 run, with both in one
 process, whichever engine ran second was 1.8x faster than the first):
 throughput, median per-token latency (request latency / output tokens), the iteration mix, and
-the share of CPU attention hidden under device work. Writes ``gpu_check.json``, the start-up
-perf profile (``profile.json``) and the model's ``config.json`` (together the input of
-``python -m neo_rs.sim --calibrate``) under ``--out``.
+the share of CPU attention hidden under device work. Before the workload each mode runs its worst
+iteration (``max_num_seqs`` prompts filling the token budget) and holds the allocator's peak
+against the activation plan traced on fake tensors (``neo_rs/worker/memory_plan.py``). Writes
+``gpu_check.json``, the start-up perf profile (``profile.json``) and the model's ``config.json``
+(together the input of ``python -m neo_rs.sim --calibrate``) under ``--out``.
 
     python benches/gpu_check.py --out DIR [--requests 96] [--kv-share 0.3] [--layers 32]
     python benches/gpu_check.py --out DIR --smoke     # a tiny shape, one layer, on any device
@@ -15,6 +17,7 @@ perf profile (``profile.json``) and the model's ``config.json`` (together the in
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import statistics
@@ -27,6 +30,7 @@ from pathlib import Path
 import torch
 from neo_rs import LLMEngine, SamplingParams
 from neo_rs.config import EngineArgs, cache_dir
+from neo_rs.worker.memory_plan import WORST_ROW, MemoryPlanError
 from neo_rs.worker.profiler import profile_key
 from safetensors.torch import save_file
 
@@ -110,6 +114,33 @@ def workload(
     return out
 
 
+def worst_iteration_memory(engine: LLMEngine, budget: int) -> dict | None:
+    """The activation plan held against the allocator: ``max_num_seqs`` prompts filling the token
+    budget, every row sampled the plan's worst way, their first iteration's peak beyond what was
+    allocated before (weights and pools). None on a CPU device (no plan there)."""
+    plan = engine.runner.activation_plan
+    if plan is None:
+        return None
+    seqs = engine.max_num_seqs
+    for i in range(seqs):
+        engine.add_request([10 + i] * (budget // seqs), dataclasses.replace(WORST_ROW, max_tokens=1))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    engine.step()
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated() - before
+    while engine.has_unfinished():
+        engine.step()
+    try:
+        plan.check(measured)
+        fits = True
+    except MemoryPlanError as e:
+        print(e, flush=True)
+        fits = False
+    return {"traced": plan.peak_bytes, "measured": measured, "reserve": plan.reserve_bytes, "fits": fits}
+
+
 def run(path: Path, mode: str, reqs: list[tuple[list[int], int]], args: argparse.Namespace) -> dict:
     # The device pool holds a share of the workload's tokens (so `none` must queue and `neo` has
     # host work at any layer count; a fixed size in GiB held a whole 8-layer workload).
@@ -124,8 +155,10 @@ def run(path: Path, mode: str, reqs: list[tuple[list[int], int]], args: argparse
             num_gpu_blocks=num_gpu_blocks,
             cpu_kv_gib=args.cpu_gib,
             skip_tokenizer_init=True,
+            cuda_graphs=args.cuda_graphs,
         )
     )
+    memory = worst_iteration_memory(engine, args.budget)
     for prompt, _ in reqs[:4]:  # untimed: compiles and plans for prefill and decode shapes
         engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     while engine.has_unfinished():
@@ -160,6 +193,8 @@ def run(path: Path, mode: str, reqs: list[tuple[list[int], int]], args: argparse
         **modes,
         **moved,
     }
+    if memory is not None:
+        result["memory"] = memory
     if mode == "neo":
         profile = cache_dir() / "profiles" / f"{profile_key(engine.runner, args.budget)}.json"
         result["profile"] = str(profile)
@@ -176,6 +211,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--modes", default="none,neo", help="each in a fresh process, in this order")
     ap.add_argument("--budget", type=int, default=4096, help="max_num_batched_tokens")
+    ap.add_argument("--cuda-graphs", action="store_true", help="both modes with decode graphs")
     ap.add_argument("--child", nargs=3, metavar=("MODE", "MODEL_DIR", "RESULT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if sorted(args.modes.split(",")) != ["neo", "none"]:
@@ -207,6 +243,7 @@ def main() -> None:
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     summary = {
         "device": name,
+        "cuda_graphs": args.cuda_graphs,
         "requests": args.requests,
         "kv_share": args.kv_share,
         "layers": args.layers,
@@ -214,7 +251,9 @@ def main() -> None:
     }
     (args.out / "gpu_check.json").write_text(json.dumps(summary, indent=2))
     base = results["none"]["tok_s"]
-    print(f"{name}, {args.requests} requests, device KV {args.kv_share:.0%} of theirs, {args.layers} layers")
+    graphs = ", decode iterations from CUDA graphs" if args.cuda_graphs else ""
+    load = f"{args.requests} requests, device KV {args.kv_share:.0%} of theirs"
+    print(f"{name}, {load}, {args.layers} layers{graphs}")
     columns = f"{'mode':<6}{'tok/s':>9}{'vs none':>9}{'p50 ms/token':>14}{'CPU attn hidden':>17}"
     print(columns + "  iterations gpu-only/sequential/pipelined  CPU decodes  blocks out/in  recomputed")
     for mode, r in results.items():
@@ -225,10 +264,22 @@ def main() -> None:
         print(
             f"{mode:<6}{speed}{hidden:>17}  {mix:>34}{r['cpu_decodes']:>13}{blocks:>15}{r['recomputed']:>12}"
         )
+    mib = 1 << 20
+    for mode, r in results.items():
+        if "memory" in r:
+            m = r["memory"]
+            verdict = "within" if m["fits"] else "OVER"
+            print(
+                f"memory plan ({mode}): worst iteration {m['measured'] / mib:.0f} MiB measured, "
+                f"{m['traced'] / mib:.0f} MiB traced on fake tensors, {m['reserve'] / mib:.0f} MiB "
+                f"reserved: {verdict} the plan"
+            )
     print(
         f"calibrate the simulator: python -m neo_rs.sim --calibrate {args.out}/profile.json "
         f"--model-dir {args.out}/model --dtype bfloat16"
     )
+    if any(not r.get("memory", {}).get("fits", True) for r in results.values()):
+        sys.exit("an iteration took more device memory than its plan keeps")
 
 
 if __name__ == "__main__":

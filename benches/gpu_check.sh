@@ -10,8 +10,9 @@
 # Steps: (0) benches/gpu_compile.py's table for this GPU's target, built by the Triton there;
 # (1) the parity, offload and kernel tests on CUDA, with our Triton decode kernel and
 # again with the torch fallback (and FlashInfer, if it is installed there); (2) a
-# Llama-3-8B-shaped bf16 model, neo vs none at equal load (benches/gpu_check.py); (3) the
-# start-up perf profile and model config, the input of `python -m neo_rs.sim --calibrate`.
+# Llama-3-8B-shaped bf16 model: its worst iteration against the activation plan, then neo vs none
+# at equal load (benches/gpu_check.py); (3) the start-up perf profile and model config, the input
+# of `python -m neo_rs.sim --calibrate`.
 # One table at the end; JSON and logs in $OUT.
 # `--bench` runs step (2) alone: a rerun inside one lease, once the tests have passed.
 # `--kernels` runs step (0) and the Triton kernels' tests alone (a kernel change, checked in a
@@ -39,7 +40,7 @@ else
     "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'"
     TESTS="tests/python/test_model_parity.py tests/python/test_offload.py tests/python/test_engine.py
         tests/python/test_transfer.py tests/python/test_triton_decode.py tests/python/test_device_decode.py
-        tests/python/test_triton_prefill.py tests/python/test_prefix_cache.py"
+        tests/python/test_triton_prefill.py tests/python/test_prefix_cache.py tests/python/test_cuda_graphs.py"
     FALLBACK_TESTS="tests/python/test_model_parity.py tests/python/test_offload.py"
     # The image has pytest-xdist and pytest-timeout: Triton's compiles spread over its 16 cores,
     # and a test that hangs on CUDA fails alone instead of taking its whole step's log with it.
@@ -56,13 +57,14 @@ if [ "${1:-}" = "--kernels" ]; then
         tests/python/test_device_decode.py"
     FALLBACK_TESTS= SKIP_BENCH=1
 fi
-if [ -n "$TESTS" ] && [ -n "$PYTEST_GPU" ]; then  # on a GPU; `make test` runs it for every target
+# SKIP_COMPILE=1 leaves step (0) out (kernels unchanged since the last lease; saves a minute).
+if [ -n "$TESTS" ] && [ -n "$PYTEST_GPU" ] && [ -z "${SKIP_COMPILE:-}" ]; then  # `make test` compiles for every target
     ARCH=$("$PY" -c "import torch; print('%d%d' % torch.cuda.get_device_capability())")
     timeout 120 "$PY" benches/gpu_compile.py --targets "$ARCH" --no-cache 2>&1 \
         | tee "$OUT/gpu_compile.log" || status=1
 fi
 # shellcheck disable=SC2086  # the test lists are word lists
-[ -z "$TESTS" ] || NEO_RS_DEVICE_ATTENTION=triton timeout 150 "$PY" -m pytest -q -p no:cacheprovider $PYTEST_GPU $TESTS 2>&1 \
+[ -z "$TESTS" ] || NEO_RS_DEVICE_ATTENTION=triton timeout 180 "$PY" -m pytest -q -p no:cacheprovider $PYTEST_GPU $TESTS 2>&1 \
     | tee "$OUT/tests_triton.log" || status=1
 # shellcheck disable=SC2086
 [ -z "$FALLBACK_TESTS" ] || NEO_RS_DEVICE_ATTENTION=torch timeout 80 "$PY" -m pytest -q -p no:cacheprovider $PYTEST_GPU $FALLBACK_TESTS 2>&1 \
@@ -83,4 +85,5 @@ for f in tests_triton:"Triton decode:  " tests_torch_fallback:"torch fallback: "
 done
 if [ -f "$OUT/tests_flashinfer.log" ]; then tail -n 1 "$OUT/tests_flashinfer.log" | sed 's/^/tests, FlashInfer:     /'; fi
 if [ -f "$OUT/gpu_check.log" ]; then grep -A 3 "^mode " "$OUT/gpu_check.log" || true; fi
+if [ -f "$OUT/gpu_check.log" ]; then grep "^memory plan" "$OUT/gpu_check.log" || true; fi
 exit $status

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 ARCHITECTURES = {"LlamaForCausalLM": False, "MistralForCausalLM": False, "Qwen2ForCausalLM": True}
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 OFFLOAD_MODES = ("neo", "none", "all")
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 CPU_KV_DTYPES = ("auto", "int8")
 DTYPES = {
     "float32": torch.float32,
@@ -276,6 +277,15 @@ class EngineArgs:
     # ranks 1..N-1 itself. Each rank holds its heads' KV in its own pools (``cpu_kv_gib`` is per
     # rank) and gets an equal share of the host's cores.
     tensor_parallel_size: int = 1
+    # Decode-only iterations replayed from CUDA graphs (worker/graphs.py); off by default until a
+    # GPU run has validated them. ``enforce_eager`` (vLLM's name) says never.
+    cuda_graphs: bool = False
+    enforce_eager: bool = False
+
+    @property
+    def token_budget(self) -> int:
+        """Tokens one iteration may run (``max_num_batched_tokens``, or the default)."""
+        return self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:
@@ -304,6 +314,8 @@ class EngineArgs:
             raise InvalidArgumentError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
             )
+        if self.cuda_graphs and self.enforce_eager:
+            raise InvalidArgumentError("cuda_graphs and enforce_eager contradict each other: pick one")
         if self.cpu_kv_gib < 0:
             raise InvalidArgumentError(f"cpu_kv_gib must be non-negative, got {self.cpu_kv_gib}")
         if self.cpu_prefix_cache_gib is not None and not self.cpu_prefix_cache_gib >= 0:

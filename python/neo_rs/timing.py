@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from neo_rs.cuda_runtime import runtime
+
 
 @dataclass
 class HostWaits:
@@ -36,7 +38,9 @@ class StageClock:
     issued, on the device's stream or another (the copy stream). After ``settle()``,
     ``total_ms(term)`` is the summed execution time of its spans, as the device ran them."""
 
-    def __init__(self, device: torch.device, waits: HostWaits) -> None:
+    def __init__(self, device: torch.device, waits: HostWaits, timed: bool = True) -> None:
+        """``timed=False``: spans time nothing (a CUDA graph's capture records no events)."""
+        self.timed = timed
         self.cuda = device.type == "cuda"
         self.waits = waits
         self._events: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {}
@@ -44,7 +48,7 @@ class StageClock:
         self._last: torch.cuda.Event | None = None
 
     def _event(self, stream: torch.cuda.Stream | None) -> torch.cuda.Event:
-        e = torch.cuda.Event(enable_timing=True)
+        e = runtime().new_event(enable_timing=True)
         e.record(stream)
         if stream is None:
             self._last = e
@@ -52,7 +56,9 @@ class StageClock:
 
     @contextmanager
     def span(self, term: str, stream: torch.cuda.Stream | None = None) -> Iterator[None]:
-        if self.cuda:
+        if not self.timed:
+            yield
+        elif self.cuda:
             start = self._event(stream)
             yield
             self._events.setdefault(term, []).append((start, self._event(stream)))

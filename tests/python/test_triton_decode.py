@@ -31,7 +31,7 @@ def test_triton_decode_matches_the_rust_kernel(case: int, dtype: torch.dtype) ->
     plan = SplitPlan.for_lengths(max(lens), block_size)
     q, k, v, tables, seq_lens = (t.to(KERNEL_DEVICE) for t in (q, k, v, tables, seq_lens))
     got = torch.full_like(q, float("nan"))
-    paged_decode(q, k[1], v[1], tables, seq_lens, scale, got, plan)
+    paged_decode(q, k[1], v[1], tables, seq_lens, scale, got, plan.num_splits, plan.blocks_per_split)
     torch.testing.assert_close(got.cpu().float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
     if max(lens) == 8192:
         assert plan.num_splits > 1, plan

@@ -98,8 +98,18 @@ class TritonDecode:
     ) -> None:
         if self._planned is None or self._planned[0] is not rows:
             self._planned = rows, self._split(rows.max_seq_len, pool.layout.block_size)
-        k, v = pool.k[layer], pool.v[layer]
-        self._kernel(q.contiguous(), k, v, rows.block_tables, rows.seq_lens, scale, out, self._planned[1])
+        k, v, plan = pool.k[layer], pool.v[layer], self._planned[1]
+        self._kernel(
+            q.contiguous(),
+            k,
+            v,
+            rows.block_tables,
+            rows.seq_lens,
+            scale,
+            out,
+            plan.num_splits,
+            plan.blocks_per_split,
+        )
 
 
 def select_device_decode(device: torch.device) -> DeviceDecode:

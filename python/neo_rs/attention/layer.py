@@ -17,6 +17,13 @@ from neo_rs.kv.transfer import HostTransfer, Staged
 from neo_rs.timing import StageClock
 
 
+def causal_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of a whole prompt's rows (``[rows, heads, head_dim]``) over its own K/V, causally."""
+    qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
 class PendingCpuAttention:
     """CPU attention submitted to the Rust pool; ``result()`` waits (GIL released) and sends
     the output back to the model's device."""
@@ -40,6 +47,12 @@ class Attention:
         cuda = transfer.device.type == "cuda"
         self.device_decode = select_device_decode(transfer.device) if cuda else None
         self.paged_prefill = select_paged_prefill() if cuda else None
+
+    @property
+    def graph_safe(self) -> bool:
+        """Whether a decode iteration can be captured in a CUDA graph (not when the backend plans
+        on the host each iteration)."""
+        return not getattr(self.device_decode, "plans_on_host", False)
 
     def decode(
         self,
@@ -129,36 +142,22 @@ class Attention:
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KvPool, layer: int, p: Prefill
     ) -> torch.Tensor:
-        qh = q.transpose(0, 1)[None]  # [1, heads, rows, d]
         if p.num_computed == 0:
-            # The whole prompt is in this chunk: attend to its own K/V, causally.
-            kh, vh = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-            out = F.scaled_dot_product_attention(
-                qh, kh, vh, is_causal=True, scale=self.scale, enable_gqa=True
-            )
-        elif self.paged_prefill is not None:
+            return causal_prefill(q, k, v, self.scale)
+        if self.paged_prefill is not None:
             # A later chunk: earlier tokens are only in the pool, read there in place.
             return self.paged_prefill(
                 q, pool.k[layer], pool.v[layer], p.block_table, p.num_computed, p.seq_len, self.scale
             )
-        else:
-            # A later chunk, without Triton: its context gathered from the pool.
-            kvh = pool.layout.num_kv_heads
-            kh = (
-                pool.k[layer][p.block_table]
-                .transpose(0, 1)
-                .reshape(kvh, -1, q.shape[-1])[:, : p.seq_len][None]
-            )
-            vh = (
-                pool.v[layer][p.block_table]
-                .transpose(0, 1)
-                .reshape(kvh, -1, q.shape[-1])[:, : p.seq_len][None]
-            )
-            rows = torch.arange(p.num_computed, p.seq_len, device=q.device)
-            mask = torch.arange(p.seq_len, device=q.device)[None, :] <= rows[:, None]
-            out = F.scaled_dot_product_attention(
-                qh, kh, vh, attn_mask=mask, scale=self.scale, enable_gqa=True
-            )
+        # A later chunk, without Triton: its context gathered from the pool.
+        kvh, qh = pool.layout.num_kv_heads, q.transpose(0, 1)[None]  # [1, heads, rows, d]
+        kh, vh = (
+            c[layer][p.block_table].transpose(0, 1).reshape(kvh, -1, q.shape[-1])[:, : p.seq_len][None]
+            for c in (pool.k, pool.v)
+        )
+        rows = torch.arange(p.num_computed, p.seq_len, device=q.device)
+        mask = torch.arange(p.seq_len, device=q.device)[None, :] <= rows[:, None]
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale, enable_gqa=True)
         return out[0].transpose(0, 1)
 
     def device_part(

@@ -14,10 +14,9 @@ from concurrent.futures import wait
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from neo_rs._core import Scheduler, SchedulerOutput
 from neo_rs.config import EngineArgs, ModelConfig, cache_dir, resolve_dtype
+from neo_rs.cuda_runtime import runtime
 from neo_rs.engine.sequence import RequestMetrics, RequestOutput, Sequence
 from neo_rs.engine.stats import IterationStats, calibrate
 from neo_rs.engine.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
@@ -33,8 +32,6 @@ from neo_rs.worker.runner import RunnerSetup, resolve_device
 from neo_rs.worker.tp_workers import TpWorkers, budget_threads
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 @dataclass
@@ -106,7 +103,7 @@ class LLMEngine:
         self.model_dir = model_dir = resolve_model(args.model, args.dtype)
         self.model_config = cfg = ModelConfig.from_dir(model_dir)
         self.device = resolve_device(args.device)
-        cuda = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
+        cuda = runtime().capability(self.device) if self.device.type == "cuda" else None
         self.dtype = resolve_dtype(args.dtype, cfg.torch_dtype, cuda)
         limit = cfg.max_model_len()
         if args.max_model_len is not None and args.max_model_len > limit:
@@ -147,7 +144,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(
             max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+            max_num_batched_tokens=args.token_budget,
             max_model_len=self.max_model_len,
             block_size=args.block_size,
             num_gpu_blocks=self.runner.num_gpu_blocks,
@@ -160,14 +157,14 @@ class LLMEngine:
             num_cpu_prefix_blocks=self.runner.num_cpu_prefix_blocks,
         )
         if args.offload == "neo":
-            budget = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+            budget = args.token_budget
             on_profile = self.workers.profile if self.workers is not None else None
             load_or_profile(self.runner, budget, self.max_model_len, cache_dir(), on_profile).apply(
                 self.scheduler
             )
         faults.inject(self.runner, 0)
         self.last_stats: IterationStats | None = None
-        self.generator = torch.Generator(self.device).manual_seed(args.seed)
+        self.generator = runtime().generator(self.device).manual_seed(args.seed)
         self._requests: dict[str, _Request] = {}
         self._seqs: dict[int, tuple[Sequence, _Request]] = {}
         self._seq_ids = itertools.count()
@@ -237,7 +234,7 @@ class LLMEngine:
         for i in range(params.n):
             gen = None
             if params.seed is not None:
-                gen = torch.Generator(self.device).manual_seed(params.seed + i)
+                gen = runtime().generator(self.device).manual_seed(params.seed + i)
             detok = None
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
@@ -316,7 +313,7 @@ class LLMEngine:
                 delattr(self, name)
         gc.collect()  # what held them in reference cycles goes now, not at some later collection
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # back to the driver, as after vLLM's shutdown
+            runtime().empty_cache()  # back to the driver, as after vLLM's shutdown
 
     # -- the step loop ----------------------------------------------------------------------
 

@@ -55,6 +55,11 @@ class LayerCopies:
             transfer, dev, host, demote=plan.cache_to_host, incoming=incoming, staged=plan.prefill_to_host
         )
 
+    @property
+    def idle(self) -> bool:
+        """Whether the plan moves no blocks between the pools during its layers."""
+        return self._demote is None and self._staged is None and self._to_device is None
+
     def before_writes(self, layer: int) -> None:
         # Synchronous copies (a CPU device) gain nothing from the split: every layer goes at
         # layer 0, still before any write, in a few large copies rather than many small ones.

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from neo_rs.cuda_runtime import runtime
 from neo_rs.kv.pools import KvPool, Slots
 from neo_rs.timing import HostWaits, StageClock
 
@@ -76,7 +77,8 @@ class _EmulatedCopyStream:
 class HostTransfer:
     def __init__(self, device: torch.device, emulate_async: bool = False) -> None:
         self.device = device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.cuda = runtime()
+        self.stream = self.cuda.new_stream(device) if device.type == "cuda" else None
         self.emulated = _EmulatedCopyStream() if emulate_async and self.stream is None else None
         self.waits = HostWaits()  # the runner hands each iteration its own
         # The iteration's clock, which times its copies as the "copy" stage (the predictor's
@@ -110,18 +112,19 @@ class HostTransfer:
         """Start copying device tensors into fresh host buffers (same dtype). The device work that
         produced them is ordered before the copies; ``then`` runs at ``ready()``."""
         if self.stream is not None:
-            produced = torch.cuda.Event()
+            cuda = self.cuda
+            produced = cuda.new_event()
             produced.record()
             outs = []
-            with torch.cuda.stream(self.stream):
+            with cuda.on_stream(self.stream):
                 self.stream.wait_event(produced)
                 with self._timed(self.stream):
                     for t in tensors:
-                        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                        host = cuda.pinned_empty(t.shape, t.dtype)
                         host.copy_(t, non_blocking=True)
-                        t.record_stream(self.stream)
+                        cuda.record_stream(t, self.stream)
                         outs.append(host)
-            done = torch.cuda.Event()
+            done = cuda.new_event()
             done.record(self.stream)
             return Staged(outs, lambda: self.waits.for_copy(done.synchronize), then)
         if self.emulated is not None:
@@ -144,12 +147,15 @@ class HostTransfer:
         of pageable memory synchronises the stream."""
         if self.stream is None:
             return t.to(self.device)
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return self.cuda.pinned(t).to(self.device, non_blocking=True)
 
     def host_buffer(self, like: torch.Tensor) -> torch.Tensor:
         """A host buffer like ``like`` that ``to_device`` can copy from asynchronously (the CPU
         kernel's outputs, blocks gathered for the device)."""
-        return torch.empty(like.shape, dtype=like.dtype, pin_memory=self.pinned)
+        return self._host_empty(like.shape, like.dtype)
+
+    def _host_empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        return self.cuda.pinned_empty(shape, dtype) if self.pinned else torch.empty(shape, dtype=dtype)
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A host tensor onto the device, queued on the device's own stream (so ordered before
@@ -195,7 +201,7 @@ class HostTransfer:
         out = []
         for s in (src.k, src.v) if src.tile_pairs is None else (src.tile_pairs,):
             shape = (s.shape[0], len(block_ids), *s.shape[2:])
-            gathered = torch.empty(shape, dtype=s.dtype, pin_memory=self.pinned)
+            gathered = self._host_empty(shape, s.dtype)
             out.append(torch.index_select(s, 1, block_ids, out=gathered))
         return out
 

@@ -51,7 +51,7 @@ class Rotary(nn.Module):
         self.register_buffer("sin", torch.empty(max_positions, cfg.head_dim), persistent=False)
 
     def fill_tables(self) -> None:
-        """(Re)compute the tables in float32 on the buffers' device (after ``to_empty``)."""
+        """(Re)compute the tables in float32 on the buffers' device (once they are allocated)."""
         with torch.device("cpu"):
             inv_freq = self.rope.inv_freq(self.head_dim)
             freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), inv_freq)

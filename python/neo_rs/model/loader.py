@@ -100,6 +100,38 @@ def _target(cfg: ModelConfig, local: ModelConfig, shard: TpShard, name: str) -> 
     return None
 
 
+def empty_model(
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    tp: TensorParallel = SINGLE_PROCESS,
+) -> LlamaForCausalLM:
+    """The model (rank ``tp.rank``'s shard) with its weights allocated but not filled."""
+    with torch.device("meta"):  # built on meta: nothing allocated until its dtype is known
+        model = LlamaForCausalLM(tp.shard.local_config(cfg), max_positions, tp, cfg.vocab_size)
+    _allocate(model, dtype, device)
+    model.rotary.fill_tables()
+    return model
+
+
+def _allocate(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Each parameter and buffer of a meta model as uninitialised memory on ``device``, the floating
+    ones in ``dtype``. Not ``Module.to(dtype).to_empty(device)``: under a fake-tensor mode (the
+    memory plan) those convert the meta tensors, and torch then refuses to swap them in."""
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                module._parameters[name] = torch.nn.Parameter(empty(p), requires_grad=p.requires_grad)
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = empty(b)
+
+
 def load_model(
     model_dir: str | Path,
     cfg: ModelConfig,
@@ -113,10 +145,7 @@ def load_model(
     model_dir = Path(model_dir)
     files = shard_files(model_dir)
     local = tp.shard.local_config(cfg)
-    with torch.device("meta"):  # cast on meta: no float32 copy first
-        model = LlamaForCausalLM(local, max_positions, tp, cfg.vocab_size).to(dtype)
-    model.to_empty(device=device)
-    model.rotary.fill_tables()
+    model = empty_model(cfg, dtype, device, max_positions, tp)
     params = dict(model.named_parameters())
     # Rows written per parameter, to name anything the checkpoint did not provide.
     filled = {name: 0 for name in params}

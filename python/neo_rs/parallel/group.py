@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from neo_rs.cuda_runtime import runtime
 from neo_rs.parallel.shards import SINGLE, TpShard
 
 # Joining the group (every rank starts within this of the others) and the longest a rank waits
@@ -98,7 +99,7 @@ def join(rank: int, size: int, init_method: str, setup: Any = None) -> tuple[Ten
     backend = "gloo"
     if setup.device.type == "cuda":
         backend = "nccl"
-        torch.cuda.set_device(rank_device(setup.device, rank))  # NCCL's communicator binds to it
+        runtime().set_device(rank_device(setup.device, rank))  # NCCL's communicator binds to it
     data = dist.new_group(backend=backend, timeout=DATA_TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     return TensorParallel(TpShard(rank, size), data, control), setup

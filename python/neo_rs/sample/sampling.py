@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from neo_rs.cuda_runtime import runtime
 from neo_rs.errors import InvalidArgumentError
 from neo_rs.sample.structured import StructuredOutputsParams, TokenMask
 
@@ -157,7 +158,10 @@ def _apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:
     vocab = logits.shape[-1]
     p = row.params
     out = torch.tensor(row.output_ids, dtype=torch.long, device=logits.device)
-    counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
+    # Not bincount: its length depends on the largest id, which a GPU would have to report first.
+    counts = torch.zeros(vocab, dtype=logits.dtype, device=logits.device).index_add_(
+        0, out, torch.ones(len(out), dtype=logits.dtype, device=logits.device)
+    )
     if p.repetition_penalty != 1:
         seen = counts > 0
         seen[torch.tensor(row.prompt_ids, dtype=torch.long, device=logits.device)] = True
@@ -192,7 +196,9 @@ def _top_k_top_p(
     nucleus reaches past them are redone with more."""
     dev, vocab = logits.device, logits.shape[-1]
     n = max([candidates] + [k for k in ks if k < vocab])
-    if n >= vocab:
+    # On a GPU the retry's choice of rows would make the host wait for the device, and a full
+    # sort costs little there.
+    if n >= vocab or dev.type != "cpu":
         return _top_k_top_p_sorted(logits, ks, top_ps)
     vals, order = logits.topk(n, dim=-1)  # sorted, largest first
     topk_on = torch.tensor([k < vocab for k in ks], device=dev)[:, None]
@@ -226,8 +232,8 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     rows = [i for i, (k, tp) in enumerate(zip(ks, top_ps, strict=True)) if k < vocab or tp < 1]
     if rows:
         logits[rows] = _top_k_top_p(logits[rows], [ks[i] for i in rows], [top_ps[i] for i in rows])
-    min_ps = torch.tensor([p.min_p for p in params], device=dev, dtype=logits.dtype)[:, None]
-    if bool((min_ps > 0).any()):
+    if any(p.min_p > 0 for p in params):
+        min_ps = torch.tensor([p.min_p for p in params], device=dev, dtype=logits.dtype)[:, None]
         probs = logits.softmax(dim=-1)
         logits = logits.masked_fill(probs < min_ps * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     return logits
@@ -241,6 +247,22 @@ def sample(
 ) -> SampleResult:
     """Sample one token per row of float32 ``logits`` ``[len(rows), vocab]``; ``mask``: the tokens
     the constrained rows' grammars allow (logprobs stay those of the model)."""
+    tokens, raw_logprobs = draw(logits, rows, default_generator, mask)
+    token_list = runtime().read(tokens)
+    logprobs: list[dict[int, float] | None] = [None] * len(rows)
+    if raw_logprobs is not None:
+        _read_logprobs(raw_logprobs, tokens, token_list, rows, logprobs)
+    return SampleResult(token_list, logprobs)
+
+
+def draw(
+    logits: torch.Tensor,
+    rows: list[SampleRow],
+    default_generator: torch.Generator,
+    mask: TokenMask | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``sample``'s device work: the tokens drawn, and the rows' log-probabilities when any row
+    asks for them (the memory plan runs this alone, ``worker/memory_plan.py``)."""
     want_logprobs = [r.params.logprobs is not None for r in rows]
     raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
     if mask is not None:
@@ -263,8 +285,7 @@ def sample(
             elif r.banned_ids:  # EOS waits for min_tokens, unless the grammar allows nothing else
                 kept = logits[i].clone()
                 kept[r.banned_ids] = float("-inf")
-                if bool(kept.isfinite().any()):
-                    logits[i] = kept
+                logits[i] = torch.where(kept.isfinite().any(), kept, logits[i])
     # The first maximum, as argmax gives, in half argmax's time on the CPU.
     tokens = logits.max(dim=-1).indices
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -288,15 +309,27 @@ def sample(
         cdf = probs.cumsum(dim=-1)
         drawn = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
         tokens[idx] = drawn
-    token_list = tokens.tolist()
-    logprobs: list[dict[int, float] | None] = [None] * len(rows)
-    if raw_logprobs is not None:
-        for i, r in enumerate(rows):
-            if r.params.logprobs is None:
-                continue
-            entry = {token_list[i]: float(raw_logprobs[i, token_list[i]])}
-            if r.params.logprobs:
-                top = raw_logprobs[i].topk(r.params.logprobs)
-                entry.update(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-            logprobs[i] = entry
-    return SampleResult(token_list, logprobs)
+    return tokens, raw_logprobs
+
+
+def _read_logprobs(
+    raw: torch.Tensor,
+    tokens: torch.Tensor,
+    token_list: list[int],
+    rows: list[SampleRow],
+    out: list[dict[int, float] | None],
+) -> None:
+    """Each asking row's entry in ``out``: the sampled token's logprob and its top-n, read from
+    the device in one wait (float64 holds the top-n's token ids exactly)."""
+    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    at = torch.tensor(want, device=raw.device)
+    lp = raw[at]
+    top = lp.topk(max(rows[i].params.logprobs or 0 for i in want), dim=-1)
+    k = top.indices.shape[1]
+    chosen = lp.gather(1, tokens[at, None])
+    packed = torch.cat([chosen.double(), top.indices.double(), top.values.double()], dim=1)
+    for i, row in zip(want, runtime().read(packed), strict=True):
+        n = rows[i].params.logprobs or 0
+        entry = {token_list[i]: row[0]}
+        entry.update(zip((int(t) for t in row[1 : 1 + n]), row[1 + k : 1 + k + n], strict=True))
+        out[i] = entry

@@ -79,6 +79,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--cpu-threads", type=_positive_int, help="CPU attention threads (per rank)")
     p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="replay decode-only iterations from CUDA graphs (experimental, off by default)",
+    )
+    p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    p.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=_positive_int,
@@ -129,6 +135,8 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         cpu_prefix_cache_gib=args.cpu_prefix_cache_gib,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
+        cuda_graphs=args.cuda_graphs,
+        enforce_eager=args.enforce_eager,
     )
 
 

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from neo_rs._core import Scheduler
 from neo_rs.attention.metadata import DecodeRows, Prefill
+from neo_rs.cuda_runtime import runtime
 from neo_rs.model.llama import DecoderLayer, Rope
 
 if TYPE_CHECKING:
@@ -73,7 +74,7 @@ class PerfTables:
 
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
+        return runtime().device_name(device)
     return f"cpu:{platform.machine()}:{platform.processor() or 'unknown'}"
 
 
@@ -97,7 +98,7 @@ def profile_key(runner: ModelRunner, max_tokens: int) -> str:
 
 def _time_ms(device: torch.device, fn: Callable[[], object], reps: int = 3) -> float:
     """Median wall time of ``fn`` after one warm-up, device work included."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = (lambda: runtime().synchronize(device)) if device.type == "cuda" else (lambda: None)
     fn()
     sync()
     times = []

@@ -8,7 +8,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -18,15 +19,18 @@ from neo_rs._core import CpuAttention, SchedulerOutput
 from neo_rs.attention.layer import Attention, PendingCpuAttention
 from neo_rs.attention.metadata import AttentionBatch
 from neo_rs.config import EngineArgs, ModelConfig, emulate_async_copies, openmp_team
+from neo_rs.cuda_runtime import runtime
 from neo_rs.errors import InvalidArgumentError
 from neo_rs.kv.layer_copies import LayerCopies
 from neo_rs.kv.pools import KvLayout, KvPool, block_pairs
 from neo_rs.kv.transfer import HostTransfer, Staged
 from neo_rs.model.llama import Rope
-from neo_rs.model.loader import load_model
+from neo_rs.model.loader import empty_model, load_model
 from neo_rs.model.packed import pack_linears, packing_applies
 from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel, rank_device
 from neo_rs.timing import HostWaits, MeasuredTimes, StageClock
+from neo_rs.worker.graphs import DecodeGraphs
+from neo_rs.worker.memory_plan import plan_activations
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +40,9 @@ _CPU_DEVICE_KV_BYTES = 2 << 30
 
 def resolve_device(name: str | None) -> torch.device:
     if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device("cuda" if runtime().available() else "cpu")
     dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
+    if dev.type == "cuda" and not runtime().available():
         raise InvalidArgumentError("device 'cuda' was asked for, but CUDA is not available")
     if dev.type not in ("cuda", "cpu"):
         raise InvalidArgumentError(f"device must be cuda or cpu, got {name!r}")
@@ -102,10 +106,36 @@ class ModelRunner:
         of its KV heads (as many blocks on every rank)."""
         self.device, self.tp = device, tp
         self.model = load_model(model_dir, cfg, dtype, device, max_model_len, tp)
-        cfg = self.model.config  # this rank's shapes
+        cfg_all, cfg = cfg, self.model.config  # the whole model's shapes, this rank's
         if packing_applies(device, dtype):
             log.info("prepacked %d bf16 linears for oneDNN", pack_linears(self.model, args.max_num_seqs))
         self.layout = KvLayout(cfg.num_layers, cfg.num_kv_heads, args.block_size, cfg.head_dim, dtype)
+        self.transfer = HostTransfer(device, emulate_async=emulate_async_copies())
+        self.attention = Attention(cfg.head_dim**-0.5, cpu_attention(args, device), self.transfer)
+        # On a GPU, room for one worst-case iteration's activations is kept from the KV pools. The
+        # trace runs this rank's heads and FFN columns in one process (no collectives on fake
+        # tensors) and the whole vocabulary's logits, as rank 0 gathers them.
+        traced = replace(cfg, vocab_size=cfg_all.vocab_size)
+        self.activation_plan = (
+            plan_activations(
+                partial(empty_model, traced, dtype, device, max_model_len),
+                self.attention.scale,
+                device,
+                args.token_budget,
+                args.max_num_seqs,
+            )
+            if device.type == "cuda"
+            else None
+        )
+        if self.activation_plan is not None:
+            plan = self.activation_plan
+            log.info(
+                "activation plan: %.0f MiB traced for %d tokens and %d sampled rows; %.0f MiB kept free",
+                plan.peak_bytes / 2**20,
+                plan.tokens,
+                plan.rows,
+                plan.reserve_bytes / 2**20,
+            )
         per_block = self.layout.bytes_per_block()
         int8 = args.cpu_kv_dtype == "int8"
         host_per_block = self.layout.bytes_per_block(quantized=int8)
@@ -116,7 +146,18 @@ class ModelRunner:
             else int(args.cpu_kv_gib * (1 << 30)) // host_per_block
         )
         self.num_cpu_prefix_blocks = _prefix_tier_blocks(args, num_cpu, host_per_block)
-        self.device_pool = KvPool(self.layout, num_gpu, device)
+        graphs = args.cuda_graphs and self.attention.graph_safe
+        if args.cuda_graphs and not graphs:
+            log.warning("CUDA graphs are off: FlashInfer's decode plans on the host each iteration")
+        # With graphs, one block more than the scheduler's: where padded rows write (graphs.py).
+        self.device_pool = KvPool(self.layout, num_gpu + int(graphs), device)
+        self.graphs = (
+            DecodeGraphs(
+                self.graph_forward, self.transfer, args.block_size, args.max_num_seqs, max_model_len, num_gpu
+            )
+            if graphs
+            else None
+        )
         self.host_pool = KvPool(self.layout, num_cpu, torch.device("cpu"), quantized=int8)
         log.info(
             "KV pools: %d device blocks (%.2f GiB), %d host blocks (%.2f GiB, %s; %d for the "
@@ -129,8 +170,6 @@ class ModelRunner:
             self.num_cpu_prefix_blocks,
             args.block_size,
         )
-        self.transfer = HostTransfer(device, emulate_async=emulate_async_copies())
-        self.attention = Attention(cfg.head_dim**-0.5, cpu_attention(args, device), self.transfer)
         self.last_times = MeasuredTimes()
         # Copies into the host pool not yet waited on: this iteration's swap-outs (waited for
         # before the forward: CPU attention may read them), host-bound prefill rows, staged
@@ -142,17 +181,20 @@ class ModelRunner:
     def _device_blocks(self, args: EngineArgs, max_model_len: int) -> int:
         per_block = self.layout.bytes_per_block()
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            # Leave (1 - utilization) of the card, plus room for activations of one batch.
-            budget = free - (1 - args.gpu_memory_utilization) * total - (1 << 30)
+            free, total = runtime().mem_get_info(self.device)
+            assert self.activation_plan is not None
+            # Leave (1 - utilization) of the card, and room for one worst-case iteration.
+            budget = free - (1 - args.gpu_memory_utilization) * total - self.activation_plan.reserve_bytes
         else:
             wanted = args.max_num_seqs * -(-max_model_len // args.block_size) * per_block
             budget = min(wanted, _CPU_DEVICE_KV_BYTES)
         blocks = int(budget // per_block)
         if blocks < 1:
+            reserve = self.activation_plan.reserve_bytes if self.activation_plan else 0
             raise InvalidArgumentError(
-                "no device memory is left for the KV cache; "
-                "use a smaller model or raise gpu_memory_utilization"
+                "no device memory is left for the KV cache; use a smaller model, raise "
+                "gpu_memory_utilization, or lower max_num_batched_tokens or max_num_seqs (one "
+                f"iteration's activations are kept free: {reserve / (1 << 30):.2f} GiB)"
             )
         return blocks
 
@@ -173,7 +215,8 @@ class ModelRunner:
 
     @property
     def num_gpu_blocks(self) -> int:
-        return self.device_pool.num_blocks
+        """The device blocks the scheduler hands out (not the graphs' scratch block)."""
+        return self.device_pool.num_blocks - (self.graphs is not None)
 
     @property
     def num_cpu_blocks(self) -> int:
@@ -195,16 +238,36 @@ class ModelRunner:
         clock = StageClock(self.device, HostWaits())
         self.last_times = MeasuredTimes(clock, waits=clock.waits)
         self.transfer.waits, self.transfer.clock = clock.waits, clock
-        up = self.transfer.upload
-        ids, positions = up(torch.from_numpy(plan.input_ids)), up(torch.from_numpy(plan.positions))
-        sample_rows = up(torch.from_numpy(np.ascontiguousarray(plan.sample_rows)))
-        batches = AttentionBatch.from_plan(plan, self.transfer, self.layout.block_size)
         # Before the swap-outs land: blocks bound for the device are gathered from the host now.
         copies = LayerCopies.of_plan(plan, self.transfer, self.device_pool, self.host_pool)
         self._landing = copies.landing
         if self._swapped_out is not None:
             self._swapped_out.ready()
             self._swapped_out = None
+        if self.graphs is not None and self.graphs.takes(plan, copies):
+            logits = self.graphs.run(plan)
+        else:
+            logits = self._eager(plan, copies, clock)
+        for staged in self._landing:  # the host pool is whole again before the next plan
+            staged.ready()
+        self._landing.clear()
+        self.transfer.clock = None  # swaps, between iterations, are not priced by the plan
+        return logits
+
+    def graph_forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch
+    ) -> torch.Tensor:
+        """A graphed decode iteration's device work (``graphs.py``), untimed: a capture records
+        no events."""
+        x = self.model.embed(ids)
+        x = self._sequential(x, positions, batch, None, StageClock(self.device, HostWaits(), timed=False))
+        return self.model.compute_logits(x)
+
+    def _eager(self, plan: SchedulerOutput, copies: LayerCopies, clock: StageClock) -> torch.Tensor:
+        up = self.transfer.upload
+        ids, positions = up(torch.from_numpy(plan.input_ids)), up(torch.from_numpy(plan.positions))
+        sample_rows = up(torch.from_numpy(np.ascontiguousarray(plan.sample_rows)))
+        batches = AttentionBatch.from_plan(plan, self.transfer, self.layout.block_size)
         x = self.model.embed(ids)
         if len(batches) == 1:
             x = self._sequential(x, positions, batches[0], copies, clock)
@@ -214,12 +277,7 @@ class ModelRunner:
         self.last_times.transfer_bytes = (
             num_cpu * self.transfer_bytes_per_decode() * len(self.model.decoder_layers)
         )
-        logits = self.model.compute_logits(x[sample_rows])
-        for staged in self._landing:  # the host pool is whole again before the next plan
-            staged.ready()
-        self._landing.clear()
-        self.transfer.clock = None  # swaps, between iterations, are not priced by the plan
-        return logits
+        return self.model.compute_logits(x[sample_rows])
 
     def discard_pending(self) -> None:
         """Forget the copies into the host pool of an iteration that failed: the requests whose
@@ -269,7 +327,7 @@ class ModelRunner:
         x: torch.Tensor,
         positions: torch.Tensor,
         batch: AttentionBatch,
-        copies: LayerCopies,
+        copies: LayerCopies | None,
         clock: StageClock,
     ) -> torch.Tensor:
         """Layer by layer; CPU decodes (if any) run while the device attention is issued."""

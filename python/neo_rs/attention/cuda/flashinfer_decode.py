@@ -39,6 +39,8 @@ class FlashInferDecode:
     """The ``DeviceDecode`` backend (``attention/device_decode.py``) on FlashInfer's
     ``BatchDecodeWithPagedKVCacheWrapper``."""
 
+    plans_on_host = True  # its plan() reads the lengths on the host: no CUDA graph around it
+
     def __init__(self, device: torch.device) -> None:
         import flashinfer  # noqa: PLC0415 (optional)
 

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from neo_rs.attention.cuda.checks import check_paged_args
+
 # Blocks one program walks before the sequence is split further; at most MAX_SPLITS splits.
 BLOCKS_PER_SPLIT = 32
 MAX_SPLITS = 16
@@ -125,6 +127,7 @@ def decode_launch(group: int, head_dim: int, block_size: int, dtype: torch.dtype
     )
 
 
+@torch.library.custom_op("neo_rs::paged_decode", mutates_args=("out",))
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -133,24 +136,27 @@ def paged_decode(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
-    plan: SplitPlan,
+    num_splits: int,
+    blocks_per_split: int,
 ) -> None:
     """Decode attention of ``q`` ``[seqs, q_heads, head_dim]`` over one layer's pools into ``out``;
     ``block_tables`` ``[seqs, max_blocks]`` and ``seq_lens`` ``[seqs]`` are int32 on the pools'
-    device. A sequence of length 0 gets zeros."""
+    device; each sequence's blocks cut as a ``SplitPlan`` says. A sequence of length 0 gets
+    zeros. A torch custom op, so that torch sees one opaque call (fake tensors check its
+    arguments, ``check_paged_args``; graphs and compilers keep it whole)."""
     num_seqs, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     if num_seqs == 0:
         return
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and q.stride(-1) == 1
-    splits = plan.num_splits
+    splits = num_splits
     # Per split: the unnormalised output, and (running max, sum of exponentials).
     acc = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     m = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
     lsum = torch.empty_like(m)
     _paged_decode_split[(num_seqs, num_kv_heads, splits)](
         _bits(q), _bits(k_cache), _bits(v_cache), block_tables, seq_lens, acc, m, lsum,
-        scale, block_tables.shape[1], plan.blocks_per_split,
+        scale, block_tables.shape[1], blocks_per_split,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         acc.stride(0), acc.stride(1), acc.stride(2),
@@ -162,3 +168,23 @@ def paged_decode(
     total = (weight * lsum).sum(dim=2, keepdim=True)
     merged = (weight[..., None] * acc).sum(dim=2) / total.clamp_min(torch.finfo(torch.float32).tiny)
     out.copy_(merged)
+
+
+@paged_decode.register_fake
+def _(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    num_splits: int,
+    blocks_per_split: int,
+) -> None:
+    check_paged_args(q, k_cache, v_cache, block_tables, seq_lens, out)
+    if out.shape != q.shape or seq_lens.shape != (q.shape[0],) or block_tables.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"paged_decode: q {tuple(q.shape)}, out {tuple(out.shape)}, block tables "
+            f"{tuple(block_tables.shape)} and lengths {tuple(seq_lens.shape)} disagree on the rows"
+        )

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from neo_rs.attention.cuda.checks import check_paged_args
 from neo_rs.attention.cuda.paged_decode import _bits, _widen
 
 BLOCK_M = 16  # query rows per program
@@ -96,6 +97,7 @@ def prefill_launch(group: int, head_dim: int, block_size: int, dtype: torch.dtyp
     )
 
 
+@torch.library.custom_op("neo_rs::paged_prefill", mutates_args=())
 def paged_prefill(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -108,7 +110,8 @@ def paged_prefill(
     """Causal attention of a chunk's rows ``q`` ``[rows, q_heads, head_dim]`` (positions
     ``num_computed .. seq_len``) over one layer's pools, through token ``seq_len - 1``;
     ``block_table`` holds the sequence's block ids (at least ``seq_len / block_size`` of them)
-    on the pools' device. Returns ``[rows, q_heads, head_dim]`` in ``q``'s dtype."""
+    on the pools' device. Returns ``[rows, q_heads, head_dim]`` in ``q``'s dtype. A torch custom
+    op, as ``paged_decode`` is."""
     rows, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     assert rows == seq_len - num_computed and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
@@ -125,3 +128,19 @@ def paged_prefill(
         **prefill_launch(num_heads // num_kv_heads, head_dim, block_size, q.dtype),
     )  # fmt: skip
     return out.to(q.dtype)
+
+
+@paged_prefill.register_fake
+def _(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    num_computed: int,
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    check_paged_args(q, k_cache, v_cache, block_table)
+    if q.shape[0] != seq_len - num_computed:
+        raise ValueError(f"paged_prefill: {q.shape[0]} rows for positions {num_computed}..{seq_len}")
+    return torch.empty_like(q)

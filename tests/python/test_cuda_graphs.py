@@ -1,0 +1,85 @@
+"""Decode iterations replayed from graphs (``worker/graphs.py``). On a CPU device the replay runs
+the captured loop over the static buffers again, so these tests check what a GPU's replay
+depends on: padded rows touch only the scratch block, the buffers take each iteration's values,
+and greedy tokens equal the eager engine's, in every offload mode. On fake CUDA, a graphed
+iteration mixes no devices and adds no host sync."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import assert_all_blocks_free
+from neo_rs import LLM, SamplingParams
+from neo_rs.errors import InvalidArgumentError
+from neo_rs.serve.cli import engine_args, parse_args
+from neo_rs.worker.graphs import buckets
+from test_fake_cuda import engine_on, fake_gpu, queue, run
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPTS = [list(range(3, 10 + 5 * i)) for i in range(7)]  # 7 rows: bucket 8, one padded row
+
+
+def generate(path: str, offload: str, graphs: bool) -> tuple[list[list[int]], int, dict]:
+    kw = dict(num_gpu_blocks=14) if offload == "neo" else {}  # some requests decode on the CPU
+    with LLM(path, dtype="float32", block_size=8, offload=offload, cuda_graphs=graphs, **kw) as llm:
+        outs = llm.generate([list(p) for p in PROMPTS], GREEDY)
+        engine = llm.engine
+        assert_all_blocks_free(engine)
+        replays = engine.runner.graphs.replays if graphs else 0
+        if graphs:  # the scratch block is the pool's last, past the scheduler's
+            assert engine.runner.device_pool.num_blocks == engine.scheduler.num_total_blocks("gpu") + 1
+        return [o.outputs[0].token_ids for o in outs], replays, engine.scheduler.stats()
+
+
+@pytest.mark.parametrize("offload", ["none", "neo"])
+def test_replayed_decodes_give_the_eager_tokens(checkpoints, offload: str) -> None:
+    path = str(checkpoints["llama3"])
+    eager, _, _ = generate(path, offload, graphs=False)
+    graphed, replays, st = generate(path, offload, graphs=True)
+    assert graphed == eager
+    assert replays > 0
+    if offload == "neo":  # the iterations with CPU decodes ran eagerly between the replays
+        assert st["num_prefills_to_host"] + st["num_swapped_out"] > 0, st
+
+
+def test_buckets_cover_every_batch() -> None:
+    assert buckets(256) == [1, 2, 4, *range(8, 257, 8)]
+    assert buckets(6) == [1, 2, 4, 8] and buckets(1) == [1] and buckets(1000)[-1] == 256
+
+
+def test_flags() -> None:
+    assert engine_args(parse_args(["--cuda-graphs"])).cuda_graphs
+    args = engine_args(parse_args(["--cuda-graphs", "--enforce-eager"]))
+    with pytest.raises(InvalidArgumentError, match="enforce_eager"):
+        args.validate()
+
+
+def test_graphed_iterations_on_fake_cuda(monkeypatch) -> None:
+    with fake_gpu(monkeypatch) as checks:
+        engine = engine_on("demo", offload="none", num_gpu_blocks=64, cuda_graphs=True)
+        queue(engine, 5)
+        run(engine, checks)  # each iteration, graphed or not, within the sync budget
+        assert engine.runner.graphs.replays > 0 and checks.runtime.captures > 0
+        engine.shutdown()
+
+
+def test_padded_rows_write_and_read_only_the_scratch_block(checkpoints) -> None:
+    """On a GPU the padded rows' K/V go through the slots (on a CPU the kernel appends by table)."""
+    llm = LLM(str(checkpoints["llama3"]), dtype="float32", block_size=8, num_gpu_blocks=64, cuda_graphs=True)
+    with llm:
+        engine, graphs = llm.engine, llm.engine.runner.graphs
+        scratch = engine.scheduler.num_total_blocks("gpu")
+        for p in PROMPTS[:3]:
+            engine.add_request(p, GREEDY)
+        engine.step()  # the prefills
+        plan = engine.scheduler.schedule()  # three decodes: bucket 4, one padded row
+        bucket = graphs._bucket(4)
+        graphs._fill(bucket, plan)
+        assert bucket.slot_blocks[3] == scratch and bucket.slot_offsets[3] == 0
+        assert bucket.tables[3, 0] == scratch and bucket.lens[3] == 1 and bucket.ids[3] == 0
+        assert bucket.lens[:3].tolist() == plan.seq_lens.tolist()
+        assert (bucket.tables[:3, : plan.block_tables.shape[1]].numpy() == plan.block_tables).all()
+        assert scratch not in plan.block_tables[:, : -(-int(plan.seq_lens.max()) // 8)]
+        engine.scheduler.abort_step()
+        for r in list(engine._requests):
+            engine.abort(r)
+        assert_all_blocks_free(engine)
