@@ -17,6 +17,11 @@ from neo_rs.errors import InvalidArgumentError
 from neo_rs.sample.structured import StructuredOutputsParams, TokenMask
 
 MAX_LOGPROBS = 20
+# Each generated token is checked against every stop string and id: these bound that work and a
+# request's size (OpenAI's API takes at most 4 stop strings).
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 SEED_RANGE = (-(2**63), 2**63 - 1)  # torch.Generator's; vLLM bounds the API's seed the same way
 
 
@@ -103,8 +108,18 @@ class SamplingParams:
             raise bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop must be a string or a list of non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise bad(
+                f"stop holds at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters "
+                f"(MAX_STOP_STRINGS, MAX_STOP_CHARS); got {len(self.stop)}"
+            )
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids must be non-negative integers")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad(
+                f"stop_token_ids holds at most {MAX_STOP_TOKEN_IDS} ids (MAX_STOP_TOKEN_IDS); "
+                f"got {len(self.stop_token_ids)}"
+            )
         if self.logprobs is not None and (
             not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):

@@ -22,6 +22,7 @@ from neo_rs.engine.sequence import CompletionOutput, RequestOutput
 from neo_rs.errors import EngineStepError, InvalidArgumentError
 from neo_rs.sample.sampling import SamplingParams
 from neo_rs.serve.metrics import Metrics
+from neo_rs.serve.openapi import openapi_document
 from neo_rs.serve.protocol import (
     ApiError,
     Envelope,
@@ -51,11 +52,16 @@ class ServerState:
     tool_parser: str | None = None  # --tool-call-parser: how ``auto`` finds the model's calls
     draining: bool = False
     started: float = field(default_factory=time.time)
+    request_timeout: float = 30.0  # --request-timeout: to send a body, and to read each stream part
+    max_connections: int = 1024  # --max-connections
+    # How many connections are open (the CLI hands over its aiohttp server's count).
+    open_connections: Callable[[], int] = lambda: 0
 
 
 ENGINE = web.AppKey("engine", AsyncEngine)
 STATE = web.AppKey("state", ServerState)
 METRICS = web.AppKey("metrics", Metrics)
+OPENAPI = web.AppKey("openapi", dict)
 
 
 def _error_response(err: ApiError, request_id: str | None = None) -> web.Response:
@@ -79,11 +85,17 @@ async def errors_and_access_log(request: web.Request, handler: Handler) -> web.S
         return resp
     except ApiError as e:
         status = e.status
-        return _error_response(e, request_id)
+        resp = _error_response(e, request_id)
+        if e.status == 408:  # the rest of the body is not waited for: the connection goes
+            resp.force_close()
+        return resp
     except web.HTTPException as e:  # unknown route, wrong method, body too large …
         status = e.status
         kind = "NotFoundError" if e.status == 404 else "invalid_request_error"
-        return _error_response(ApiError(e.status, e.reason or "error", kind), request_id)
+        resp = _error_response(ApiError(e.status, e.reason or "error", kind), request_id)
+        if "Allow" in e.headers:  # a 405 says which methods the route takes (RFC 9110)
+            resp.headers["Allow"] = e.headers["Allow"]
+        return resp
     except asyncio.CancelledError:
         status = 499  # the client went away
         raise
@@ -100,6 +112,18 @@ async def errors_and_access_log(request: web.Request, handler: Handler) -> web.S
             status,
             ms,
         )
+
+
+@web.middleware
+async def connection_limit(request: web.Request, handler: Handler) -> web.StreamResponse:
+    state = request.app[STATE]
+    if request.path.startswith("/v1/") and state.open_connections() > state.max_connections:
+        raise ApiError(
+            503,
+            f"more than {state.max_connections} connections are open (--max-connections): try again later",
+            "ServiceUnavailableError",
+        )
+    return await handler(request)
 
 
 @web.middleware
@@ -134,6 +158,10 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok" if ok else "unavailable"}, status=200 if ok else 503)
 
 
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(request.app[OPENAPI])
+
+
 async def version(request: web.Request) -> web.Response:
     return web.json_response({"version": __version__})
 
@@ -157,7 +185,13 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def _json_body(request: web.Request) -> Any:
-    raw = await request.read()  # raises 413 past the app's client_max_size
+    timeout = request.app[STATE].request_timeout
+    try:
+        raw = await asyncio.wait_for(request.read(), timeout)  # 413 past the app's client_max_size
+    except asyncio.TimeoutError as e:
+        raise ApiError(
+            408, f"the request body did not arrive within {timeout:g} s (--request-timeout)", "timeout"
+        ) from e
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -215,6 +249,10 @@ async def _merged(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tup
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _Stalled(Exception):
+    """A streaming client stopped reading (``--request-timeout``)."""
 
 
 class _Run:
@@ -326,15 +364,41 @@ async def _stream(run: _Run, gens: list[AsyncIterator[RequestOutput]]) -> web.St
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     resp.headers["X-Request-Id"] = run.request["request_id"]
     await resp.prepare(run.request)
+    timeout = run.request.app[STATE].request_timeout
+
+    async def send(payload: dict[str, Any]) -> None:
+        # A client that stops reading fills the socket, then aiohttp's buffer (64 KiB), and the
+        # write waits: past the timeout the stream is dropped and its requests aborted, so that
+        # neither it nor the engine's queue for it grows.
+        try:
+            await asyncio.wait_for(resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n"), timeout)
+        except asyncio.TimeoutError as e:
+            raise _Stalled(f"the client read nothing for {timeout:g} s (--request-timeout)") from e
+
+    try:
+        await _stream_events(run, gens, send)
+    except _Stalled as e:
+        log.warning("request %s: %s; its stream is dropped", run.request["request_id"], e)
+        if run.request.transport is not None:
+            run.request.transport.close()
+        return resp
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def _stream_events(
+    run: _Run,
+    gens: list[AsyncIterator[RequestOutput]],
+    send: Callable[[dict[str, Any]], Awaitable[None]],
+) -> None:
+    """The stream's events up to (not including) ``[DONE]``."""
     obj = "chat.completion.chunk" if run.chat else "text_completion"
     opts = run.parsed.stream_options
     # The engine hands out deltas (text it holds back while it may still start a stop string).
     sent_chars: dict[int, int] = {}
     finished: set[int] = set()
     produced = 0
-
-    async def send(payload: dict[str, Any]) -> None:
-        await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
 
     def extra() -> dict[str, Any]:
         return {"usage": run.usage(produced)} if opts.continuous_usage_stats else {}
@@ -387,9 +451,6 @@ async def _stream(run: _Run, gens: list[AsyncIterator[RequestOutput]]) -> web.St
     else:
         if opts.include_usage:
             await send(run.env.wrap(obj, [], usage=run.usage(produced)))
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
-    return resp
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -427,10 +488,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 def create_app(engine: AsyncEngine, state: ServerState, metrics_: Metrics) -> web.Application:
-    app = web.Application(middlewares=[errors_and_access_log, api_key], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(
+        middlewares=[errors_and_access_log, connection_limit, api_key], client_max_size=MAX_BODY_BYTES
+    )
     app[ENGINE], app[STATE], app[METRICS] = engine, state, metrics_
+    app[OPENAPI] = openapi_document()
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)
+    app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", completions)

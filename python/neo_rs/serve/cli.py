@@ -96,6 +96,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--max-waiting", type=int, help="429 beyond this many waiting requests")
     p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client has to send a request's headers and body, or to read the next "
+        "part of a stream, before the server gives up on it",
+    )
+    p.add_argument(
+        "--max-connections", type=_positive_int, default=1024, help="503 past this many open connections"
+    )
+    p.add_argument(
         "--tool-call-parser",
         choices=PARSERS,
         help="how tool_choice auto finds the calls (hermes: Qwen/Hermes tags; llama3_json: Llama 3.1)",
@@ -110,6 +120,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--gpu-memory-utilization must be in (0, 1]")
     if args.max_waiting is not None and args.max_waiting < 0:
         p.error("--max-waiting must be non-negative")
+    if not args.request_timeout > 0:
+        p.error("--request-timeout must be positive")
     if args.cpu_prefix_cache_gib is not None and not args.cpu_prefix_cache_gib >= 0:
         p.error("--cpu-prefix-cache-gib must be non-negative")
     if not 0 < args.port < 65536:
@@ -145,9 +157,25 @@ async def serve(args: argparse.Namespace) -> int:
     engine = AsyncEngine(engine_args(args), max_waiting=args.max_waiting)
     metrics = Metrics(name)
     engine.on_step = metrics.on_step
-    state = ServerState(served_model_name=name, api_key=args.api_key, tool_parser=args.tool_call_parser)
-    runner = web.AppRunner(create_app(engine, state, metrics), handler_cancellation=True, access_log=None)
+    state = ServerState(
+        served_model_name=name,
+        api_key=args.api_key,
+        tool_parser=args.tool_call_parser,
+        request_timeout=args.request_timeout,
+        max_connections=args.max_connections,
+    )
+    # aiohttp closes a connection whose request is not whole within its keep-alive timeout (a
+    # client sending its headers a byte at a time, say), so that timeout is the request timeout;
+    # after an answer sent before the body was read (a 408), it reads on for at most as long.
+    runner = web.AppRunner(
+        create_app(engine, state, metrics),
+        handler_cancellation=True,
+        access_log=None,
+        keepalive_timeout=args.request_timeout,
+        lingering_time=min(10.0, args.request_timeout),
+    )
     await runner.setup()
+    state.open_connections = lambda: len(runner.server.connections) if runner.server else 0
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
     engine.start()

@@ -164,7 +164,7 @@ _SAMPLING_FIELDS = set(_Sampling.model_fields) - {
 }
 
 
-class _CompletionBody(_Sampling):
+class CompletionBody(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
@@ -243,8 +243,8 @@ class _NamedToolChoice(_Strict):
     function: _FunctionName
 
 
-class _ChatBody(_Sampling):
-    messages: list[_Message]
+class ChatBody(_Sampling):
+    messages: list[_Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -294,6 +294,8 @@ def _validated(model: type[_B], body: Any) -> _B:
         field = str(err["loc"][0]) if err["loc"] else None
         if err["type"] == "extra_forbidden" and len(err["loc"]) == 1:
             raise bad(f"'{field}' is not supported", field) from e
+        if err["type"] == "too_short" and len(err["loc"]) == 1:
+            raise bad(f"'{field}' must be a non-empty list", field) from e
         if field in _SHAPES and err["type"] != "missing":
             raise bad(_SHAPES[field], field) from e
         where = ".".join(str(x) for x in err["loc"])
@@ -347,7 +349,7 @@ def _params(kw: dict[str, Any]) -> SamplingParams:
 
 
 def parse_completion(body: Any, served: str) -> ParsedRequest:
-    req = _validated(_CompletionBody, body)
+    req = _validated(CompletionBody, body)
     kw, so, structured_field = _common(req, served)
     if req.max_tokens is None:
         kw["max_tokens"] = 16  # the completions API's default
@@ -381,10 +383,8 @@ def parse_completion(body: Any, served: str) -> ParsedRequest:
 
 
 def parse_chat(body: Any, served: str) -> ParsedRequest:
-    req = _validated(_ChatBody, body)
+    req = _validated(ChatBody, body)
     kw, so, structured_field = _common(req, served)
-    if not req.messages:
-        raise bad("'messages' must be a non-empty list", "messages")
     if req.max_completion_tokens is not None:
         kw["max_tokens"] = req.max_completion_tokens
     logprobs = None

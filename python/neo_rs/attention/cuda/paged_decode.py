@@ -127,6 +127,14 @@ def decode_launch(group: int, head_dim: int, block_size: int, dtype: torch.dtype
     )
 
 
+def _split_scratch(q: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per split: the unnormalised output, and (running max, sum of exponentials), in float32."""
+    num_seqs, num_heads, head_dim = q.shape
+    acc = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    m = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
+    return acc, m, torch.empty_like(m)
+
+
 @torch.library.custom_op("neo_rs::paged_decode", mutates_args=("out",))
 def paged_decode(
     q: torch.Tensor,
@@ -150,10 +158,7 @@ def paged_decode(
         return
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and q.stride(-1) == 1
     splits = num_splits
-    # Per split: the unnormalised output, and (running max, sum of exponentials).
-    acc = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
-    m = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
-    lsum = torch.empty_like(m)
+    acc, m, lsum = _split_scratch(q, splits)
     _paged_decode_split[(num_seqs, num_kv_heads, splits)](
         _bits(q), _bits(k_cache), _bits(v_cache), block_tables, seq_lens, acc, m, lsum,
         scale, block_tables.shape[1], blocks_per_split,
@@ -188,3 +193,4 @@ def _(
             f"paged_decode: q {tuple(q.shape)}, out {tuple(out.shape)}, block tables "
             f"{tuple(block_tables.shape)} and lengths {tuple(seq_lens.shape)} disagree on the rows"
         )
+    _split_scratch(q, num_splits)  # what the kernel allocates, for a memory trace to see
