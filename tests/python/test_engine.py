@@ -16,6 +16,7 @@ from neo_rs.attention.device_decode import TorchDecode
 from neo_rs.attention.metadata import AttentionBatch
 from neo_rs.config import EngineArgs
 from neo_rs.engine.tokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer, load_tokenizer
+from neo_rs.errors import InvalidArgumentError
 from neo_rs.model.demo import demo_model_dir
 
 
@@ -175,3 +176,18 @@ def test_demo_model_runs_and_says_its_weights_are_random(caplog) -> None:
     b = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids and len(a[0].outputs[0].token_ids) == 8
     assert_all_blocks_free(llm.engine)
+
+
+@pytest.mark.parametrize(("offload", "pool"), [("none", "device"), ("neo", "host")])
+def test_a_request_larger_than_a_pool_is_refused_before_it_is_queued(offload: str, pool: str) -> None:
+    """Found by benches/soak.py: the scheduler refused it on the engine's thread, and the server
+    answered 500; the engine now says so when the request is checked, and the server 400."""
+    blocks = {
+        "device": dict(num_gpu_blocks=4, num_cpu_blocks=64),
+        "host": dict(num_gpu_blocks=64, num_cpu_blocks=4),
+    }
+    engine = LLMEngine(EngineArgs(model="demo", offload=offload, block_size=8, **blocks[pool]))
+    with pytest.raises(InvalidArgumentError, match=f"the {pool} pool has 4"):
+        engine.check_prompt(list(range(3, 23)), SamplingParams(max_tokens=20))  # what a server asks first
+    assert engine.check_prompt(list(range(3, 23)), SamplingParams(max_tokens=12)) == 12  # 31 tokens: 4 blocks
+    engine.shutdown()

@@ -156,6 +156,10 @@ class LLMEngine:
             enable_prefix_caching=args.enable_prefix_caching,
             num_cpu_prefix_blocks=self.runner.num_cpu_prefix_blocks,
         )
+        self._block_size = args.block_size
+        self._pool_blocks = [("device", self.runner.num_gpu_blocks)]
+        if args.offload != "none":  # the host pool holds whole requests too
+            self._pool_blocks.append(("host", self.runner.num_cpu_blocks))
         if args.offload == "neo":
             budget = args.token_budget
             on_profile = self.workers.profile if self.workers is not None else None
@@ -201,6 +205,15 @@ class LLMEngine:
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds "
                 f"the model's context of {self.max_model_len}"
             )
+        # The scheduler refuses a request that could never fit its pools (as it is added, on the
+        # engine's thread); said here, a server answers 400 before a stream has begun.
+        need = -(-(n + max_tokens - 1) // self._block_size)
+        for pool, blocks in self._pool_blocks:
+            if need > blocks:
+                raise InvalidArgumentError(
+                    f"the prompt ({n} tokens) and max_tokens ({max_tokens}) need {need} KV blocks, but "
+                    f"the {pool} pool has {blocks}: lower max_tokens, or give the engine more KV memory"
+                )
         return max_tokens
 
     def add_request(

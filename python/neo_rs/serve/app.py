@@ -344,6 +344,8 @@ async def _respond(run: _Run) -> web.StreamResponse:
                 finals[i] = out
     except EngineStepError as e:
         raise _engine_failed(e) from e
+    except InvalidArgumentError as e:  # refused as the engine added it
+        raise bad(str(e)) from e
     choices = []
     for i in sorted(finals):
         for o in finals[i].outputs:
@@ -448,6 +450,8 @@ async def _stream_events(
                     finished.add(idx)
     except EngineStepError as e:  # the stream has begun: the error goes in an event, then [DONE]
         await send(_engine_failed(e).body())
+    except InvalidArgumentError as e:
+        await send(bad(str(e)).body())
     else:
         if opts.include_usage:
             await send(run.env.wrap(obj, [], usage=run.usage(produced)))
