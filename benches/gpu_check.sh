@@ -15,8 +15,8 @@
 # of `python -m neo_rs.sim --calibrate`.
 # One table at the end; JSON and logs in $OUT.
 # `--bench` runs step (2) alone: a rerun inside one lease, once the tests have passed.
-# `--kernels` runs step (0) and the Triton kernels' tests alone (a kernel change, checked in a
-# minute and a half of a lease).
+# `--kernels` runs step (0) and the Triton kernels' and CUDA graphs' tests alone (a kernel change,
+# checked in a minute and a half of a lease).
 # `--cpu-smoke` runs the same steps in this repository's .venv on the CPU, with a tiny one-layer
 # model and one small test file, so that CI keeps the script from rotting.
 set -euo pipefail
@@ -54,7 +54,7 @@ fi
 if [ "${1:-}" = "--bench" ]; then TESTS= FALLBACK_TESTS=; fi
 if [ "${1:-}" = "--kernels" ]; then
     TESTS="tests/python/test_triton_decode.py tests/python/test_triton_prefill.py
-        tests/python/test_device_decode.py"
+        tests/python/test_device_decode.py tests/python/test_cuda_graphs.py"
     FALLBACK_TESTS= SKIP_BENCH=1
 fi
 # SKIP_COMPILE=1 leaves step (0) out (kernels unchanged since the last lease; saves a minute).
