@@ -29,6 +29,49 @@ def make_model(root: Path) -> Path:
     return path
 
 
+def make_moe_pair(root: Path, hidden: int = 512, layers: int = 4) -> tuple[Path, Path]:
+    """A random Qwen3-MoE shaped like Qwen3-30B-A3B at a smaller width (experts of hidden / 2
+    columns, 32 of them, 4 per token: its active to total MLP ratio at a quarter of its expert
+    count), and the same model made dense with the active parameter count (one MLP of 4 experts'
+    columns)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    common = dict(
+        vocab_size=32000,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+    )
+    expert, top_k = hidden // 2, 4
+    out = []
+    for name, model in (
+        (
+            "qwen3-moe",
+            Qwen3MoeForCausalLM(
+                Qwen3MoeConfig(
+                    intermediate_size=top_k * expert,
+                    moe_intermediate_size=expert,
+                    num_experts=32,
+                    num_experts_per_tok=top_k,
+                    norm_topk_prob=True,
+                    **common,
+                )
+            ),
+        ),
+        ("qwen3-dense-active", Qwen3ForCausalLM(Qwen3Config(intermediate_size=top_k * expert, **common))),
+    ):
+        torch.manual_seed(0)
+        path = root / name
+        model.save_pretrained(path)
+        save_word_tokenizer(path, 32000)
+        print(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
+        out.append(path)
+    return out[0], out[1]
+
+
 def save_word_tokenizer(path: Path, vocab_size: int) -> None:
     """A word-level tokenizer over the words ``w0 … w{vocab_size-1}``: every token decodes to
     visible text, so streamed chunks carry one word each."""

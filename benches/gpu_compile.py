@@ -1,7 +1,8 @@
-"""Every Triton kernel in ``neo_rs.attention.cuda`` compiled ahead of time for the GPUs NEO targets,
-with no GPU: sm_75 (T4), sm_80 (A100), sm_86 (A10G), sm_89 (L4) and sm_90 (H100/H200). Each kernel
-is built with the compile-time arguments its launcher picks (``decode_launch``,
-``prefill_launch``) for head dims 64/80/96/128/256, block sizes 16/32, the 16-bit dtype the engine
+"""Every Triton kernel in ``neo_rs.attention.cuda`` and ``neo_rs.model.cuda`` compiled ahead of time
+for the GPUs NEO targets, with no GPU: sm_75 (T4), sm_80 (A100), sm_86 (A10G), sm_89 (L4) and sm_90
+(H100/H200). Each kernel is built with the compile-time arguments its launcher picks
+(``decode_launch``, ``prefill_launch``, ``moe_launch``) for head dims 64/80/96/128/256, block sizes
+16/32 (the MoE GEMM: 1 and 8 rows per token), the 16-bit dtype the engine
 runs on that target (no bf16 before sm_80: fp16 there) and float32. The bundled ``ptxas -v``
 gives registers and spills; the metadata, shared memory; occupancy follows from the target's
 limits. Prints one table (a row per kernel, target and dtype: its worst case) and exits 1 on a
@@ -32,6 +33,7 @@ import torch
 import triton
 from neo_rs.attention.cuda import paged_decode, paged_prefill
 from neo_rs.config import cache_dir
+from neo_rs.model.cuda import fused_moe
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
@@ -92,6 +94,12 @@ class Built:
 KERNELS = {
     "decode": (paged_decode._paged_decode_split, paged_decode.decode_launch),
     "prefill": (paged_prefill._paged_prefill, paged_prefill.prefill_launch),
+    # The grouped expert GEMM: its only shape-dependent constant is the rows each token feeds
+    # (``group`` stands for it: 1 for the down projection, top-k for gate/up).
+    "moe": (
+        fused_moe._moe_gemm,
+        lambda rows, _hd, _bs, dtype: {**fused_moe.moe_launch(dtype), "ROWS_PER_TOKEN": rows},
+    ),
 }
 
 
@@ -101,6 +109,7 @@ def signature(fn: triton.JITFunction, dtype: torch.dtype, constants: dict) -> di
     element = {torch.bfloat16: "*i16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
     by_name = {"q_ptr": element, "k_ptr": element, "v_ptr": element, "tables_ptr": "*i32"}
     by_name |= {"lens_ptr": "*i32", "table_ptr": "*i64", "scale": "fp32"}
+    by_name |= {"a_ptr": element, "w_ptr": element, "sorted_ptr": "*i32", "block_expert_ptr": "*i32"}
     sig = {}
     for name in fn.arg_names:
         if name in constants:
@@ -168,6 +177,9 @@ def cases(archs: list[int]) -> list[Case]:
             name = str(dtype).removeprefix("torch.")
             out += [Case("decode", arch, name, hd, bs, g) for g in GROUPS]
             out.append(Case("prefill", arch, name, hd, bs, 4))
+    for arch in archs:
+        for dtype in engine_dtypes(arch):
+            out += [Case("moe", arch, str(dtype).removeprefix("torch."), 0, 0, rows) for rows in (1, 8)]
     return out
 
 
@@ -175,7 +187,7 @@ def source_key() -> str:
     """The kernels' source, this script's and Triton's version: what the results depend on."""
     h = hashlib.sha256(triton.__version__.encode())
     h.update(Path(__file__).read_bytes())
-    for module in (paged_decode, paged_prefill):
+    for module in (paged_decode, paged_prefill, fused_moe):
         h.update(inspect.getsource(module).encode())
     return h.hexdigest()[:20]
 

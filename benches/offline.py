@@ -6,6 +6,11 @@ is written to a temporary directory; 64 prompts of 32-256 tokens each generate 1
 ratio is what to read on a noisy machine.
 
     python benches/offline.py [--prompts 64] [--max-tokens 128] [--dtypes float32,bfloat16]
+
+``--moe``: instead, a random Qwen3-MoE (Qwen3-30B-A3B's shape, narrower) against the same model
+made dense with its active parameter count, both on neo_rs: generation time, and one MLP layer's
+time at one stream (1 row), a decode batch (64 rows) and a prefill (1024 rows), beside the weight
+bytes each must read (a batch touches more experts than one token does: at 64 rows, all of them).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import make_model, prompts
+from common import make_model, make_moe_pair, prompts
 
 
 def run_neo(path: Path, batch: list[list[int]], max_tokens: int, dtype: str) -> float:
@@ -56,15 +61,54 @@ def run_hf(path: Path, batch: list[list[int]], max_tokens: int, dtype: str) -> f
     return len(batch) * max_tokens / elapsed
 
 
+def mlp_ms(path: Path, dtype: str, rows: int) -> float:
+    """One decoder layer's MLP (dense or sparse) over ``rows`` random hidden states, as the
+    engine built it (prepacked on the CPU in bf16), median of 20."""
+    from neo_rs import LLM
+
+    llm = LLM(str(path), dtype=dtype, skip_tokenizer_init=True, num_gpu_blocks=64)
+    mlp = llm.engine.runner.model.decoder_layers[0].mlp
+    x = torch.randn(rows, llm.engine.runner.model.config.hidden_size, dtype=getattr(torch, dtype))
+    times = []
+    with torch.inference_mode():
+        for _ in range(23):
+            t = time.perf_counter()
+            mlp(x)
+            times.append(time.perf_counter() - t)
+    llm.engine.shutdown()
+    return sorted(times[3:])[len(times[3:]) // 2] * 1e3
+
+
+def moe_vs_dense(args: argparse.Namespace, batch: list[list[int]]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        moe, dense = make_moe_pair(Path(tmp))
+        experts, top_k = 32, 4  # make_moe_pair's
+        print(
+            f"{'dtype':<10}{'what':<22}{'MoE':>10}{'dense':>10}{'time MoE/dense':>16}{'bytes MoE/dense':>17}"
+        )
+        for dtype in args.dtypes.split(","):
+            for rows in (1, 64, 1024):
+                m, d = mlp_ms(moe, dtype, rows), mlp_ms(dense, dtype, rows)
+                touched = experts * (1 - (1 - top_k / experts) ** rows)  # expected, uniform routing
+                line = f"{dtype:<10}{f'MLP ms, {rows} rows':<22}{m:>10.2f}{d:>10.2f}{m / d:>15.2f}x"
+                print(f"{line}{touched / top_k:>16.2f}x", flush=True)
+            m, d = (run_neo(p, batch, args.max_tokens, dtype) for p in (moe, dense))
+            print(f"{dtype:<10}{'generate tok/s':<22}{m:>10.1f}{d:>10.1f}{d / m:>15.2f}x", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--moe", action="store_true", help="an MoE model against its dense-active twin")
     args = ap.parse_args()
     batch = prompts(args.prompts)
     print(f"{args.prompts} prompts ({sum(map(len, batch))} prompt tokens) x {args.max_tokens} output tokens")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.moe:
+        moe_vs_dense(args, batch)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         path = make_model(Path(tmp))
         print(f"{'dtype':<10}{'neo_rs tok/s':>14}{'HF tok/s':>12}{'ratio':>8}")

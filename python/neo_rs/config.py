@@ -1,8 +1,9 @@
-"""Configuration: the model's shape parsed from a Hugging Face ``config.json`` (Llama, Mistral,
-Qwen2) and the engine's arguments (vLLM's ``EngineArgs`` names)."""
+"""Configuration: the model's shape parsed from a Hugging Face ``config.json`` (the families of
+``ARCHITECTURES``) and the engine's arguments (vLLM's ``EngineArgs`` names)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -20,9 +21,41 @@ from neo_rs.errors import InvalidArgumentError, ModelLoadError
 
 log = logging.getLogger(__name__)
 
-# Architecture name (config.json "architectures") -> whether q/k/v projections carry a bias.
-ARCHITECTURES = {"LlamaForCausalLM": False, "MistralForCausalLM": False, "Qwen2ForCausalLM": True}
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+@dataclass(frozen=True)
+class Family:
+    """What sets an architecture apart from Llama's decoder (``model/decoder.py`` reads it)."""
+
+    qkv_bias: bool = False  # q/k/v carry a bias whatever ``attention_bias`` says (Qwen2)
+    o_bias: bool = True  # the O projection has a bias when ``attention_bias`` is set
+    qk_norm: str | None = None  # "head": RMSNorm per head (Qwen3); "projection": over all heads (OLMo 2)
+    post_norms: bool = False  # norms after attention and the MLP, none before (OLMo 2)
+    moe: str | None = None  # "mixtral" | "qwen3_moe": sparse MLP layers (``model/moe.py``)
+
+
+# config.json "architectures" -> its family.
+ARCHITECTURES = {
+    "LlamaForCausalLM": Family(),
+    "MistralForCausalLM": Family(o_bias=False),
+    "Qwen2ForCausalLM": Family(qkv_bias=True, o_bias=False),
+    "Qwen3ForCausalLM": Family(qk_norm="head"),
+    "Qwen3MoeForCausalLM": Family(qk_norm="head", moe="qwen3_moe"),
+    "MixtralForCausalLM": Family(o_bias=False, moe="mixtral"),
+    "Phi3ForCausalLM": Family(o_bias=False),
+    "SmolLM3ForCausalLM": Family(),
+    "Olmo2ForCausalLM": Family(qk_norm="projection", post_norms=True),
+}
+MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+}
 OFFLOAD_MODES = ("neo", "none", "all")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 CPU_KV_DTYPES = ("auto", "int8")
@@ -40,11 +73,18 @@ DTYPES = {
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    kind: str = "default"  # default | linear | llama3
+    kind: str = "default"  # default | linear | llama3 | longrope
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # The share of each head's dimensions that rotate (Phi-4-mini: 0.75); the rest pass through.
+    partial_rotary_factor: float = 1.0
+    # longrope (Phi-3/4): per-frequency divisors below and beyond the original length, and the
+    # cos/sin scale.
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
     @staticmethod
     def from_hf(cfg: dict[str, Any]) -> RopeConfig:
@@ -52,25 +92,60 @@ class RopeConfig:
         # "rope_theta" and an optional "rope_scaling".
         params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
         kind = params.get("rope_type", params.get("type", "default"))
+        base = RopeConfig(theta=theta, partial_rotary_factor=partial)
         if kind == "default":
-            return RopeConfig(theta=theta)
+            return base
         if kind == "linear":
-            return RopeConfig(theta=theta, kind=kind, factor=float(params["factor"]))
+            return dataclasses.replace(base, kind=kind, factor=float(params["factor"]))
         if kind == "llama3":
-            return RopeConfig(
-                theta=theta,
+            return dataclasses.replace(
+                base,
                 kind=kind,
                 factor=float(params["factor"]),
                 low_freq_factor=float(params["low_freq_factor"]),
                 high_freq_factor=float(params["high_freq_factor"]),
                 original_max_position_embeddings=int(params["original_max_position_embeddings"]),
             )
-        raise ModelLoadError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+        if kind == "longrope":
+            original = int(
+                params.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"]
+            )
+            # As transformers: the factor defaults to the length ratio, and the cos/sin scale to
+            # LongRoPE's sqrt(1 + ln(factor) / ln(original length)).
+            factor = float(params.get("factor") or int(cfg["max_position_embeddings"]) / original)
+            scale = params.get("attention_factor")
+            if scale is None:
+                scale = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+            return dataclasses.replace(
+                base,
+                kind=kind,
+                factor=factor,
+                original_max_position_embeddings=original,
+                short_factor=tuple(float(f) for f in params["short_factor"]),
+                long_factor=tuple(float(f) for f in params["long_factor"]),
+                attention_factor=float(scale),
+            )
+        raise ModelLoadError(
+            f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, longrope)"
+        )
 
-    def inv_freq(self, head_dim: int) -> torch.Tensor:
-        """Inverse frequencies of the rotary embedding, float32 ``[head_dim // 2]``."""
-        inv = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    def rotary_dim(self, head_dim: int) -> int:
+        """How many of a head's leading dimensions rotate."""
+        return int(head_dim * self.partial_rotary_factor)
+
+    def inv_freq(self, head_dim: int, long: bool = False) -> torch.Tensor:
+        """Inverse frequencies of the rotary embedding, float32 ``[rotary_dim // 2]``; ``long``:
+        longrope's for positions beyond the original length."""
+        dim = self.rotary_dim(head_dim)
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        if self.kind == "longrope":
+            factors = self.long_factor if long else self.short_factor
+            if len(factors) != dim // 2:
+                raise ModelLoadError(f"longrope has {len(factors)} factors for {dim // 2} frequencies")
+            return 1.0 / (torch.tensor(factors, dtype=torch.float32) * self.theta**exponents)
+        inv = 1.0 / (self.theta**exponents)
         if self.kind == "linear":
             return inv / self.factor
         if self.kind == "llama3":
@@ -85,6 +160,29 @@ class RopeConfig:
             medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
             return torch.where(medium, smoothed, scaled)
         return inv
+
+    def angles(self, head_dim: int, positions: int) -> torch.Tensor:
+        """Rotation angles ``[positions, rotary_dim // 2]``, float32. longrope takes its long
+        factors from the original length on, per position (transformers switches the whole
+        sequence once it grows past that length; below it, the two agree)."""
+        pos = torch.arange(positions, dtype=torch.float32)
+        freqs = torch.outer(pos, self.inv_freq(head_dim))
+        if self.kind == "longrope" and positions > self.original_max_position_embeddings:
+            beyond = slice(self.original_max_position_embeddings, None)
+            freqs[beyond] = torch.outer(pos[beyond], self.inv_freq(head_dim, long=True))
+        return freqs
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A sparse MLP: ``num_experts`` SwiGLU experts of ``intermediate_size``, ``top_k`` per token."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    # Renormalise the chosen experts' softmax weights to sum to 1 (Mixtral always does).
+    norm_topk_prob: bool
+    layers: tuple[bool, ...]  # per layer: sparse (True) or the dense MLP
 
 
 @dataclass(frozen=True)
@@ -104,6 +202,11 @@ class ModelConfig:
     tie_word_embeddings: bool
     torch_dtype: torch.dtype
     sliding_window: int | None = None
+    o_bias: bool = False
+    qk_norm: str | None = None  # see ``Family``
+    post_norms: bool = False
+    rope_layers: tuple[bool, ...] | None = None  # per layer, whether RoPE applies (None: all; SmolLM3)
+    moe: MoeConfig | None = None
 
     @staticmethod
     def from_dir(model_dir: str | Path) -> ModelConfig:
@@ -125,28 +228,40 @@ class ModelConfig:
                 f"{where}: unsupported architecture {arch or cfg.get('model_type')!r} "
                 f"(supported: {', '.join(ARCHITECTURES)})"
             )
+        family = ARCHITECTURES[arch]
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
+            layers = int(cfg["num_hidden_layers"])
+            act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
+            if act != "silu":
+                raise ModelLoadError(f"{where}: unsupported activation {act!r} for {arch} (supported: silu)")
             window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+            bias = bool(cfg.get("attention_bias", False))
+            no_rope = cfg.get("no_rope_layers")  # SmolLM3: 1 where RoPE applies
             return ModelConfig(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
+                num_layers=layers,
                 num_heads=heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope=RopeConfig.from_hf(cfg),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-                qkv_bias=ARCHITECTURES[arch] or bool(cfg.get("attention_bias", False)),
+                qkv_bias=family.qkv_bias or bias,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 torch_dtype=DTYPES.get(
                     str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), torch.float32
                 ),
                 sliding_window=int(window) if window else None,
+                o_bias=family.o_bias and bias,
+                qk_norm=family.qk_norm,
+                post_norms=family.post_norms,
+                rope_layers=tuple(bool(r) for r in no_rope) if no_rope is not None else None,
+                moe=_moe_config(family.moe, cfg, layers),
             )
         except KeyError as e:
             raise ModelLoadError(f"{where}: missing field {e.args[0]!r}") from e
@@ -157,6 +272,26 @@ class ModelConfig:
         if self.sliding_window:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
+
+
+def _moe_config(kind: str | None, cfg: dict[str, Any], layers: int) -> MoeConfig | None:
+    """The sparse MLP of a ``Family.moe`` kind, from transformers' config names."""
+    if kind is None:
+        return None
+    # Qwen3-MoE's checkpoints say num_experts; transformers 5 saves either as num_local_experts.
+    experts = int(cfg.get("num_local_experts") or cfg["num_experts"])
+    if kind == "mixtral":
+        size, norm = int(cfg["intermediate_size"]), True
+        sparse = (True,) * layers
+    else:
+        size = int(cfg["moe_intermediate_size"])
+        norm = bool(cfg.get("norm_topk_prob", False))
+        step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or [])
+        sparse = tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(layers))
+    top_k = int(cfg["num_experts_per_tok"])
+    if not 0 < top_k <= experts:
+        raise ModelLoadError(f"num_experts_per_tok {top_k} must be between 1 and the {experts} experts")
+    return MoeConfig(experts, top_k, size, norm, sparse)
 
 
 def cache_dir() -> Path:

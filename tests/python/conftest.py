@@ -1,6 +1,7 @@
 """Fixtures: tiny randomly initialised Hugging Face checkpoints (Llama MHA, Llama-3 style GQA
 with llama3 rope scaling, Mistral with linear rope scaling, Qwen2 with QKV bias and tied
-embeddings), saved with ``save_pretrained`` plus the demo byte-level tokenizer. No downloads."""
+embeddings, and one of each further family: Qwen3, Phi-3, SmolLM3, OLMo 2, Mixtral, Qwen3-MoE),
+saved with ``save_pretrained`` plus the demo byte-level tokenizer. No downloads."""
 
 from __future__ import annotations
 
@@ -63,6 +64,61 @@ def _config(kind: str):  # noqa: ANN202 (a transformers config)
         )
     if kind == "qwen2":
         return Qwen2Config(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, **common)
+    return _family_config(kind, common)
+
+
+def _family_config(kind: str, common: dict):  # noqa: ANN202 (a transformers config)
+    """The families beyond Llama's, each with shapes that exercise what is new in it."""
+    import transformers as tf
+
+    if kind == "qwen3":  # per-head q/k norms; head_dim unrelated to hidden / heads; biases
+        return tf.Qwen3Config(
+            num_attention_heads=4, num_key_value_heads=2, head_dim=24, attention_bias=True, **common
+        )
+    if (
+        kind == "phi3"
+    ):  # fused checkpoint matrices; longrope (long factors from position 64 on), half the dims rotate
+        rope = {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "original_max_position_embeddings": 64,
+            "short_factor": [1.0, 1.3, 2.1, 3.0],
+            "long_factor": [1.5, 2.5, 4.0, 7.0],
+        }
+        return tf.Phi3Config(
+            original_max_position_embeddings=64,  # Phi3Config's own field wins over rope_parameters'
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_parameters=rope,
+            sliding_window=None,
+            pad_token_id=0,
+            **common,
+        )
+    if kind == "smollm3":  # every other layer without RoPE
+        return tf.SmolLM3Config(
+            num_attention_heads=4, num_key_value_heads=2, no_rope_layers=[1, 0], pad_token_id=0, **common
+        )
+    if kind == "olmo2":  # q/k norms over the whole projection; norms after attention and the MLP
+        return tf.Olmo2Config(num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, **common)
+    if kind == "mixtral":  # top-2 of 4 experts
+        return tf.MixtralConfig(
+            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **common
+        )
+    if (
+        kind == "qwen3_moe"
+    ):  # top-1 of 5 experts, unnormalised; layer 0 dense (mlp_only_layers), layer 1 sparse
+        return tf.Qwen3MoeConfig(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=5,
+            num_experts_per_tok=1,
+            moe_intermediate_size=48,
+            norm_topk_prob=False,
+            mlp_only_layers=[0],
+            **common,
+        )
     raise ValueError(kind)
 
 
@@ -79,12 +135,14 @@ def make_checkpoint(root: Path, kind: str, shard: bool = False) -> Path:
 
 
 ARCHS = ["llama", "llama3", "mistral", "qwen2"]
+# The families beyond Llama's (test_model_families.py).
+FAMILIES = ["qwen3", "phi3", "smollm3", "olmo2", "mixtral", "qwen3_moe"]
 
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ckpt")
-    out = {kind: make_checkpoint(root, kind) for kind in ARCHS}
+    out = {kind: make_checkpoint(root, kind) for kind in ARCHS + FAMILIES}
     out["llama-sharded"] = make_checkpoint(root, "llama", shard=True)
     return out
 

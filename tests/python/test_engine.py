@@ -43,7 +43,7 @@ def test_load_errors_name_the_problem(checkpoints, tmp_path) -> None:
     weights = load_file(checkpoints["llama"] / "model.safetensors")
     del weights["model.layers.1.mlp.up_proj.weight"]
     save_file(weights, bad / "model.safetensors")
-    with pytest.raises(ModelLoadError, match="layers.1.gate_up_proj.weight"):
+    with pytest.raises(ModelLoadError, match="layers.1.mlp.gate_up_proj.weight"):
         LLM(str(bad))
     sharded = tmp_path / "sharded"
     shutil.copytree(checkpoints["llama-sharded"], sharded)

@@ -1,6 +1,7 @@
 """The engine's CUDA path, run without a GPU (``fake_cuda.py``): every iteration of every offload
 mode, the prefix cache's two tiers, swaps, chunked prefill, structured outputs, int8 host KV,
-a Llama-3-8B-shaped model at 2 and 32 layers and one AsyncEngine request. Each iteration mixes
+a Llama-3-8B-shaped model at 2 and 32 layers, a Qwen3-30B-A3B-shaped MoE and one AsyncEngine
+request. Each iteration mixes
 no devices, reads no CUDA scalar, and waits for the device as often as the budget says
 (``SYNCS_PER_ITERATION``), whatever the number of layers. Two planted defects show the checks
 bite."""
@@ -200,17 +201,36 @@ class _FakeSlice:
         return fake.fake_tensor_converter.from_meta_and_device(fake, meta, torch.device("cpu"))
 
 
+def _per_expert(shapes: dict[str, torch.Size]) -> dict[str, torch.Size]:
+    """transformers' stacked expert tensors as checkpoints on the Hub store them: per expert."""
+    out = {}
+    for name, shape in shapes.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            experts, rows, cols = shape
+            for e in range(experts):
+                for part in ("gate_proj", "up_proj"):
+                    out[name.replace("gate_up_proj", f"{e}.{part}.weight")] = torch.Size([rows // 2, cols])
+        elif name.endswith("mlp.experts.down_proj"):
+            for e in range(shape[0]):
+                out[name.replace("down_proj", f"{e}.down_proj.weight")] = torch.Size(shape[1:])
+        else:
+            out[name] = shape
+    return out
+
+
 def fake_weights(monkeypatch: pytest.MonkeyPatch, checks: CudaChecks, path: Path) -> None:
     """The loader reads fakes of the shapes transformers gives this config: nothing allocated."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
-        shapes = {
-            n: p.shape
-            for n, p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-            .state_dict()
-            .items()
-        }
+        shapes = _per_expert(
+            {
+                n: p.shape
+                for n, p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+                .state_dict()
+                .items()
+            }
+        )
 
     class Checkpoint:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -255,6 +275,45 @@ def test_llama3_8b_shapes_cost_the_same_syncs_at_any_depth(monkeypatch, tmp_path
     # blocks are 32 MiB at 32 layers).
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024
     assert grown_mib < 2048, grown_mib
+
+
+def test_qwen3_moe_shapes_group_experts_without_reading_the_device(monkeypatch, tmp_path) -> None:
+    # Qwen3-30B-A3B's shapes at 2 of its 48 layers: 128 experts, 8 per token, on the fused MoE
+    # kernel's op, within the same one read per iteration.
+    from transformers import Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=2,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        torch_dtype="bfloat16",
+    )
+    path = tmp_path / "qwen3-30b-a3b-2"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({**cfg.to_dict(), "architectures": ["Qwen3MoeForCausalLM"]}))
+    (path / "model.safetensors").touch()
+    with fake_gpu(monkeypatch) as checks:
+        fake_weights(monkeypatch, checks, path)
+        engine = engine_on(
+            str(path),
+            skip_tokenizer_init=True,
+            offload="neo",
+            num_gpu_blocks=10,
+            neo_force_pipeline=True,
+            max_model_len=512,
+        )
+        queue(engine, 4)
+        assert "pipelined" in run(engine, checks)
+        assert_all_blocks_free(engine)
+        engine.shutdown()
 
 
 def test_one_async_engine_request(monkeypatch) -> None:

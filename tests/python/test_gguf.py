@@ -1,6 +1,7 @@
-"""GGUF loading on tiny files written with the ``gguf`` package: every supported quantization type
-dequantizes to what transformers' own GGUF loading produces, the Q/K permutation round-trips, the
-converted checkpoint generates like transformers, and bad files raise ``ModelLoadError``."""
+"""GGUF loading on tiny files written with the ``gguf`` package (Llama, Qwen2, Qwen3, Qwen3-MoE):
+every supported quantization type dequantizes to what transformers' own GGUF loading produces, the
+Q/K permutation round-trips, the converted checkpoint generates like transformers, Llama 3.1's
+rope factors become its rope scaling, and bad files raise ``ModelLoadError``."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from neo_rs.model.gguf import QUANT_TYPES, converted_dir, hf_config, iter_weight
 Q = gguf.GGMLQuantizationType
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 256, 4, 2, 2  # K-quants need rows of 256
 HEAD_DIM = HIDDEN // HEADS
+# transformers' GGUF reader takes Qwen3-MoE's expert width from its default (768), not the file.
+EXPERTS, EXPERTS_USED, EXPERT_FFN = 4, 2, 768
+ARCHS = ["llama", "qwen2", "qwen3", "qwen3moe"]
 # Byte offsets of each quantized block's fp16 scale fields, which random bytes must not make NaN.
 _F16_FIELDS = {
     "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
@@ -52,8 +56,15 @@ def _tensor(rng: np.random.Generator, shape: tuple[int, int], qtype: str) -> tup
     return blocks.reshape(shape[0], -1), Q[qtype]
 
 
-def write_gguf(path: Path, arch: str = "llama", types: list[str] | None = None, seed: int = 0) -> Path:
-    """A tiny Llama/Qwen2 GGUF with a byte-level tokenizer; 2-D tensors cycle through ``types``."""
+def write_gguf(
+    path: Path,
+    arch: str = "llama",
+    types: list[str] | None = None,
+    seed: int = 0,
+    rope_freqs: np.ndarray | None = None,
+) -> Path:
+    """A tiny GGUF of ``arch`` (Qwen3's with q/k norms, Qwen3-MoE's with stacked experts) with a
+    byte-level tokenizer; 2-D tensors cycle through ``types``."""
     rng = np.random.default_rng(seed)
     types = types or QUANT_TYPES
     w = gguf.GGUFWriter(str(path), arch)
@@ -63,7 +74,14 @@ def write_gguf(path: Path, arch: str = "llama", types: list[str] | None = None, 
     w.add_feed_forward_length(FFN)
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV_HEADS)
+    # Qwen3's head dim is its own (128), not hidden / heads: transformers' reader assumes 128.
+    head_dim = 128 if arch.startswith("qwen3") else HEAD_DIM
+    w.add_key_length(head_dim)
     w.add_rope_freq_base(10000.0)
+    if arch == "qwen3moe":
+        w.add_expert_count(EXPERTS)
+        w.add_expert_used_count(EXPERTS_USED)
+        w.add_expert_feed_forward_length(EXPERT_FFN)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -73,13 +91,20 @@ def write_gguf(path: Path, arch: str = "llama", types: list[str] | None = None, 
     w.add_bos_token_id(256)
     w.add_eos_token_id(257)
     w.add_chat_template("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
-    vocab, kv = 258, KV_HEADS * HEAD_DIM
-    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (kv, HIDDEN), "attn_v": (kv, HIDDEN)}
-    shapes |= {"attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN)}
+    vocab, q, kv = 258, HEADS * head_dim, KV_HEADS * head_dim
+    shapes = {"attn_q": (q, HIDDEN), "attn_k": (kv, HIDDEN), "attn_v": (kv, HIDDEN)}
+    shapes |= {"attn_output": (HIDDEN, q), "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN)}
     shapes |= {"ffn_down": (HIDDEN, FFN)}
+    if arch == "qwen3moe":  # the dense MLP's place: a router and stacked experts
+        del shapes["ffn_gate"], shapes["ffn_up"], shapes["ffn_down"]
+        shapes |= {"ffn_gate_inp": (EXPERTS, HIDDEN)}
     kinds = itertools.cycle(types)
 
-    def add(name: str, shape: tuple[int, int]) -> None:
+    def add(name: str, shape: tuple[int, ...]) -> None:
+        if len(shape) == 3:  # stacked experts: one type for the whole tensor
+            parts = [_tensor(rng, shape[1:], qtype) for qtype in [next(kinds)] * shape[0]]
+            w.add_tensor(name, np.stack([d for d, _ in parts]), raw_dtype=parts[0][1])
+            return
         data, raw_dtype = _tensor(rng, shape, next(kinds))
         w.add_tensor(name, data, raw_dtype=raw_dtype)
 
@@ -94,6 +119,15 @@ def write_gguf(path: Path, arch: str = "llama", types: list[str] | None = None, 
             if arch == "qwen2" and kind in ("attn_q", "attn_k", "attn_v"):
                 bias = (rng.standard_normal(shape[0]) * 0.05).astype(np.float32)
                 w.add_tensor(f"blk.{i}.{kind}.bias", bias)
+        if arch.startswith("qwen3"):
+            for kind in ("attn_q_norm", "attn_k_norm"):
+                w.add_tensor(f"blk.{i}.{kind}.weight", rng.uniform(0.5, 1.5, head_dim).astype(np.float32))
+        if arch == "qwen3moe":
+            for kind in ("ffn_gate_exps", "ffn_up_exps"):
+                add(f"blk.{i}.{kind}.weight", (EXPERTS, EXPERT_FFN, HIDDEN))
+            add(f"blk.{i}.ffn_down_exps.weight", (EXPERTS, HIDDEN, EXPERT_FFN))
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -104,7 +138,7 @@ def write_gguf(path: Path, arch: str = "llama", types: list[str] | None = None, 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gguf")
-    return {arch: write_gguf(root / f"tiny-{arch}.gguf", arch) for arch in ("llama", "qwen2")}
+    return {arch: write_gguf(root / f"tiny-{arch}.gguf", arch) for arch in ARCHS}
 
 
 def _transformers(path: Path):  # noqa: ANN202 (a transformers model)
@@ -113,7 +147,8 @@ def _transformers(path: Path):  # noqa: ANN202 (a transformers model)
     return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+# transformers holds Qwen3-MoE's experts stacked; its generation is compared below instead.
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_every_quant_type_dequantizes_like_transformers(tiny, arch: str) -> None:
     reader = open_gguf(tiny[arch])
     cfg = hf_config(reader, tiny[arch])
@@ -135,7 +170,7 @@ def test_qk_permutation_round_trips() -> None:
         assert np.array_equal(unpermute_qk(torch.from_numpy(permuted), n_head).numpy(), w)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_gguf_model_generates_like_transformers(tiny, arch: str) -> None:
     prompts = [[256, 72, 105], list(range(10, 40)), [5, 9, 200, 31] * 3]
     hf = _transformers(tiny[arch]).eval()
@@ -170,6 +205,53 @@ def test_truncated_or_corrupt_file_raises_model_load_error(tiny, tmp_path: Path)
         bad.write_bytes(blob)
         with pytest.raises(ModelLoadError, match="GGUF"):
             LLM(str(bad))
+
+
+def _llama3_factors(theta: float, factor: float, low: float, high: float, original: int) -> np.ndarray:
+    """llama.cpp's rope_freqs for Llama 3.1 scaling (convert_hf_to_gguf.py), restated."""
+    out = []
+    for freq in 1 / theta ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM):
+        wavelen = 2 * np.pi / freq
+        if wavelen < original / high:
+            out.append(1.0)
+        elif wavelen > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out)
+
+
+def test_llama31_rope_freqs_become_llama3_rope_scaling(tmp_path: Path) -> None:
+    import json
+
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    factors = _llama3_factors(10000.0, 8.0, 1.0, 4.0, 64)
+    assert ((factors > 1) & (factors < 8)).sum() >= 2  # some frequencies are smoothed
+    path = write_gguf(tmp_path / "llama31.gguf", types=["F32"], rope_freqs=factors)
+    converted = converted_dir(path, torch.float32)
+    cfg = json.loads((converted / "config.json").read_text())
+    assert cfg["rope_scaling"]["rope_type"] == "llama3"
+    # transformers' own llama3 rope, from the parameters we wrote, divides by the file's factors.
+    inv, _ = ROPE_INIT_FUNCTIONS["llama3"](LlamaConfig(**cfg), "cpu")
+    base = 1 / 10000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM)
+    torch.testing.assert_close(inv.double(), base / torch.from_numpy(factors), rtol=1e-5, atol=0)
+    prompts = [[256, 72, 105], list(range(10, 80))]
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()
+    llm = LLM(str(path), dtype="float32", num_gpu_blocks=32)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy_ids(hf, p, 8) for p in prompts]
+
+
+def test_rope_freqs_no_llama3_scaling_explains_are_refused(tmp_path: Path) -> None:
+    factors = np.random.default_rng(0).uniform(1, 8, HEAD_DIM // 2)
+    path = write_gguf(tmp_path / "odd.gguf", types=["F32"], rope_freqs=factors)
+    with pytest.raises(ModelLoadError, match="matches no llama3 rope scaling"):
+        hf_config(open_gguf(path), path)
 
 
 def test_unsupported_architecture_is_named(tmp_path: Path) -> None:

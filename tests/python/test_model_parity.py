@@ -1,5 +1,6 @@
 """Greedy outputs token-identical to Hugging Face transformers (fp32) on tiny checkpoints of each
-supported architecture, also under preemption (swap and recompute), chunked prefill and
+supported architecture (the Llama family, and Qwen3, Phi-3, SmolLM3, OLMo 2, Mixtral and
+Qwen3-MoE in every offload mode), also under preemption (swap and recompute), chunked prefill and
 requests arriving mid-run; first-step logits within 1e-4."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import ARCHS, assert_all_blocks_free
+from conftest import ARCHS, FAMILIES, assert_all_blocks_free
 from neo_rs import LLM, LLMEngine, SamplingParams
 from neo_rs.config import EngineArgs
 
@@ -61,14 +62,14 @@ def run(path, **kwargs) -> tuple[list[list[int]], LLMEngine, Counter]:  # noqa: 
     return [o.outputs[0].token_ids for o in outs], engine, seen
 
 
-@pytest.mark.parametrize("kind", ARCHS)
+@pytest.mark.parametrize("kind", ARCHS + FAMILIES)
 def test_greedy_matches_transformers(checkpoints, kind: str) -> None:
     tokens, engine, seen = run(checkpoints[kind], num_gpu_blocks=64)
     assert tokens == [hf_greedy(checkpoints[kind], kind, p) for p in PROMPTS]
     assert_all_blocks_free(engine)
 
 
-@pytest.mark.parametrize("kind", ARCHS)
+@pytest.mark.parametrize("kind", ARCHS + FAMILIES)
 def test_first_step_logits_match_transformers(checkpoints, kind: str) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -211,3 +212,41 @@ def test_requests_arriving_mid_run_and_aborts(checkpoints, offload: str) -> None
         hf_greedy(checkpoints["mistral"], "mistral", PROMPTS[i]) for i in kept
     ]
     assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("offload", list(MODES))
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_newer_families_in_every_offload_mode(checkpoints, kind: str, offload: str) -> None:
+    tokens, engine, seen = run(checkpoints[kind], offload=offload, **MODES[offload])
+    assert tokens == [hf_greedy(checkpoints[kind], kind, p) for p in PROMPTS]
+    st = engine.scheduler.stats()
+    if offload == "none":
+        assert st["num_swapped_out"] > 0 and seen["cpu_decodes"] == 0, (st, seen)
+    elif offload == "neo":
+        assert seen["pipelined"] > 0 and seen["cpu_decodes"] > 0, seen
+    else:
+        assert st["num_prefills_to_host"] == len(PROMPTS) and seen["cpu_decodes"] > 0, (st, seen)
+    assert_all_blocks_free(engine)
+
+
+def test_longrope_tables_match_transformers_on_both_sides_of_the_original_length(checkpoints) -> None:
+    # Phi-3's fixture switches factors at position 64 (past the parity tests' sequences).
+    # transformers rotates a sequence longer than that with the long factors throughout (its
+    # generate recomputes the cache when a sequence crosses it); we rotate each position by the
+    # factors of its side, so a sequence never crossing matches it exactly (the parity tests
+    # above) and, beyond, each position's rotation is transformers' long one.
+    from neo_rs.config import ModelConfig
+    from neo_rs.model.decoder import Rotary
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(checkpoints["phi3"], dtype=torch.float32).model.rotary_emb
+    ours = Rotary(ModelConfig.from_dir(checkpoints["phi3"]), 80)
+    ours.fill_tables()
+    x = torch.zeros(1)
+    short_cos, short_sin = hf(x, torch.arange(64)[None])
+    long_cos, long_sin = hf(x, torch.arange(80)[None])
+    assert not torch.allclose(short_cos[0], long_cos[0, :64])  # the two sides differ
+    torch.testing.assert_close(ours.cos[:64], short_cos[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ours.sin[:64], short_sin[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ours.cos[64:], long_cos[0, 64:], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ours.sin[64:], long_sin[0, 64:], rtol=1e-6, atol=1e-6)

@@ -196,3 +196,42 @@ def test_tensor_parallel_profiles_price_one_rank_with_the_engines_shapes() -> No
     no_link = dataclasses.replace(GPUS["2xH100"], link_gbps=0)
     with pytest.raises(ValueError, match="link_gbps"):
         CostModel(no_link, HOSTS["server"], m).linear_ms(16)
+
+
+@pytest.mark.parametrize(
+    ("model", "total_b", "active_b"), [("qwen3-30b-a3b", 30.5, 3.3), ("mixtral-8x7b", 46.7, 12.9)]
+)
+def test_moe_profiles_hold_every_expert_and_multiply_the_active_ones(
+    model: str, total_b: float, active_b: float
+) -> None:
+    m = MODELS[model]
+    embeddings = 2 * m.vocab * m.hidden
+    # The published parameter counts (config.json shapes), within 2%.
+    assert m.weight_bytes() / m.dtype_bytes / 1e9 == pytest.approx(total_b, rel=0.02)
+    active = m.num_layers * m.active_layer_params() + embeddings
+    assert active / 1e9 == pytest.approx(active_b, rel=0.03)
+    # One token reads only its experts' weights; a large batch reads nearly all of them.
+    reads = [m.read_layer_params(t) for t in (1, 8, 4096)]
+    assert reads == sorted(reads) and reads[0] == pytest.approx(m.active_layer_params(), rel=0.01)
+    assert reads[-1] == pytest.approx(m.layer_params(), rel=1e-3)
+    # One rank of two holds half of every expert.
+    assert m.shard(2).ffn == m.ffn // 2 and m.shard(2).experts == m.experts
+
+
+def test_cli_prints_neo_against_none_for_an_moe_model(capsys) -> None:  # noqa: ANN001
+    sim_main(
+        [
+            "--gpu",
+            "2xH100",
+            "--host",
+            "server",
+            "--model",
+            "mixtral-8x7b",
+            "--num-requests",
+            "200",
+            "--modes",
+            "neo,none",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert "2xH100 + server + mixtral-8x7b: device KV" in out and "neo vs none:" in out

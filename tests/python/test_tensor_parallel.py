@@ -64,7 +64,9 @@ def worker_procs(llm: LLM) -> list:  # noqa: ANN201 (multiprocessing processes)
 # -- sharding -----------------------------------------------------------------------------------
 
 
-def _cfg(heads: int, kv_heads: int, vocab: int = 300, intermediate: int = 128) -> ModelConfig:
+def _cfg(
+    heads: int, kv_heads: int, vocab: int = 300, intermediate: int = 128, **extra: object
+) -> ModelConfig:
     return ModelConfig.from_hf(
         {
             "architectures": ["LlamaForCausalLM"],
@@ -74,8 +76,12 @@ def _cfg(heads: int, kv_heads: int, vocab: int = 300, intermediate: int = 128) -
             "num_hidden_layers": 1,
             "num_attention_heads": heads,
             "num_key_value_heads": kv_heads,
+            **extra,
         }
     )
+
+
+_MOE = dict(architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=2)
 
 
 def test_shards_split_heads_and_replicate_kv_heads() -> None:
@@ -99,6 +105,13 @@ def test_shards_split_heads_and_replicate_kv_heads() -> None:
     assert (local.num_heads, local.num_kv_heads, local.intermediate_size, local.vocab_size) == (4, 1, 64, 150)
 
 
+def test_experts_split_their_intermediate_columns() -> None:
+    cfg = _cfg(heads=8, kv_heads=8, moe_intermediate_size=32, **_MOE)
+    assert [TpShard(r, 2).moe_ffn(cfg) for r in range(2)] == [range(0, 16), range(16, 32)]
+    local = TpShard(1, 2).local_config(cfg)
+    assert local.moe is not None and local.moe.intermediate_size == 16 and local.moe.num_experts == 4
+
+
 @pytest.mark.parametrize(
     ("cfg", "size", "what"),
     [
@@ -106,6 +119,12 @@ def test_shards_split_heads_and_replicate_kv_heads() -> None:
         (_cfg(heads=8, kv_heads=3), 2, "KV heads"),
         (_cfg(heads=12, kv_heads=6), 4, "KV heads"),
         (_cfg(heads=8, kv_heads=8, intermediate=100), 8, "intermediate size"),
+        (_cfg(heads=8, kv_heads=8, moe_intermediate_size=36, **_MOE), 8, "experts' intermediate size"),
+        (
+            _cfg(heads=8, kv_heads=8, architectures=["Olmo2ForCausalLM"]),
+            2,
+            "does not support tensor parallelism",
+        ),
     ],
 )
 def test_indivisible_shapes_are_refused(cfg: ModelConfig, size: int, what: str) -> None:
@@ -188,11 +207,11 @@ def test_each_rank_loads_its_slices_of_the_checkpoint(checkpoints, monkeypatch, 
             parts = [(f"{attn}.{x}_proj.bias", r) for x, r in (("q", heads), ("k", kv), ("v", kv))]
             assert torch.equal(mine["layers.1.qkv_proj.bias"], torch.cat([rows(n, r, d) for n, r in parts]))
         gate_up = torch.cat([rows(f"{mlp}.gate_proj.weight", ffn), rows(f"{mlp}.up_proj.weight", ffn)])
-        assert torch.equal(mine["layers.1.gate_up_proj.weight"], gate_up)
+        assert torch.equal(mine["layers.1.mlp.gate_up_proj.weight"], gate_up)
         o_cols = full[f"{attn}.o_proj.weight"][:, heads.start * d : heads.stop * d]
         assert torch.equal(mine["layers.1.o_proj.weight"], o_cols)
         down_cols = full[f"{mlp}.down_proj.weight"][:, ffn.start : ffn.stop]
-        assert torch.equal(mine["layers.1.down_proj.weight"], down_cols)
+        assert torch.equal(mine["layers.1.mlp.down_proj.weight"], down_cols)
         embed = mine["embed_tokens.weight"]
         assert torch.equal(embed[: len(vocab)], rows("model.embed_tokens.weight", vocab))
         assert not embed[len(vocab) :].any()  # the padding rows
@@ -202,6 +221,15 @@ def test_each_rank_loads_its_slices_of_the_checkpoint(checkpoints, monkeypatch, 
 
 
 # -- parity -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "mixtral", "qwen3_moe"])
+def test_two_ranks_run_the_newer_families(checkpoints, kind: str) -> None:  # noqa: ANN001
+    # Qwen3's per-head q/k norms and its O bias (added by rank 0 alone), and experts whose
+    # intermediate columns the ranks split, in the NEO pipeline over both ranks' host pools.
+    two, stats = generate(checkpoints[kind], 2, "neo")
+    assert two == hf_tokens(checkpoints[kind], kind)
+    assert stats["num_pipelined_steps"] > 0 and stats["num_prefills_to_host"] > 0, stats
 
 
 @pytest.mark.parametrize("offload", ["none", "neo", "all"])

@@ -1,7 +1,9 @@
 """GGUF checkpoints (llama.cpp's format), read with the ``gguf`` package and converted once into a
 Hugging Face checkpoint directory under the cache dir: ``config.json`` from the metadata, the
 tokenizer and chat template through transformers' GGUF tokenizer conversion, and the weights
-dequantized into the model dtype with llama.cpp's Q/K row permutation undone. The engine then
+dequantized into the model dtype with llama.cpp's Q/K row permutation undone and its stacked
+expert tensors split per expert. Llama 3.1's per-frequency rope factors (``rope_freqs.weight``)
+become the ``llama3`` rope parameters that reproduce them. The engine then
 loads that directory like any other, and a second start finds it cached."""
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,15 +20,17 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from neo_rs.config import DTYPES, MODEL_TYPES, build_atomically, cache_dir
+from neo_rs.config import DTYPES, MODEL_TYPES, RopeConfig, build_atomically, cache_dir
 from neo_rs.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 
 # Bump when the conversion's output changes, so stale cached directories are not reused.
-CONVERTER_VERSION = 1
-# GGUF architecture -> whether llama.cpp's converter permuted the Q/K rows (rotate-half -> interleaved).
-PERMUTED_QK = {"llama": True, "qwen2": False}
+CONVERTER_VERSION = 2
+# GGUF architecture -> transformers' model_type.
+GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+# The model types whose Q/K rows llama.cpp's converter permuted (rotate-half -> interleaved).
+PERMUTED_QK = {"llama"}
 # The types the ``gguf`` package dequantizes that llama.cpp emits for these models' weights.
 QUANT_TYPES = "F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K".split()
 _GLOBAL_NAMES = {
@@ -43,7 +48,12 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",
 }
+# Stacked expert tensors [experts, rows, cols] -> each expert's matrix.
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _SHARD_BYTES = 64 << 20  # written shard by shard: conversion holds one shard (and its bytes) at a time
 
 
@@ -56,9 +66,9 @@ def open_gguf(path: str | Path) -> Any:
     except (ValueError, IndexError, OSError, TypeError, OverflowError) as e:
         raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from e
     arch = _field(reader, "general.architecture", path)
-    if arch not in PERMUTED_QK:
+    if arch not in GGUF_MODEL_TYPES:
         raise ModelLoadError(
-            f"{path}: unsupported GGUF architecture {arch!r} (supported: {', '.join(PERMUTED_QK)})"
+            f"{path}: unsupported GGUF architecture {arch!r} (supported: {', '.join(GGUF_MODEL_TYPES)})"
         )
     for t in reader.tensors:
         if t.tensor_type.name not in QUANT_TYPES:
@@ -88,8 +98,6 @@ def hf_config(reader: Any, where: str | Path) -> dict[str, Any]:
     def meta(key: str, default: Any = _MISSING) -> Any:
         return _field(reader, f"{arch}.{key}", where, default)
 
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise ModelLoadError(f"{where}: per-frequency rope factors (rope_freqs.weight) are not supported")
     scaling = meta("rope.scaling.type", "none")
     if scaling not in ("none", "linear"):
         raise ModelLoadError(f"{where}: unsupported rope scaling {scaling!r} (supported: none, linear)")
@@ -99,31 +107,80 @@ def hf_config(reader: Any, where: str | Path) -> dict[str, Any]:
     vocab = meta("vocab_size", None) or (len(tokens.data) if tokens is not None else None)
     if vocab is None:
         raise ModelLoadError(f"{where}: GGUF metadata has neither {arch}.vocab_size nor a token list")
+    head_dim = int(meta("attention.key_length", hidden // heads))
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(meta("rope.freq_base", 10000.0))}
     if scaling == "linear":
         rope = {**rope, "rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        original = int(meta("rope.scaling.original_context_length", 8192))
+        rope = llama3_rope(dequantize(freqs), rope["rope_theta"], head_dim, original, where)
+    model_type = GGUF_MODEL_TYPES[arch]
     cfg = {
-        "architectures": [MODEL_TYPES[arch]],
-        "model_type": arch,
+        "architectures": [MODEL_TYPES[model_type]],
+        "model_type": model_type,
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": int(meta("feed_forward_length")),
+        "intermediate_size": int(meta("feed_forward_length", meta("expert_feed_forward_length", 0))),
         "num_hidden_layers": int(meta("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(meta("attention.head_count_kv", heads)),
-        "head_dim": int(meta("attention.key_length", hidden // heads)),
+        "head_dim": head_dim,
         "max_position_embeddings": int(meta("context_length")),
         "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon")),
         "rope_theta": rope["rope_theta"],
-        "rope_scaling": rope if scaling == "linear" else None,
+        "rope_scaling": rope if rope["rope_type"] != "default" else None,
         "tie_word_embeddings": "output.weight" not in names,
         "torch_dtype": _native_dtype(reader),
     }
+    if arch == "qwen3moe":
+        cfg |= {
+            "num_experts": int(meta("expert_count")),
+            "num_experts_per_tok": int(meta("expert_used_count")),
+            "moe_intermediate_size": int(meta("expert_feed_forward_length")),
+            # llama.cpp renormalises Qwen3-MoE's chosen experts unless the file says otherwise.
+            "norm_topk_prob": bool(meta("expert_weights_norm", True)),
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        }
     for key in ("bos", "eos"):
         token_id = _field(reader, f"tokenizer.ggml.{key}_token_id", where, None)
         if token_id is not None:
             cfg[f"{key}_token_id"] = int(token_id)
     return cfg
+
+
+def llama3_rope(factors: torch.Tensor, theta: float, head_dim: int, original: int, where: str | Path) -> dict:
+    """The ``llama3`` rope parameters whose per-frequency divisors are ``factors`` (llama.cpp
+    stores only the divisors). They are 1 for high frequencies, ``factor`` for low ones, and in
+    between ``1 / ((1 - s) / factor + s)`` with ``s`` linear in the frequency, so two of those
+    give ``low_freq_factor`` and ``high_freq_factor`` for the original length. The result is
+    checked to reproduce every factor."""
+    f = factors.double()
+    factor = float(f.max())
+    inv = RopeConfig(theta=theta).inv_freq(head_dim).double()
+    if len(f) != len(inv):
+        raise ModelLoadError(f"{where}: rope_freqs.weight has {len(f)} factors for {len(inv)} frequencies")
+    params = {"factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    medium = (f > 1 + 1e-6) & (f < factor - 1e-6)
+    if factor > 1 and int(medium.sum()) >= 2:
+        s = (1 / f[medium] - 1 / factor) / (1 - 1 / factor)
+        # s = original / wavelen / (high - low) - low / (high - low), wavelen = 2 pi / inv.
+        x = original * inv[medium] / (2 * math.pi)
+        slope = float((s[-1] - s[0]) / (x[-1] - x[0]))
+        span = 1 / slope
+        low = -float(s[0] - slope * x[0]) * span
+        params = {"factor": factor, "low_freq_factor": low, "high_freq_factor": low + span}
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": theta,
+        "original_max_position_embeddings": original,
+        **params,
+    }
+    got = RopeConfig.from_hf({"rope_scaling": rope}).inv_freq(head_dim).double()
+    if not torch.allclose(inv / got, f, rtol=1e-3):
+        raise ModelLoadError(f"{where}: rope_freqs.weight matches no llama3 rope scaling")
+    return rope
 
 
 def _native_dtype(reader: Any) -> str:
@@ -137,12 +194,15 @@ def _native_dtype(reader: Any) -> str:
 
 
 def hf_name(name: str) -> tuple[str, str | None]:
-    """(Hugging Face parameter name, the llama.cpp layer tensor kind or None) of GGUF ``name``."""
+    """(Hugging Face parameter name, the llama.cpp layer tensor kind or None) of GGUF ``name``; a
+    stacked expert tensor's name has ``{}`` where the expert's index goes."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name], None
     parts = name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}", parts[2]
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _EXPERT_NAMES:
+        return f"model.layers.{parts[1]}.mlp.experts.{{}}.{_EXPERT_NAMES[parts[2]]}.{parts[3]}", parts[2]
     raise ModelLoadError(f"unexpected GGUF tensor {name!r}")
 
 
@@ -164,14 +224,20 @@ def dequantize(tensor: Any) -> torch.Tensor:
 
 def iter_weights(reader: Any, cfg: dict[str, Any], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, weight in ``dtype``) for every tensor, one at a time (peak: one float32 copy)."""
-    permuted = PERMUTED_QK[cfg["model_type"]]
+    permuted = cfg["model_type"] in PERMUTED_QK
     heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
     for tensor in tqdm(reader.tensors, desc="Dequantizing GGUF tensors", unit="tensor", leave=False):
+        if tensor.name == "rope_freqs.weight":  # in config.json's rope parameters (hf_config)
+            continue
         name, kind = hf_name(tensor.name)
         w = dequantize(tensor)
         if permuted and kind in heads and name.endswith(".weight"):
             w = unpermute_qk(w, heads[kind])
-        yield name, w.to(dtype)
+        if kind in _EXPERT_NAMES:
+            for e, expert in enumerate(w.to(dtype)):
+                yield name.format(e), expert.clone()
+        else:
+            yield name, w.to(dtype)
 
 
 def save_tokenizer(path: Path, out_dir: Path) -> None:

@@ -1,6 +1,6 @@
-"""Load a local Hugging Face checkpoint (single or sharded safetensors) into
-``LlamaForCausalLM``: a small name map from HF's parameter names onto ours (q/k/v and gate/up
-are fused into one matrix each)."""
+"""Load a local Hugging Face checkpoint (single or sharded safetensors) into ``CausalLM``: a
+small name map from each family's parameter names onto ours (q/k/v and gate/up are fused into one
+matrix each, as Phi-3's checkpoints already are; an MoE layer's experts are stacked)."""
 
 from __future__ import annotations
 
@@ -14,24 +14,32 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from neo_rs.config import ModelConfig
+from neo_rs.config import ModelConfig, MoeConfig
 from neo_rs.errors import ModelLoadError
-from neo_rs.model.llama import LlamaForCausalLM
+from neo_rs.model.decoder import CausalLM
 from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel
 from neo_rs.parallel.shards import TpShard
 
 log = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-# HF layer parameter -> (our parameter, which part of the fused matrix).
-_FUSED = {
-    "self_attn.q_proj": ("qkv_proj", 0),
-    "self_attn.k_proj": ("qkv_proj", 1),
-    "self_attn.v_proj": ("qkv_proj", 2),
-    "mlp.gate_proj": ("gate_up_proj", 0),
-    "mlp.up_proj": ("gate_up_proj", 1),
+# HF layer module -> (our module, the fused matrix's parts it fills: one, or all of them when the
+# checkpoint fuses them too). Column-parallel: each rank reads its output rows.
+_COLUMN = {
+    "self_attn.q_proj": ("qkv_proj", [0]),
+    "self_attn.k_proj": ("qkv_proj", [1]),
+    "self_attn.v_proj": ("qkv_proj", [2]),
+    "self_attn.qkv_proj": ("qkv_proj", [0, 1, 2]),  # Phi-3
+    "mlp.gate_proj": ("mlp.gate_up_proj", [0]),
+    "mlp.up_proj": ("mlp.gate_up_proj", [1]),
+    "mlp.gate_up_proj": ("mlp.gate_up_proj", [0, 1]),  # Phi-3
 }
-_RENAMED = {"self_attn.o_proj": "o_proj", "mlp.down_proj": "down_proj"}
+# Row-parallel: each rank reads its input columns.
+_ROW = {"self_attn.o_proj": "o_proj", "mlp.down_proj": "mlp.down_proj"}
+_NORMS = ("input_layernorm", "post_attention_layernorm", "post_feedforward_layernorm")
+# An expert's matrices: Mixtral's w1/w3/w2, Qwen3-MoE's gate/up/down.
+_EXPERT = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)$")
+_EXPERT_PART = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1}
 
 
 def shard_files(model_dir: Path) -> list[Path]:
@@ -56,48 +64,99 @@ def shard_files(model_dir: Path) -> list[Path]:
 
 @dataclass(frozen=True)
 class _Placement:
-    """Where (part of) a checkpoint tensor goes: our parameter, its rows (None: all of it), and
-    the rows and columns of the checkpoint tensor this rank reads (None: all of it)."""
+    """Where (part of) a checkpoint tensor goes: our parameter, the part of it (None: all of it;
+    an expert's matrix in a stacked one is indexed by the expert first), and the rows and columns
+    of the checkpoint tensor this rank reads (None: all of it); ``zero``: this rank fills its copy
+    with zeros instead (a row-parallel bias, added by rank 0 alone)."""
 
     ours: str
-    rows: slice | None = None
+    rows: tuple[int | slice, ...] | None = None
     src: tuple[slice, ...] | None = None
+    zero: bool = False
 
 
-def _span(r: range, scale: int = 1) -> slice:
-    return slice(r.start * scale, r.stop * scale)
+def _span(r: range, scale: int = 1, offset: int = 0) -> slice:
+    return slice(offset + r.start * scale, offset + r.stop * scale)
 
 
-def _target(cfg: ModelConfig, local: ModelConfig, shard: TpShard, name: str) -> _Placement | None:
-    """Where HF parameter ``name`` goes on rank ``shard`` (whose shapes are ``local``); None for
+def _parts(
+    cfg: ModelConfig, local: ModelConfig, shard: TpShard, fused: str
+) -> list[tuple[int, int, range, int]]:
+    """Each part of our fused matrix ``fused`` (qkv, gate/up of the MLP or of an expert): (its
+    first row here, its rows here, the rows this rank reads of the checkpoint's part, that part's
+    first row in a checkpoint that fuses the parts too)."""
+    d = cfg.head_dim
+    if fused == "qkv_proj":
+        q, kv = local.num_heads * d, local.num_kv_heads * d
+        heads, kv_heads = _span(shard.heads(cfg), d), _span(shard.kv_heads(cfg), d)
+        whole_q, whole_kv = cfg.num_heads * d, cfg.num_kv_heads * d
+        return [
+            (0, q, range(heads.start, heads.stop), 0),
+            (q, kv, range(kv_heads.start, kv_heads.stop), whole_q),
+            (q + kv, kv, range(kv_heads.start, kv_heads.stop), whole_q + whole_kv),
+        ]
+    size, whole, cols = (
+        (local.intermediate_size, cfg.intermediate_size, shard.ffn(cfg))
+        if fused == "mlp.gate_up_proj"
+        else (_moe(local).intermediate_size, _moe(cfg).intermediate_size, shard.moe_ffn(cfg))
+    )
+    return [(0, size, cols, 0), (size, size, cols, whole)]
+
+
+def _moe(cfg: ModelConfig) -> MoeConfig:
+    assert cfg.moe is not None, "expert weights in a dense model's config"
+    return cfg.moe
+
+
+def _column(
+    ours: str, parts: list[tuple[int, int, range, int]], which: list[int], expert: tuple[int, ...] = ()
+) -> list[_Placement]:
+    """Placements of a column-parallel checkpoint tensor holding parts ``which`` of ``ours`` (of
+    its matrix ``expert`` when it stacks experts)."""
+    fused = len(which) > 1
+    return [
+        _Placement(ours, (*expert, slice(at, at + n)), (_span(src, 1, offset if fused else 0),))
+        for at, n, src, offset in (parts[p] for p in which)
+    ]
+
+
+def _targets(cfg: ModelConfig, local: ModelConfig, shard: TpShard, name: str) -> list[_Placement]:
+    """Where HF parameter ``name`` goes on rank ``shard`` (whose shapes are ``local``); empty for
     names we do not use."""
     d = cfg.head_dim
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         vocab = shard.vocab(cfg)
-        return _Placement(name.removeprefix("model."), slice(0, len(vocab)), (_span(vocab),))
+        return [_Placement(name.removeprefix("model."), (slice(0, len(vocab)),), (_span(vocab),))]
     if name == "model.norm.weight":
-        return _Placement("norm.weight")
+        return [_Placement("norm.weight")]
     m = _LAYER.match(name)
     if not m:
-        return None
+        return []
     layer, rest = m.groups()
     module, _, kind = rest.rpartition(".")
-    if module in ("input_layernorm", "post_attention_layernorm"):
-        return _Placement(f"layers.{layer}.{rest}")
-    if module in _RENAMED:  # row-parallel: this rank's input columns
+    prefix = f"layers.{layer}."
+    if module in _NORMS:
+        return [_Placement(prefix + rest)]
+    if module in ("self_attn.q_norm", "self_attn.k_norm"):  # per head (replicated) or whole (TP 1)
+        return [_Placement(prefix + rest.removeprefix("self_attn."))]
+    if module in _COLUMN:
+        ours, which = _COLUMN[module]
+        return _column(f"{prefix}{ours}.{kind}", _parts(cfg, local, shard, ours), which)
+    if module in _ROW:
+        if kind == "bias":  # summed over ranks by the all-reduce: rank 0 adds it
+            return [_Placement(f"{prefix}{_ROW[module]}.bias", zero=shard.rank != 0)]
         cols = _span(shard.heads(cfg), d) if module == "self_attn.o_proj" else _span(shard.ffn(cfg))
-        return _Placement(f"layers.{layer}.{_RENAMED[module]}.{kind}", None, (slice(None), cols))
-    if module in _FUSED:  # column-parallel: this rank's output rows, into its part of the fused matrix
-        ours, part = _FUSED[module]
-        if ours == "qkv_proj":
-            q, kv = local.num_heads * d, local.num_kv_heads * d
-            bounds = [0, q, q + kv, q + 2 * kv]
-            src = _span(shard.heads(cfg) if part == 0 else shard.kv_heads(cfg), d)
-        else:
-            bounds = [0, local.intermediate_size, 2 * local.intermediate_size]
-            src = _span(shard.ffn(cfg))
-        return _Placement(f"layers.{layer}.{ours}.{kind}", slice(bounds[part], bounds[part + 1]), (src,))
-    return None
+        return [_Placement(f"{prefix}{_ROW[module]}.{kind}", None, (slice(None), cols))]
+    if module in ("block_sparse_moe.gate", "mlp.gate"):  # the router, replicated
+        return [_Placement(f"{prefix}mlp.router.{kind}")]
+    e = _EXPERT.match(module)
+    if e:
+        expert, matrix = int(e.group(1)), e.group(2)
+        if matrix in _EXPERT_PART:
+            parts = _parts(cfg, local, shard, "expert")
+            return _column(f"{prefix}mlp.w_gate_up", parts, [_EXPERT_PART[matrix]], (expert,))
+        return [_Placement(f"{prefix}mlp.w_down", (expert,), (slice(None), _span(shard.moe_ffn(cfg))))]
+    return []
 
 
 def empty_model(
@@ -106,10 +165,10 @@ def empty_model(
     device: torch.device,
     max_positions: int,
     tp: TensorParallel = SINGLE_PROCESS,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """The model (rank ``tp.rank``'s shard) with its weights allocated but not filled."""
     with torch.device("meta"):  # built on meta: nothing allocated until its dtype is known
-        model = LlamaForCausalLM(tp.shard.local_config(cfg), max_positions, tp, cfg.vocab_size)
+        model = CausalLM(tp.shard.local_config(cfg), max_positions, tp, cfg.vocab_size)
     _allocate(model, dtype, device)
     model.rotary.fill_tables()
     return model
@@ -139,7 +198,7 @@ def load_model(
     device: torch.device,
     max_positions: int,
     tp: TensorParallel = SINGLE_PROCESS,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """The model of checkpoint ``model_dir``, or under tensor parallelism rank ``tp.rank``'s shard
     of it: each tensor is read through a safetensors slice, so no rank holds the whole model."""
     model_dir = Path(model_dir)
@@ -147,37 +206,40 @@ def load_model(
     local = tp.shard.local_config(cfg)
     model = empty_model(cfg, dtype, device, max_positions, tp)
     params = dict(model.named_parameters())
-    # Rows written per parameter, to name anything the checkpoint did not provide.
+    # Elements written per parameter, to name anything the checkpoint did not provide.
     filled = {name: 0 for name in params}
     for path in tqdm(files, desc="Loading safetensors shards", unit="shard", disable=len(files) < 2):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                place = _target(cfg, local, tp.shard, name)
-                if place is None:
-                    continue
-                if place.ours not in params:
-                    raise ModelLoadError(f"{path.name}: unexpected parameter {name!r} for {cfg.architecture}")
-                param = params[place.ours].data
-                dst = param if place.rows is None else param[place.rows]
-                whole = f.get_slice(name)
-                want = _source_shape(whole.get_shape(), place.src)
-                if want != tuple(dst.shape):
-                    raise ModelLoadError(
-                        f"{path.name}: {name} has shape {tuple(whole.get_shape())}, "
-                        f"the config implies {tuple(dst.shape)} for this rank"
-                    )
-                dst.copy_(whole[place.src] if place.src is not None else whole[:])
-                filled[place.ours] += dst.shape[0]
+                for place in _targets(cfg, local, tp.shard, name):
+                    if place.ours not in params:
+                        raise ModelLoadError(
+                            f"{path.name}: unexpected parameter {name!r} for {cfg.architecture}"
+                        )
+                    param = params[place.ours].data
+                    dst = param if place.rows is None else param[place.rows]
+                    filled[place.ours] += dst.numel()
+                    if place.zero:
+                        dst.zero_()
+                        continue
+                    whole = f.get_slice(name)
+                    want = _source_shape(whole.get_shape(), place.src)
+                    if want != tuple(dst.shape):
+                        raise ModelLoadError(
+                            f"{path.name}: {name} has shape {tuple(whole.get_shape())}, "
+                            f"the config implies {tuple(dst.shape)} for this rank"
+                        )
+                    dst.copy_(whole[place.src] if place.src is not None else whole[:])
     for vocab_param in ("embed_tokens.weight", "lm_head.weight"):
         # The last rank's padding rows (never looked up; their logits are cut off).
-        padding = params[vocab_param].data[filled[vocab_param] :]
+        padding = params[vocab_param].data[filled[vocab_param] // cfg.hidden_size :]
         if filled[vocab_param] and len(padding):
             padding.zero_()
-            filled[vocab_param] += len(padding)
+            filled[vocab_param] += padding.numel()
     if filled["lm_head.weight"] == 0 and cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-        filled["lm_head.weight"] = model.lm_head.weight.shape[0]
-    missing = [n for n, p in params.items() if filled[n] != p.shape[0]]
+        filled["lm_head.weight"] = model.lm_head.weight.numel()
+    missing = [n for n, p in params.items() if filled[n] != p.numel()]
     if missing:
         raise ModelLoadError(
             f"{model_dir}: the checkpoint lacks {', '.join(missing[:5])}" + (" …" if len(missing) > 5 else "")

@@ -11,6 +11,8 @@ import os
 import torch
 from torch import nn
 
+from neo_rs.model.moe import SparseMoe
+
 
 def packing_applies(device: torch.device, dtype: torch.dtype) -> bool:
     """bf16 on a CPU oneDNN runs natively (AVX512-BF16 or AMX), unless turned off."""
@@ -39,7 +41,7 @@ class PackedLinear(nn.Module):
 
 def pack_linears(model: nn.Module, rows: int) -> int:
     """Replace each linear that owns its weight (a tied LM head shares the embedding's, which
-    packing would copy); returns how many."""
+    packing would copy), and pack each MoE layer's experts; returns how many linears."""
     shared = {
         id(p) for m in model.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)
     }
@@ -49,4 +51,7 @@ def pack_linears(model: nn.Module, rows: int) -> int:
             if isinstance(child, nn.Linear) and id(child.weight) not in shared:
                 setattr(parent, name, PackedLinear(child, rows))
                 count += 1
+        if isinstance(parent, SparseMoe):
+            parent.pack(PackedLinear, rows)
+            count += 2 * parent.num_experts
     return count

@@ -34,6 +34,14 @@ class TpShard:
             raise InvalidArgumentError(
                 f"tensor_parallel_size {n} must divide the model's intermediate size {cfg.intermediate_size}"
             )
+        if cfg.moe is not None and cfg.moe.intermediate_size % n:
+            size = cfg.moe.intermediate_size
+            raise InvalidArgumentError(
+                f"tensor_parallel_size {n} must divide the experts' intermediate size {size}"
+            )
+        if cfg.qk_norm == "projection" and n > 1:
+            # Its q/k norms take the mean over every head, which no rank holds.
+            raise InvalidArgumentError(f"{cfg.architecture} does not support tensor parallelism")
 
     def _part(self, total: int) -> range:
         per = total // self.size
@@ -54,6 +62,11 @@ class TpShard:
         """This rank's intermediate columns of the FFN."""
         return self._part(cfg.intermediate_size)
 
+    def moe_ffn(self, cfg: ModelConfig) -> range:
+        """This rank's intermediate columns of every expert."""
+        assert cfg.moe is not None, "a dense model has no experts"
+        return self._part(cfg.moe.intermediate_size)
+
     def vocab(self, cfg: ModelConfig) -> range:
         """This rank's rows of the embedding and LM head (fewer than the other ranks' on the last
         rank when the vocabulary does not divide; its module is padded)."""
@@ -67,8 +80,11 @@ class TpShard:
         heads, kv_heads, ffn, vocab = rank_shapes(
             self.size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.vocab_size
         )
+        moe = cfg.moe and dataclasses.replace(
+            cfg.moe, intermediate_size=cfg.moe.intermediate_size // self.size
+        )
         return dataclasses.replace(
-            cfg, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=ffn, vocab_size=vocab
+            cfg, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=ffn, vocab_size=vocab, moe=moe
         )
 
 

@@ -15,6 +15,8 @@ from neo_rs.worker.profiler import PerfTables
 
 def model_profile(cfg: ModelConfig, name: str, dtype_bytes: int) -> ModelProfile:
     """The simulator's view of a Hugging Face model directory's shape."""
+    # A sparse model's experts stand for its MLP (its few dense layers are counted as sparse).
+    ffn = cfg.moe.intermediate_size if cfg.moe else cfg.intermediate_size
     return ModelProfile(
         name,
         cfg.num_layers,
@@ -22,10 +24,12 @@ def model_profile(cfg: ModelConfig, name: str, dtype_bytes: int) -> ModelProfile
         cfg.num_heads,
         cfg.num_kv_heads,
         cfg.head_dim,
-        cfg.intermediate_size,
+        ffn,
         cfg.vocab_size,
         cfg.max_model_len(),
         dtype_bytes,
+        experts=cfg.moe.num_experts if cfg.moe else 0,
+        experts_per_token=cfg.moe.top_k if cfg.moe else 0,
     )
 
 
@@ -44,7 +48,7 @@ def fit(cost: CostModel, tables: PerfTables) -> Efficiency:
     nbytes, transfer_ms = tables.transfer[0][-1], tables.transfer[1][-1]
     return dataclasses.replace(
         cost.eff,
-        gemm=_share(2 * tokens * m.layer_params(), gpu.tflops * 1e12, linear_ms),
+        gemm=_share(2 * tokens * m.active_layer_params(), gpu.tflops * 1e12, linear_ms),
         attn=_share(2 * prompt * prompt * m.num_heads * m.head_dim, gpu.tflops * 1e12, prefill_ms),
         # One sequence over the most tokens: the first row's last column.
         gpu_mem=_share(g_cols[-1] * kv, gpu.mem_gbps * 1e9, g_vals[len(g_cols) - 1]),

@@ -59,10 +59,35 @@ class ModelProfile:
     vocab: int
     max_len: int = 8192
     dtype_bytes: int = 2
+    # Mixture of experts: ``experts`` SwiGLU experts of ``ffn`` columns each, ``experts_per_token``
+    # of them per token (0: a dense MLP of ``ffn`` columns).
+    experts: int = 0
+    experts_per_token: int = 0
+
+    def _attn_params(self) -> int:
+        qkv = self.hidden * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        return qkv + self.num_heads * self.head_dim * self.hidden
 
     def layer_params(self) -> int:
-        attn = self.hidden * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        return attn + self.num_heads * self.head_dim * self.hidden + 3 * self.hidden * self.ffn
+        """Every weight of one layer (what memory holds)."""
+        return (
+            self._attn_params()
+            + max(1, self.experts) * 3 * self.hidden * self.ffn
+            + self.experts * self.hidden
+        )
+
+    def active_layer_params(self) -> int:
+        """The weights one token multiplies in one layer (its FLOPs are twice this)."""
+        return self._attn_params() + max(1, self.experts_per_token) * 3 * self.hidden * self.ffn
+
+    def read_layer_params(self, tokens: float) -> float:
+        """The weights ``tokens`` tokens read in one layer: with experts, those of the experts
+        any of them routes to (uniform routing: each expert is missed with probability
+        ``(1 - k / experts) ** tokens``)."""
+        if not self.experts:
+            return self.layer_params()
+        touched = self.experts * (1 - (1 - self.experts_per_token / self.experts) ** tokens)
+        return self._attn_params() + touched * 3 * self.hidden * self.ffn + self.experts * self.hidden
 
     def weight_bytes(self) -> int:
         return (self.num_layers * self.layer_params() + 2 * self.vocab * self.hidden) * self.dtype_bytes
@@ -131,6 +156,13 @@ MODELS = {
         ModelProfile("llama-2-7b", 32, 4096, 32, 32, 128, 11008, 32000, 4096),
         ModelProfile("llama-3-8b", 32, 4096, 32, 8, 128, 14336, 128256, 8192),
         ModelProfile("llama-3-70b", 80, 8192, 64, 8, 128, 28672, 128256, 8192),
+        # Qwen3-30B-A3B and Mixtral-8x7B config.json: 30.5B and 46.7B weights, 3.3B and 12.9B active.
+        ModelProfile(
+            "qwen3-30b-a3b", 48, 2048, 32, 4, 128, 768, 151936, 32768, experts=128, experts_per_token=8
+        ),
+        ModelProfile(
+            "mixtral-8x7b", 32, 4096, 32, 8, 128, 14336, 32000, 32768, experts=8, experts_per_token=2
+        ),
     )
 }
 

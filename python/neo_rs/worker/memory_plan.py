@@ -22,7 +22,7 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
 from neo_rs.attention.layer import causal_prefill
 from neo_rs.cuda_runtime import runtime
-from neo_rs.model.llama import LlamaForCausalLM
+from neo_rs.model.decoder import CausalLM
 from neo_rs.sample.sampling import SampleRow, SamplingParams, draw
 
 # Over the traced peak: the caching allocator rounds blocks up (to 2 MiB segments for large ones)
@@ -71,7 +71,7 @@ class AllocationTracker(MemTracker):
 
 
 def plan_activations(
-    empty_model: Callable[[], LlamaForCausalLM], scale: float, device: torch.device, tokens: int, rows: int
+    empty_model: Callable[[], CausalLM], scale: float, device: torch.device, tokens: int, rows: int
 ) -> ActivationPlan:
     """Trace the worst-case iteration on ``device`` of the model ``empty_model()`` builds
     (attention scale ``scale``), on fake tensors: nothing is allocated."""
@@ -99,9 +99,7 @@ def peak_beyond(tracker: MemTracker, device: torch.device) -> int:
     return int(peak.get("Total", 0) - sum(peak.get(kind, 0) for kind in before))
 
 
-def _worst_iteration(
-    model: LlamaForCausalLM, scale: float, dev: torch.device, tokens: int, rows: int
-) -> None:
+def _worst_iteration(model: CausalLM, scale: float, dev: torch.device, tokens: int, rows: int) -> None:
     ids = torch.zeros(tokens, dtype=torch.long, device=dev)
     x = model.embed(ids)
     rope = model.rotary.at(torch.arange(tokens, device=dev), x.dtype)

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from neo_rs._core import Scheduler
 from neo_rs.attention.metadata import DecodeRows, Prefill
 from neo_rs.cuda_runtime import runtime
-from neo_rs.model.llama import DecoderLayer, Rope
+from neo_rs.model.decoder import DecoderLayer, Rope
 
 if TYPE_CHECKING:
     from neo_rs.worker.runner import ModelRunner
@@ -85,6 +85,8 @@ def profile_key(runner: ModelRunner, max_tokens: int) -> str:
         "model": [cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads],
         "head_dim": cfg.head_dim,
         "qkv_bias": cfg.qkv_bias,
+        # What else changes a layer's linear time: the family's extra norms and sparse MLPs.
+        "family": [cfg.o_bias, cfg.qk_norm, cfg.post_norms, str(cfg.moe)],
         "dtype": str(runner.layout.dtype),
         "cpu_kv_dtype": str(runner.host_pool.k.dtype),
         "block_size": runner.layout.block_size,
@@ -151,14 +153,23 @@ class _Profiler:
         return _time_ms(device or self.dev, fn)
 
     def linear(self, grid: list[int], max_model_len: int) -> Curve:
+        """A layer's linear stages at each token count: with dense and sparse MLP layers mixed
+        (Qwen3-MoE's ``mlp_only_layers``), one of each kind timed and weighted by their counts."""
         model = self.r.model
-        layer, hidden = model.decoder_layers[0], model.config.hidden_size
+        layers, hidden = model.decoder_layers, model.config.hidden_size
+        kinds: dict[type, list[DecoderLayer]] = {}
+        for layer in layers:
+            kinds.setdefault(type(layer.mlp), []).append(layer)
         ys = []
         for t in grid:
             x, o = self.rand(t, hidden), self.rand(t, self.heads, self.head_dim)
             pos = torch.arange(t, device=self.dev) % max_model_len
             rope = model.rotary.at(pos, x.dtype)
-            ys.append(self.time(partial(_linear_step, layer, rope, x, o)))
+            self.bar.update()
+            times = [
+                len(k) * _time_ms(self.dev, partial(_linear_step, k[0], rope, x, o)) for k in kinds.values()
+            ]
+            ys.append(sum(times) / len(layers))
         return _floats(grid), ys
 
     def prefill(self, grid: list[int]) -> Curve:

@@ -24,7 +24,7 @@ from neo_rs.errors import InvalidArgumentError
 from neo_rs.kv.layer_copies import LayerCopies
 from neo_rs.kv.pools import KvLayout, KvPool, block_pairs
 from neo_rs.kv.transfer import HostTransfer, Staged
-from neo_rs.model.llama import Rope
+from neo_rs.model.decoder import Rope
 from neo_rs.model.loader import empty_model, load_model
 from neo_rs.model.packed import pack_linears, packing_applies
 from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel, rank_device
