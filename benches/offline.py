@@ -61,39 +61,76 @@ def run_hf(path: Path, batch: list[list[int]], max_tokens: int, dtype: str) -> f
     return len(batch) * max_tokens / elapsed
 
 
+def median_ms(fn, x: torch.Tensor) -> float:  # noqa: ANN001 (a module)
+    times = []
+    with torch.inference_mode():
+        for _ in range(23):
+            t = time.perf_counter()
+            fn(x)
+            times.append(time.perf_counter() - t)
+    return sorted(times[3:])[len(times[3:]) // 2] * 1e3
+
+
 def mlp_ms(path: Path, dtype: str, rows: int) -> float:
     """One decoder layer's MLP (dense or sparse) over ``rows`` random hidden states, as the
     engine built it (prepacked on the CPU in bf16), median of 20."""
     from neo_rs import LLM
 
     llm = LLM(str(path), dtype=dtype, skip_tokenizer_init=True, num_gpu_blocks=64)
-    mlp = llm.engine.runner.model.decoder_layers[0].mlp
-    x = torch.randn(rows, llm.engine.runner.model.config.hidden_size, dtype=getattr(torch, dtype))
-    times = []
-    with torch.inference_mode():
-        for _ in range(23):
-            t = time.perf_counter()
-            mlp(x)
-            times.append(time.perf_counter() - t)
+    model = llm.engine.runner.model
+    ms = median_ms(
+        model.decoder_layers[0].mlp, torch.randn(rows, model.config.hidden_size, dtype=getattr(torch, dtype))
+    )
     llm.engine.shutdown()
-    return sorted(times[3:])[len(times[3:]) // 2] * 1e3
+    return ms
+
+
+def full_width_ms(dtype: str, rows: int) -> tuple[float, float]:
+    """Qwen3-30B-A3B's MoE layer itself (hidden 2048, 128 experts of 768, 8 per token) against a
+    dense MLP of its active width (8 x 768), random weights, prepacked as the engine does."""
+    from neo_rs.config import MoeConfig
+    from neo_rs.model.decoder import DenseMlp
+    from neo_rs.model.moe import SparseMoe
+    from neo_rs.model.packed import pack_linears, packing_applies
+    from neo_rs.parallel.group import SINGLE_PROCESS
+
+    dt = getattr(torch, dtype)
+    moe = SparseMoe(2048, MoeConfig(128, 8, 768, True, (True,)), SINGLE_PROCESS).to(dt)
+    dense = DenseMlp(2048, 8 * 768, SINGLE_PROCESS).to(dt)
+    for module in (moe, dense):
+        for p in module.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+        if packing_applies(torch.device("cpu"), dt):
+            pack_linears(module, 64)
+    x = torch.randn(rows, 2048, dtype=dt)
+    return median_ms(moe, x), median_ms(dense, x)
 
 
 def moe_vs_dense(args: argparse.Namespace, batch: list[list[int]]) -> None:
+    experts, top_k = 32, 4  # make_moe_pair's
+    header = f"{'dtype':<10}{'what':<30}{'MoE':>10}{'dense':>10}{'time MoE/dense':>16}{'bytes MoE/dense':>17}"
+
+    def row(dtype: str, what: str, m: float, d: float, bytes_ratio: float | None = None) -> None:
+        line = f"{dtype:<10}{what:<30}{m:>10.2f}{d:>10.2f}{m / d:>15.2f}x"
+        print(line + (f"{bytes_ratio:>16.2f}x" if bytes_ratio is not None else ""), flush=True)
+
+    print("Qwen3-30B-A3B's MoE layer at full width against its dense-active twin:")
+    print(header)
+    for dtype in args.dtypes.split(","):
+        for rows in (1, 64):
+            m, d = full_width_ms(dtype, rows)
+            row(dtype, f"MLP ms, {rows} rows", m, d, 128 * (1 - (1 - 8 / 128) ** rows) / 8)
     with tempfile.TemporaryDirectory() as tmp:
         moe, dense = make_moe_pair(Path(tmp))
-        experts, top_k = 32, 4  # make_moe_pair's
-        print(
-            f"{'dtype':<10}{'what':<22}{'MoE':>10}{'dense':>10}{'time MoE/dense':>16}{'bytes MoE/dense':>17}"
-        )
+        print("The narrow pair, in the engine:")
+        print(header)
         for dtype in args.dtypes.split(","):
             for rows in (1, 64, 1024):
                 m, d = mlp_ms(moe, dtype, rows), mlp_ms(dense, dtype, rows)
                 touched = experts * (1 - (1 - top_k / experts) ** rows)  # expected, uniform routing
-                line = f"{dtype:<10}{f'MLP ms, {rows} rows':<22}{m:>10.2f}{d:>10.2f}{m / d:>15.2f}x"
-                print(f"{line}{touched / top_k:>16.2f}x", flush=True)
+                row(dtype, f"MLP ms, {rows} rows", m, d, touched / top_k)
             m, d = (run_neo(p, batch, args.max_tokens, dtype) for p in (moe, dense))
-            print(f"{dtype:<10}{'generate tok/s':<22}{m:>10.1f}{d:>10.1f}{d / m:>15.2f}x", flush=True)
+            row(dtype, "generate s per token (x1000)", 1e3 / m, 1e3 / d)
 
 
 def main() -> None:

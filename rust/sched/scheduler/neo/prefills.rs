@@ -81,7 +81,12 @@ impl Scheduler {
             let n_dev = (req.num_tokens() - computed).min(budget);
             // Device blocks it takes up: new ones, and cached ones no request holds.
             let blocks = self.gpu.blocks_for(computed + n_dev) - hit.blocks.len() + hit.evictable;
-            let (t, host_blocks) = if !host_bound && blocks + max_headroom.min(on_device) <= free_gpu {
+            // A prompt longer than the budget runs in chunks over several iterations: it starts
+            // only where all of it fits. Preempted halfway it is recomputed (`preempt`), and
+            // admitted again on a chunk's room it would be preempted again, each time losing
+            // the chunks it ran (prompts over the budget ran at a fifth of `none`'s rate).
+            let whole = self.gpu.blocks_for(req.num_tokens()) - hit.blocks.len() + hit.evictable;
+            let (t, host_blocks) = if !host_bound && whole + max_headroom.min(on_device) <= free_gpu {
                 // Priced with a layer's share of copying its host-tier blocks in.
                 let copied = hit.host.len() * self.config.block_size * self.config.kv_bytes_per_token;
                 let attn_ms = self.predictor.prefill_attn_ms(computed, n_dev) + self.predictor.transfer_ms(copied);
