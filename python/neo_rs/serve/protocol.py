@@ -9,7 +9,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -187,10 +187,12 @@ class _ToolCall(_Strict):
 
 
 class _Message(_Strict):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str | list[_TextPart] | None = None
-    tool_calls: list[_ToolCall] | None = None  # an assistant's earlier calls
-    tool_call_id: str | None = None  # the call a tool message answers
+    """What every role's message shares. The roles are separate models so that /openapi.json
+    states their rules (which fields each role takes, which it needs) and a client or a fuzzer
+    can read them."""
+
+    role: str
+    content: str | list[_TextPart]
 
     def text(self) -> str:
         if self.content is None:
@@ -198,16 +200,36 @@ class _Message(_Strict):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
     def for_template(self) -> dict[str, Any]:
-        """The message as chat templates expect it (a call's arguments as a dict, as vLLM passes them)."""
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise bad(f"a {self.role} message needs 'content'", "messages")
-        if self.tool_calls is not None and self.role != "assistant":
-            raise bad("only assistant messages carry 'tool_calls'", "messages")
-        if (self.role == "tool") != (self.tool_call_id is not None):
-            raise bad("a tool message, and only a tool message, needs 'tool_call_id'", "messages")
-        msg: dict[str, Any] = {"role": self.role, "content": self.text()}
-        if self.tool_call_id is not None:
-            msg["tool_call_id"] = self.tool_call_id
+        """The message as chat templates expect it."""
+        return {"role": self.role, "content": self.text()}
+
+
+class _SystemMessage(_Message):
+    role: Literal["system"]
+
+
+class _UserMessage(_Message):
+    role: Literal["user"]
+
+
+class _ToolMessage(_Message):
+    role: Literal["tool"]
+    tool_call_id: str  # the call it answers
+
+    def for_template(self) -> dict[str, Any]:
+        return {**super().for_template(), "tool_call_id": self.tool_call_id}
+
+
+class _AssistantMessage(_Message):
+    role: Literal["assistant"]
+    content: str | list[_TextPart] | None = None  # None only beside tool calls
+    tool_calls: list[_ToolCall] | None = None  # its earlier calls
+
+    def for_template(self) -> dict[str, Any]:
+        """Calls' arguments as dicts, as vLLM passes them to templates."""
+        if self.content is None and not self.tool_calls:
+            raise bad("an assistant message needs 'content' or 'tool_calls'", "messages")
+        msg = super().for_template()
         if self.tool_calls:
             calls = []
             for c in self.tool_calls:
@@ -220,6 +242,11 @@ class _Message(_Strict):
                 )
             msg["tool_calls"] = calls
         return msg
+
+
+_AnyMessage = Annotated[
+    _SystemMessage | _UserMessage | _AssistantMessage | _ToolMessage, Field(discriminator="role")
+]
 
 
 class _FunctionDef(_Strict):
@@ -244,7 +271,7 @@ class _NamedToolChoice(_Strict):
 
 
 class ChatBody(_Sampling):
-    messages: list[_Message] = Field(min_length=1)
+    messages: list[_AnyMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -292,13 +319,13 @@ def _validated(model: type[_B], body: Any) -> _B:
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
         field = str(err["loc"][0]) if err["loc"] else None
-        if err["type"] == "extra_forbidden" and len(err["loc"]) == 1:
-            raise bad(f"'{field}' is not supported", field) from e
+        where = ".".join(str(x) for x in err["loc"])
+        if err["type"] == "extra_forbidden":  # named in full: 'messages.0.user.tool_call_id'
+            raise bad(f"'{where}' is not supported", field) from e
         if err["type"] == "too_short" and len(err["loc"]) == 1:
             raise bad(f"'{field}' must be a non-empty list", field) from e
         if field in _SHAPES and err["type"] != "missing":
             raise bad(_SHAPES[field], field) from e
-        where = ".".join(str(x) for x in err["loc"])
         raise bad(f"'{where}': {err['msg']}", field) from e
 
 
