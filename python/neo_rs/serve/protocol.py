@@ -192,7 +192,7 @@ class _Message(_Strict):
     can read them."""
 
     role: str
-    content: str | list[_TextPart]
+    content: str | list[_TextPart] | None
 
     def text(self) -> str:
         if self.content is None:
@@ -204,15 +204,19 @@ class _Message(_Strict):
         return {"role": self.role, "content": self.text()}
 
 
-class _SystemMessage(_Message):
+class _TextMessage(_Message):
+    content: str | list[_TextPart]
+
+
+class _SystemMessage(_TextMessage):
     role: Literal["system"]
 
 
-class _UserMessage(_Message):
+class _UserMessage(_TextMessage):
     role: Literal["user"]
 
 
-class _ToolMessage(_Message):
+class _ToolMessage(_TextMessage):
     role: Literal["tool"]
     tool_call_id: str  # the call it answers
 
