@@ -39,6 +39,10 @@ class CudaRuntime:
     def synchronize(self, device: torch.device | None = None) -> None:
         torch.cuda.synchronize(device)
 
+    def collective_backend(self) -> str:
+        """The torch.distributed backend of the tensor-parallel ranks' device collectives."""
+        return "nccl"
+
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
 

@@ -16,17 +16,23 @@ from the device (``CudaRuntime.read``) are made up by ``values``."""
 
 from __future__ import annotations
 
+import os
 import time
 import traceback
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from multiprocessing.connection import Connection
 from typing import Any
+from unittest.mock import patch
 
 import torch
-from neo_rs.cuda_runtime import CudaRuntime
+import torch.distributed.distributed_c10d as c10d
+from neo_rs.cuda_runtime import CudaRuntime, use_runtime
 from neo_rs.worker.graphs import Replayed
+from neo_rs.worker.runner import ModelRunner
+from neo_rs.worker.tp_workers import run_worker
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
@@ -112,6 +118,13 @@ class FakeCuda(CudaRuntime):
 
     def empty_cache(self) -> None:
         pass
+
+    def collective_backend(self) -> str:
+        """torch's fake process group: collectives on fake tensors that move nothing (the
+        control plane, host tensors over gloo, runs for real)."""
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
+
+        return "fake"
 
     def new_stream(self, device: torch.device) -> FakeStream:
         return FakeStream(device)
@@ -211,10 +224,14 @@ class CudaChecks(TorchDispatchMode):
     def __enter__(self) -> CudaChecks:
         # The fake mode beneath this one: torch skips initialising CUDA while one is active.
         self.fake.__enter__()
+        self._host_pickles = ExitStack()
+        for name in ("_object_to_tensor", "_tensor_to_object"):
+            self._host_pickles.enter_context(patch.object(c10d, name, _real(getattr(c10d, name))))
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
+        self._host_pickles.close()
         self.fake.__exit__(*exc)
 
     def _fake(self, t: torch.Tensor) -> torch.Tensor:
@@ -234,6 +251,48 @@ class CudaChecks(TorchDispatchMode):
                 self.pageable_reads += 1
 
 
+def _real(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with no fake mode active. torch.distributed's object collectives (the control
+    plane: rank 0's plan) pickle into host byte tensors, whose storage an active fake mode would
+    make meta."""
+
+    def host(*args: Any, **kwargs: Any) -> Any:
+        with unset_fake_temporarily():
+            return fn(*args, **kwargs)
+
+    return host
+
+
 def _where() -> str:
     frames = [f for f in traceback.extract_stack() if "/neo_rs/" in f.filename]
     return "".join(traceback.format_list(frames[-6:]))
+
+
+def fake_rank(rank: int, size: int, env: dict[str, str], report: Connection) -> None:
+    """A tensor-parallel worker process on a fake GPU of its own, as a launcher (``env://``)
+    starts one: ``run_worker``, the production entry, under ``CudaChecks``. It reports its exit
+    code and the host syncs of each iteration (swaps and forward; the start-up profile's timing
+    waits aside); a failed check ends it with code 1 and a logged traceback."""
+    os.environ.update(env)
+    rt = FakeCuda()
+    syncs: list[int] = []
+
+    def counted(method: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            before = checks.syncs
+            out = method(*args, **kwargs)
+            syncs.append(checks.syncs - before)
+            return out
+
+        return run
+
+    with (
+        use_runtime(rt),
+        CudaChecks(rt) as checks,
+        patch.object(ModelRunner, "apply_swaps", counted(ModelRunner.apply_swaps)),
+        patch.object(ModelRunner, "execute", counted(ModelRunner.execute)),
+    ):
+        try:
+            run_worker(rank, size, "env://")
+        except SystemExit as e:
+            report.send((e.code, syncs))

@@ -1,7 +1,7 @@
 """The engine's CUDA path, run without a GPU (``fake_cuda.py``): every iteration of every offload
 mode, the prefix cache's two tiers, swaps, chunked prefill, structured outputs, int8 host KV,
-a Llama-3-8B-shaped model at 2 and 32 layers, a Qwen3-30B-A3B-shaped MoE and one AsyncEngine
-request. Each iteration mixes
+a Llama-3-8B-shaped model at 2 and 32 layers, a Qwen3-30B-A3B-shaped MoE, one AsyncEngine
+request and two tensor-parallel ranks. Each iteration mixes
 no devices, reads no CUDA scalar, and waits for the device as often as the budget says
 (``SYNCS_PER_ITERATION``), whatever the number of layers. Two planted defects show the checks
 bite."""
@@ -19,8 +19,9 @@ from typing import Any
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from conftest import assert_all_blocks_free
-from fake_cuda import CudaChecks, DeviceCheckError, FakeCuda
+from fake_cuda import CudaChecks, DeviceCheckError, FakeCuda, fake_rank
 from neo_rs import LLMEngine, SamplingParams
 from neo_rs.config import EngineArgs
 from neo_rs.cuda_runtime import use_runtime
@@ -28,6 +29,7 @@ from neo_rs.engine.async_engine import AsyncEngine
 from neo_rs.errors import EngineStepError
 from neo_rs.kv.transfer import HostTransfer
 from neo_rs.sample.structured import StructuredOutputsParams
+from server_util import free_port
 from test_prefix_cache import PROMPTS
 
 # The host waits for the device once an iteration: to read the sampled tokens (docs/gpu.md).
@@ -85,6 +87,42 @@ def test_iterations_of_every_mode(monkeypatch, mode: str, backend: str) -> None:
         assert expected & set(modes), modes
         assert_all_blocks_free(engine)
         engine.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["none", "neo-forced"])
+def test_two_ranks_each_on_a_fake_gpu(monkeypatch, mode: str) -> None:
+    """TP=2 as a launcher starts it: this process is rank 0 (the engine), a spawned process rank
+    1 (the production worker), each under its own checks; device collectives go through torch's
+    fake process group, the plan over gloo for real."""
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": "2",
+        "NEO_RS_DEVICE_ATTENTION": "triton",
+    }
+    for k, v in {**env, "RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    ctx = mp.get_context("spawn")
+    receiver, sender = ctx.Pipe(duplex=False)
+    worker = ctx.Process(target=fake_rank, args=(1, 2, {**env, "RANK": "1"}, sender), daemon=True)
+    worker.start()
+    try:
+        kw, expected = MODES[mode]
+        with fake_gpu(monkeypatch) as checks:
+            engine = engine_on("demo", tensor_parallel_size=2, **kw)
+            queue(engine)
+            modes = run(engine, checks)
+            assert expected & set(modes), modes
+            assert_all_blocks_free(engine)
+            engine.shutdown()
+        worker.join(60)
+        assert worker.exitcode == 0, "rank 1 failed its checks (its log says why)"
+        # Rank 1 never waits for its device in an iteration: it neither samples nor reads tokens.
+        code, syncs = receiver.recv()
+        assert code == 0 and len(syncs) >= 2 * len(modes) and not any(syncs), syncs
+    finally:
+        if worker.is_alive():
+            worker.terminate()
 
 
 def test_swaps_chunked_prefill_and_int8_host_kv(monkeypatch) -> None:

@@ -98,7 +98,7 @@ def join(rank: int, size: int, init_method: str, setup: Any = None) -> tuple[Ten
     setup = box[0]
     backend = "gloo"
     if setup.device.type == "cuda":
-        backend = "nccl"
+        backend = runtime().collective_backend()
         runtime().set_device(rank_device(setup.device, rank))  # NCCL's communicator binds to it
     data = dist.new_group(backend=backend, timeout=DATA_TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
