@@ -139,7 +139,7 @@ def test_neo_pipeline_keeps_outputs_identical(checkpoints, kind: str) -> None:
         num_gpu_blocks=10,
         num_cpu_blocks=64,
         block_size=8,
-        max_num_batched_tokens=16,
+        max_num_batched_tokens=24,
         neo_force_pipeline=True,
     )
     assert tokens == [hf_greedy(checkpoints[kind], kind, p) for p in PROMPTS]
