@@ -61,7 +61,7 @@ fn bench_model<E: Element>(c: &mut Criterion, model: &str, num_q_heads: usize, n
                 let attn = CpuAttention::new(Some(threads), Some(tier)).unwrap();
                 let batch_ =
                     DecodeBatch { block_tables: &s.tables, max_blocks_per_seq: s.max_blocks, seq_lens: &s.lens };
-                let params = DecodeParams { num_q_heads: s.num_q_heads, scale: 0.088 };
+                let params = DecodeParams::new(s.num_q_heads, 0.088);
                 let mut out = vec![E::from_f32(0.0); s.q.len()];
                 group.bench_function(BenchmarkId::new(tier.name(), format!("{threads}t")), |b| {
                     b.iter(|| attn.decode(&s.q, &s.k, &s.v, &s.shape, &batch_, &params, &mut out).unwrap())

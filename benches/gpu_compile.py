@@ -3,7 +3,8 @@ for the GPUs NEO targets, with no GPU: sm_75 (T4), sm_80 (A100), sm_86 (A10G), s
 (H100/H200). Each kernel is built with the compile-time arguments its launcher picks
 (``decode_launch``, ``prefill_launch``, ``moe_launch``) for head dims 64/80/96/128/256, block sizes
 16/32 (the MoE GEMM: 1 and 8 rows per token), the 16-bit dtype the engine
-runs on that target (no bf16 before sm_80: fp16 there) and float32. The bundled ``ptxas -v``
+runs on that target (no bf16 before sm_80: fp16 there) and float32; the attention kernels also
+with a sliding window and soft-capping (Gemma's layers) at head dims 128 and 256. The bundled ``ptxas -v``
 gives registers and spills; the metadata, shared memory; occupancy follows from the target's
 limits. Prints one table (a row per kernel, target and dtype: its worst case) and exits 1 on a
 compile error, a spill, or shared memory over the target's limit. Results are cached by the
@@ -79,6 +80,7 @@ class Case:
     head_dim: int
     block_size: int
     group: int
+    windowed: bool = False  # with a sliding window and soft-capping compiled in
 
 
 @dataclass
@@ -108,7 +110,7 @@ def signature(fn: triton.JITFunction, dtype: torch.dtype, constants: dict) -> di
     block tables int32 for decode and int64 for prefill, outputs and partials float32."""
     element = {torch.bfloat16: "*i16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
     by_name = {"q_ptr": element, "k_ptr": element, "v_ptr": element, "tables_ptr": "*i32"}
-    by_name |= {"lens_ptr": "*i32", "table_ptr": "*i64", "scale": "fp32"}
+    by_name |= {"lens_ptr": "*i32", "table_ptr": "*i64", "scale": "fp32", "softcap": "fp32"}
     by_name |= {"a_ptr": element, "w_ptr": element, "sorted_ptr": "*i32", "block_expert_ptr": "*i32"}
     sig = {}
     for name in fn.arg_names:
@@ -145,7 +147,8 @@ def occupancy(limits: Limits, registers: int, smem: int, warps: int) -> float:
 def build(case: Case) -> Built:
     fn, launch = KERNELS[case.kernel]
     dtype = getattr(torch, case.dtype)
-    constants = launch(case.group, case.head_dim, case.block_size, dtype)
+    kind = (True, True) if case.windowed else ()
+    constants = launch(case.group, case.head_dim, case.block_size, dtype, *kind)
     options = {k: constants.pop(k) for k in ("num_warps", "num_stages") if k in constants}
     warps = options.setdefault("num_warps", 4)
     try:
@@ -177,6 +180,11 @@ def cases(archs: list[int]) -> list[Case]:
             name = str(dtype).removeprefix("torch.")
             out += [Case("decode", arch, name, hd, bs, g) for g in GROUPS]
             out.append(Case("prefill", arch, name, hd, bs, 4))
+            if hd >= 128:
+                out += [
+                    Case("decode", arch, name, hd, bs, 8, True),
+                    Case("prefill", arch, name, hd, bs, 4, True),
+                ]
     for arch in archs:
         for dtype in engine_dtypes(arch):
             out += [Case("moe", arch, str(dtype).removeprefix("torch."), 0, 0, rows) for rows in (1, 8)]
@@ -196,6 +204,7 @@ def failures(results: dict[Case, Built]) -> list[str]:
     bad = []
     for c, b in results.items():
         what = f"{c.kernel} sm_{c.arch} {c.dtype} head_dim {c.head_dim} block {c.block_size} group {c.group}"
+        what += " windowed" if c.windowed else ""
         if b.error:
             bad.append(f"{what}: {b.error}")
         elif b.spill_bytes:
@@ -210,12 +219,16 @@ def table(results: dict[Case, Built], all_rows: bool) -> list[str]:
     lines = [head + f"{'spilled':>9}{'occupancy min':>15}{'failed':>8}"]
     groups: dict[tuple, list[tuple[Case, Built]]] = {}
     for c, b in results.items():
-        key = (c.kernel, c.arch, c.dtype) + ((c.head_dim, c.block_size, c.group) if all_rows else ())
+        key = (c.kernel, c.arch, c.dtype) + (
+            (c.head_dim, c.block_size, c.group, c.windowed) if all_rows else ()
+        )
         groups.setdefault(key, []).append((c, b))
     for key, rows in groups.items():
         built = [b for _, b in rows if not b.error]
         kernel, arch, dtype = key[:3]
-        where = f"sm_{arch} {TARGETS[arch].name}" + (" hd{} bs{} g{}".format(*key[3:]) if all_rows else "")
+        where = f"sm_{arch} {TARGETS[arch].name}" + (
+            " hd{} bs{} g{} w{:d}".format(*key[3:]) if all_rows else ""
+        )
         regs = max((b.registers for b in built), default=0)
         smem = max((b.smem for b in built), default=0)
         spilled = sum(1 for b in built if b.spill_bytes)

@@ -69,6 +69,8 @@ class CpuAttention:
         new_v: torch.Tensor | None = None,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         """Decode attention, written into ``out``.
 
@@ -83,7 +85,8 @@ class CpuAttention:
         instead be the halves ``x[:, :, :, 0]`` and ``x[:, :, :, 1]`` of one contiguous ``x`` of
         ``[num_layers, num_blocks, num_kv_heads, 2, ...]``: each (block, KV head)'s K and V
         tiles side by side, as the engine's CPU pools hold them (read as one run). Releases the
-        GIL.
+        GIL. ``window``: each sequence attends to its last ``window`` positions only (a sliding
+        window); ``softcap``: scaled scores become ``softcap * tanh(score / softcap)``.
         Calls reading under 256 KiB of K/V run on the calling thread (handing them to the pool
         would cost more).
         """
@@ -107,6 +110,8 @@ class CpuAttention:
         new_v: torch.Tensor | None = None,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> AttentionHandle:
         """Like ``forward`` but returns at once; the tensors must not be touched before ``wait()``.
         A call under 256 KiB of K/V is done on return (cheaper than the hand-off)."""

@@ -31,6 +31,9 @@ class Family:
     qk_norm: str | None = None  # "head": RMSNorm per head (Qwen3); "projection": over all heads (OLMo 2)
     post_norms: bool = False  # norms after attention and the MLP, none before (OLMo 2)
     moe: str | None = None  # "mixtral" | "qwen3_moe": sparse MLP layers (``model/moe.py``)
+    # Gemma's decoder: RMSNorm as (1 + w) in float32, embeddings scaled by sqrt(hidden), norms
+    # before and after both attention and the MLP.
+    gemma: bool = False
 
 
 # config.json "architectures" -> its family.
@@ -44,6 +47,8 @@ ARCHITECTURES = {
     "Phi3ForCausalLM": Family(o_bias=False),
     "SmolLM3ForCausalLM": Family(),
     "Olmo2ForCausalLM": Family(qk_norm="projection", post_norms=True),
+    "Gemma2ForCausalLM": Family(o_bias=False, gemma=True),
+    "Gemma3ForCausalLM": Family(o_bias=False, gemma=True, qk_norm="head"),
 }
 MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -55,7 +60,11 @@ MODEL_TYPES = {
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
+# The MLP's activations (its gate's): SwiGLU, or GeGLU with tanh's approximation (Gemma).
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 OFFLOAD_MODES = ("neo", "none", "all")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 CPU_KV_DTYPES = ("auto", "int8")
@@ -174,6 +183,17 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class AttentionKind:
+    """How one layer attends: the softmax scale; a sliding window (a row attends to its last
+    ``window`` positions, its own included; None: to all); soft-capping of the scaled scores
+    (``softcap · tanh(score / softcap)`` before the softmax; None: none)."""
+
+    scale: float
+    window: int | None = None
+    softcap: float | None = None
+
+
+@dataclass(frozen=True)
 class MoeConfig:
     """A sparse MLP: ``num_experts`` SwiGLU experts of ``intermediate_size``, ``top_k`` per token."""
 
@@ -202,11 +222,19 @@ class ModelConfig:
     tie_word_embeddings: bool
     torch_dtype: torch.dtype
     sliding_window: int | None = None
+    # Per layer, whether it slides (None: every layer, when there is a window).
+    sliding_layers: tuple[bool, ...] | None = None
+    attn_softcap: float | None = None  # soft-capping of attention scores (Gemma 2)
+    query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power, not head_dim's (Gemma)
     o_bias: bool = False
     qk_norm: str | None = None  # see ``Family``
     post_norms: bool = False
     rope_layers: tuple[bool, ...] | None = None  # per layer, whether RoPE applies (None: all; SmolLM3)
     moe: MoeConfig | None = None
+    hidden_act: str = "silu"  # one of ACTIVATIONS
+    gemma: bool = False  # see ``Family``
+    local_rope: RopeConfig | None = None  # the sliding layers' RoPE where it differs (Gemma 3)
+    final_softcap: float | None = None  # soft-capping of the logits (Gemma 2)
 
     @staticmethod
     def from_dir(model_dir: str | Path) -> ModelConfig:
@@ -233,10 +261,15 @@ class ModelConfig:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
             layers = int(cfg["num_hidden_layers"])
-            act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
-            if act != "silu":
-                raise ModelLoadError(f"{where}: unsupported activation {act!r} for {arch} (supported: silu)")
+            act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+            if act not in ACTIVATIONS:
+                supported = ", ".join(ACTIVATIONS)
+                raise ModelLoadError(
+                    f"{where}: unsupported activation {act!r} for {arch} (supported: {supported})"
+                )
+            rope, local_rope = _ropes(cfg)
             window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+            sliding = _sliding_layers(cfg, layers) if window else None
             bias = bool(cfg.get("attention_bias", False))
             no_rope = cfg.get("no_rope_layers")  # SmolLM3: 1 where RoPE applies
             return ModelConfig(
@@ -249,7 +282,7 @@ class ModelConfig:
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope=RopeConfig.from_hf(cfg),
+                rope=rope,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 qkv_bias=family.qkv_bias or bias,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -257,21 +290,73 @@ class ModelConfig:
                     str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), torch.float32
                 ),
                 sliding_window=int(window) if window else None,
+                sliding_layers=sliding,
+                attn_softcap=_positive(cfg.get("attn_logit_softcapping")),
+                query_pre_attn_scalar=_positive(cfg.get("query_pre_attn_scalar")),
                 o_bias=family.o_bias and bias,
                 qk_norm=family.qk_norm,
                 post_norms=family.post_norms,
                 rope_layers=tuple(bool(r) for r in no_rope) if no_rope is not None else None,
                 moe=_moe_config(family.moe, cfg, layers),
+                hidden_act=act,
+                gemma=family.gemma,
+                local_rope=local_rope,
+                final_softcap=_positive(cfg.get("final_logit_softcapping")),
             )
         except KeyError as e:
             raise ModelLoadError(f"{where}: missing field {e.args[0]!r}") from e
 
     def max_model_len(self) -> int:
-        """The longest context the model supports (a sliding window, which we do not implement,
-        caps it)."""
-        if self.sliding_window:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """The longest context the model supports."""
         return self.max_position_embeddings
+
+    def attention_kinds(self) -> list[AttentionKind]:
+        """How each layer attends (``AttentionKind``)."""
+        scale = (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+        slides = self.sliding_layers or (True,) * self.num_layers
+        return [
+            AttentionKind(
+                scale, self.sliding_window if self.sliding_window and s else None, self.attn_softcap
+            )
+            for s in slides
+        ]
+
+
+def _ropes(cfg: dict[str, Any]) -> tuple[RopeConfig, RopeConfig | None]:
+    """The RoPE of the global layers, and the sliding layers' where it differs: transformers 5
+    writes one per layer type (``rope_parameters`` by ``full_attention``/``sliding_attention``),
+    Gemma 3's older configs a ``rope_local_base_freq``."""
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params:
+        full = params["full_attention"]
+        rope = RopeConfig.from_hf({**cfg, "rope_parameters": full})
+        local = RopeConfig.from_hf({**cfg, "rope_parameters": params.get("sliding_attention") or full})
+    else:
+        rope = RopeConfig.from_hf(cfg)
+        theta = cfg.get("rope_local_base_freq")
+        local = (
+            RopeConfig(theta=float(theta), partial_rotary_factor=rope.partial_rotary_factor)
+            if theta
+            else rope
+        )
+    return rope, local if local != rope else None
+
+
+def _positive(x: Any) -> float | None:
+    """An optional positive number of a config (absent, null or 0: None)."""
+    return float(x) if x else None
+
+
+def _sliding_layers(cfg: dict[str, Any], layers: int) -> tuple[bool, ...]:
+    """Which layers slide: as ``layer_types`` says where given (transformers writes it for
+    hybrid models), else Qwen2's ``max_window_layers`` (the layers from it on), else all."""
+    if types := cfg.get("layer_types"):
+        if len(types) != layers:
+            raise ModelLoadError(f"layer_types names {len(types)} layers, the model has {layers}")
+        return tuple(t == "sliding_attention" for t in types)
+    if "max_window_layers" in cfg:
+        return tuple(i >= int(cfg["max_window_layers"]) for i in range(layers))
+    return (True,) * layers
 
 
 def _moe_config(kind: str | None, cfg: dict[str, Any], layers: int) -> MoeConfig | None:

@@ -85,11 +85,28 @@ impl DecodeBatch<'_> {
     }
 }
 
-/// Head counts and the softmax scale.
+/// Head counts, the softmax scale, and the layer's attention kind.
 #[derive(Debug, Clone, Copy)]
 pub struct DecodeParams {
     pub num_q_heads: usize,
     pub scale: f32,
+    /// Sliding window: a row attends to its last `window` positions, its own included (a
+    /// sequence of length `len` to `len - window..len`); `None`: to all of them.
+    pub window: Option<usize>,
+    /// Soft-capping (Gemma 2): scaled scores become `cap * tanh(score / cap)` before the softmax.
+    pub softcap: Option<f32>,
+}
+
+impl DecodeParams {
+    /// Global attention without soft-capping.
+    pub fn new(num_q_heads: usize, scale: f32) -> Self {
+        DecodeParams { num_q_heads, scale, window: None, softcap: None }
+    }
+
+    /// The first position a sequence of length `len` attends to.
+    pub(crate) fn first_position(&self, len: usize) -> usize {
+        self.window.map_or(0, |w| len.saturating_sub(w))
+    }
 }
 
 pub const MAX_HEAD_DIM: usize = 256;
@@ -125,6 +142,10 @@ pub(crate) fn check_decode(
         params.num_q_heads
     );
     ensure!(params.scale.is_finite(), Value, "softmax scale must be finite, got {}", params.scale);
+    ensure!(params.window != Some(0), Value, "a sliding window must hold at least one position");
+    if let Some(cap) = params.softcap {
+        ensure!(cap.is_finite() && cap > 0.0, Value, "softcap must be positive and finite, got {cap}");
+    }
     ensure!(
         shape.slice_len().is_some_and(|n| n == k_len && n == v_len),
         Shape,

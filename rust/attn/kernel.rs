@@ -32,7 +32,12 @@ pub(crate) struct Item<'a, Q, K> {
     /// Token range `[start, end)`; `start` is a multiple of the block size.
     pub start: usize,
     pub end: usize,
+    /// The sequence's first attended position (a sliding window's; 0 otherwise): rows before it
+    /// in the item's first block are masked out.
+    pub first: usize,
     pub scale: f32,
+    /// Soft-capping of the scaled scores (`DecodeParams::softcap`).
+    pub softcap: Option<f32>,
     /// The item this thread most likely runs next: its first tiles are prefetched during this
     /// item's last blocks, so the switch does not stall on cold misses.
     pub next: Option<NextItem<'a>>,
@@ -172,6 +177,8 @@ pub(crate) unsafe fn attend_item<S: Simd, Q: Element, K: KvElement, const DOT: u
         let tiles = if b < full { geo.streams().min(full - b) } else { 1 };
         // SAFETY: the CPU supports S (caller).
         let n = unsafe { it.step_rows::<S>(geo, b, tiles, &mut row_buf, &mut ahead_buf) };
+        // Rows of this step before the first attended position (only in the window's first block).
+        let masked = it.first.saturating_sub(b * bs).min(bs);
         b += tiles;
         let (rows, ahead) = (&row_buf[..n], &ahead_buf[..n]);
         // SAFETY: (whole step) the CPU supports S (caller); every row lies in both pool slices
@@ -220,6 +227,16 @@ pub(crate) unsafe fn attend_item<S: Simd, Q: Element, K: KvElement, const DOT: u
                 let scores = &mut scratch.scores[g * sp..(g + 1) * sp];
                 if K::SCALED {
                     scale_scores::<S>(scores, &scratch.k_scale, n);
+                }
+                if let Some(cap) = it.softcap {
+                    // Scalar tanh: only Gemma 2 caps, and its scores are few beside the dot products.
+                    for x in &mut scores[..n] {
+                        *x = cap * (*x / cap).tanh();
+                    }
+                }
+                // Row t of the step's first tile sits at position t * tiles (`step_rows`).
+                for t in 0..masked {
+                    scores[t * tiles] = f32::NEG_INFINITY;
                 }
                 online_softmax_step::<S>(
                     scores,

@@ -139,7 +139,7 @@ pub(crate) fn run<Q: Element, K: KvElement>(
         group: params.num_q_heads / shape.num_kv_heads,
         tile_stride: shape.tile_stride(),
     };
-    let (items, first_item) = plan(&geo, batch, workers.threads());
+    let (items, first_item) = plan(&geo, batch, params, workers.threads());
     let pl = geo.partial_len();
     let group_len = geo.group * geo.head_dim;
     let attend = |scratch: &mut Scratch, i: usize, partial: &mut [f32]| {
@@ -162,7 +162,9 @@ pub(crate) fn run<Q: Element, K: KvElement>(
             kv_head: spec.kv_head,
             start: spec.start,
             end: spec.end,
+            first: params.first_position(batch.len(spec.seq)),
             scale: params.scale,
+            softcap: params.softcap,
             next,
         };
         // SAFETY: `kernel` only exists for tiers this CPU supports, and the scratch was made
@@ -203,9 +205,13 @@ pub(crate) fn run<Q: Element, K: KvElement>(
 }
 
 /// Cuts the batch into items; `first_item[s * num_kv_heads + h]` is the first item of that pair
-/// (items of a pair are consecutive; empty sequences have none).
-fn plan(geo: &Geometry, batch: &DecodeBatch<'_>, threads: usize) -> (Vec<ItemSpec>, Vec<usize>) {
-    let total: usize = (0..batch.num_seqs()).map(|s| batch.len(s)).sum::<usize>() * geo.num_kv_heads;
+/// (items of a pair are consecutive; empty sequences have none). Under a sliding window a
+/// sequence's items start at the block holding its first attended position.
+fn plan(geo: &Geometry, batch: &DecodeBatch<'_>, params: &DecodeParams, threads: usize) -> (Vec<ItemSpec>, Vec<usize>) {
+    let bs = geo.block_size;
+    let skipped = |len: usize| params.first_position(len) / bs * bs;
+    let total: usize =
+        (0..batch.num_seqs()).map(|s| batch.len(s) - skipped(batch.len(s))).sum::<usize>() * geo.num_kv_heads;
     let chunk = if threads <= 1 {
         usize::MAX
     } else {
@@ -217,7 +223,7 @@ fn plan(geo: &Geometry, batch: &DecodeBatch<'_>, threads: usize) -> (Vec<ItemSpe
         let len = batch.len(seq);
         for kv_head in 0..geo.num_kv_heads {
             first_item.push(items.len());
-            let mut start = 0;
+            let mut start = skipped(len);
             while start < len {
                 let end = len.min(start.saturating_add(chunk));
                 items.push(ItemSpec { seq, kv_head, start, end });

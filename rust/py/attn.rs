@@ -42,7 +42,7 @@ impl Call {
         layer: usize,
         tables: &TensorRef,
         lens: &TensorRef,
-        scale: f32,
+        kind: DecodeParams,
         out: &TensorRef,
         new_kv: Option<(&TensorRef, &TensorRef)>,
         scales: Option<(&TensorRef, &TensorRef)>,
@@ -134,7 +134,7 @@ impl Call {
             shape,
             num_seqs,
             max_blocks: td[1],
-            params: DecodeParams { num_q_heads: qd[1], scale },
+            params: DecodeParams { num_q_heads: qd[1], ..kind },
             q: q.addr,
             k_layer,
             v_layer,
@@ -267,7 +267,12 @@ fn pair(
     }
 }
 
-fn prepare(args: &Args<'_>, layer: usize, scale: f32) -> PyResult<Call> {
+/// The scale and attention kind of a call (`num_q_heads` comes from q's shape in `Call::prepare`).
+fn kind(scale: f32, window: Option<usize>, softcap: Option<f32>) -> DecodeParams {
+    DecodeParams { window, softcap, ..DecodeParams::new(0, scale) }
+}
+
+fn prepare(args: &Args<'_>, layer: usize, kind: DecodeParams) -> PyResult<Call> {
     let ([q, k, v, tables, lens, out], new, scales) = args;
     let new_kv = pair(new, ["new_k", "new_v"], TensorRef::extract)?;
     let scales = pair(scales, ["k_scale", "v_scale"], TensorRef::extract_view)?;
@@ -278,7 +283,7 @@ fn prepare(args: &Args<'_>, layer: usize, scale: f32) -> PyResult<Call> {
         layer,
         &TensorRef::extract(tables, "block_tables")?,
         &TensorRef::extract(lens, "seq_lens")?,
-        scale,
+        kind,
         &TensorRef::extract(out, "out")?,
         new_kv.as_ref().map(|(a, b)| (a, b)),
         scales.as_ref().map(|(a, b)| (a, b)),
@@ -379,7 +384,7 @@ impl CpuAttention {
     }
 
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (q, k_cache, v_cache, layer, block_tables, seq_lens, scale, out, new_k=None, new_v=None, k_scale=None, v_scale=None))]
+    #[pyo3(signature = (q, k_cache, v_cache, layer, block_tables, seq_lens, scale, out, new_k=None, new_v=None, k_scale=None, v_scale=None, window=None, softcap=None))]
     fn forward<'py>(
         &self,
         py: Python<'py>,
@@ -395,9 +400,11 @@ impl CpuAttention {
         new_v: Option<Bound<'py, PyAny>>,
         k_scale: Option<Bound<'py, PyAny>>,
         v_scale: Option<Bound<'py, PyAny>>,
+        window: Option<usize>,
+        softcap: Option<f32>,
     ) -> PyResult<()> {
         let args = ([q, k_cache, v_cache, block_tables, seq_lens, out], [new_k, new_v], [k_scale, v_scale]);
-        let call = prepare(&args, layer, scale)?;
+        let call = prepare(&args, layer, kind(scale, window, softcap))?;
         let engine = &self.engine;
         // SAFETY: `args` holds every tensor alive across the call; torch cannot resize them
         // while this thread is inside the call, and callers must not write them concurrently.
@@ -406,7 +413,7 @@ impl CpuAttention {
     }
 
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (q, k_cache, v_cache, layer, block_tables, seq_lens, scale, out, new_k=None, new_v=None, k_scale=None, v_scale=None))]
+    #[pyo3(signature = (q, k_cache, v_cache, layer, block_tables, seq_lens, scale, out, new_k=None, new_v=None, k_scale=None, v_scale=None, window=None, softcap=None))]
     fn submit<'py>(
         &self,
         py: Python<'py>,
@@ -422,9 +429,11 @@ impl CpuAttention {
         new_v: Option<Bound<'py, PyAny>>,
         k_scale: Option<Bound<'py, PyAny>>,
         v_scale: Option<Bound<'py, PyAny>>,
+        window: Option<usize>,
+        softcap: Option<f32>,
     ) -> PyResult<AttentionHandle> {
         let args = ([q, k_cache, v_cache, block_tables, seq_lens, out], [new_k, new_v], [k_scale, v_scale]);
-        let call = prepare(&args, layer, scale)?;
+        let call = prepare(&args, layer, kind(scale, window, softcap))?;
         let (tensors, new, scales) = args;
         let mut keep: Vec<Py<PyAny>> = tensors.into_iter().map(Bound::unbind).collect();
         keep.extend(new.into_iter().chain(scales).flatten().map(Bound::unbind));

@@ -1,6 +1,7 @@
 """Fixtures: tiny randomly initialised Hugging Face checkpoints (Llama MHA, Llama-3 style GQA
 with llama3 rope scaling, Mistral with linear rope scaling, Qwen2 with QKV bias and tied
-embeddings, and one of each further family: Qwen3, Phi-3, SmolLM3, OLMo 2, Mixtral, Qwen3-MoE),
+embeddings, and one of each further family: Qwen3, Phi-3, SmolLM3, OLMo 2, Mixtral, Qwen3-MoE,
+Gemma 2, Gemma 3),
 saved with ``save_pretrained`` plus the demo byte-level tokenizer. No downloads."""
 
 from __future__ import annotations
@@ -119,6 +120,33 @@ def _family_config(kind: str, common: dict):  # noqa: ANN202 (a transformers con
             mlp_only_layers=[0],
             **common,
         )
+    # Gemma: a sliding window shorter than the prompts, a sliding then a global layer, scores
+    # scaled by query_pre_attn_scalar, (Gemma 2) capped scores and logits, (Gemma 3) q/k norms
+    # and a RoPE per layer type; weights large enough that scores reach the caps and attention
+    # is peaked (with the common scale, a window or a cap moves the logits by less than 1e-4).
+    gemma = dict(
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        pad_token_id=0,
+        tie_word_embeddings=False,  # logits large enough to reach Gemma 2's cap
+        **{**common, "initializer_range": 0.4},
+    )
+    if kind == "gemma2":
+        return tf.Gemma2Config(
+            query_pre_attn_scalar=20,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=3.0,
+            **gemma,
+        )
+    if kind == "gemma3":
+        rope = {
+            "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        }
+        return tf.Gemma3TextConfig(query_pre_attn_scalar=12, rope_parameters=rope, **gemma)
     raise ValueError(kind)
 
 
@@ -128,6 +156,14 @@ def make_checkpoint(root: Path, kind: str, shard: bool = False) -> Path:
 
     torch.manual_seed(1234)
     model = AutoModelForCausalLM.from_config(_config(kind)).eval()
+    if kind.startswith("gemma"):
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:  # they start at 1 + 0: give their weights something to do
+                    p.normal_(0.0, 0.3)
+            # Embeddings scaled by sqrt(hidden) would outweigh what attention adds, and the
+            # tokens would only repeat the prompt's last.
+            model.get_input_embeddings().weight.mul_(0.1)
     path = root / (kind + ("-sharded" if shard else ""))
     model.save_pretrained(path, max_shard_size="60KB" if shard else "5GB")
     save_tokenizer(path)
@@ -136,7 +172,7 @@ def make_checkpoint(root: Path, kind: str, shard: bool = False) -> Path:
 
 ARCHS = ["llama", "llama3", "mistral", "qwen2"]
 # The families beyond Llama's (test_model_families.py).
-FAMILIES = ["qwen3", "phi3", "smollm3", "olmo2", "mixtral", "qwen3_moe"]
+FAMILIES = ["qwen3", "phi3", "smollm3", "olmo2", "mixtral", "qwen3_moe", "gemma2", "gemma3"]
 
 
 @pytest.fixture(scope="session")

@@ -65,3 +65,32 @@ CASES = [
     ([40, 1, 2], 4, 1, 128, 32),
     ([250, 7], 2, 2, 32, 16),
 ]
+
+# Attention kinds the backends are held to beyond plain causal attention: (case, window,
+# softcap) over CASES, windows shorter than a block, across blocks and cutting a split sequence.
+KIND_CASES = [(0, 7, None), (1, 20, 5.0), (2, 1000, None), (3, None, 3.0), (4, 16, 1.0)]
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    first: int,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """In float64: rows ``q`` ``[rows, heads, d]`` at positions ``first ..`` attending causally
+    over ``k``/``v`` ``[keys, kv_heads, d]``, within the last ``window`` positions, the scaled
+    scores capped by ``softcap · tanh(s / softcap)``."""
+    group = q.shape[1] // k.shape[1]
+    kh, vh = (t.double().repeat_interleave(group, 1).transpose(0, 1) for t in (k, v))
+    s = torch.matmul(q.double().transpose(0, 1), kh.transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    pos_q = torch.arange(first, first + q.shape[0])[:, None]
+    pos_k = torch.arange(k.shape[0])[None, :]
+    mask = pos_k <= pos_q
+    if window is not None:
+        mask &= pos_k > pos_q - window
+    return torch.matmul(torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1), vh).transpose(0, 1)

@@ -11,7 +11,7 @@ import types
 
 import pytest
 import torch
-from decode_cases import CASES, TOL, make_case
+from decode_cases import CASES, KIND_CASES, TOL, make_case
 from neo_rs import CpuAttention, InvalidArgumentError
 from neo_rs.attention.cuda.flashinfer_decode import FlashInferDecode, paged_kv_args
 from neo_rs.attention.device_decode import (
@@ -22,6 +22,7 @@ from neo_rs.attention.device_decode import (
     select_device_decode,
 )
 from neo_rs.attention.metadata import DecodeRows
+from neo_rs.config import AttentionKind
 from neo_rs.kv.pools import KvLayout, KvPool
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -35,11 +36,15 @@ def flashinfer_reference(
     indices: torch.Tensor,
     last_page_len: torch.Tensor,
     sm_scale: float,
+    window_left: int = -1,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """FlashInfer's batch decode as its documentation defines it, for HND caches ``[pages,
     kv_heads, page_size, head_dim]``: request ``b`` attends over its pages ``indices[indptr[b]:
     indptr[b + 1]]`` in order, all of each but the last, of which the first ``last_page_len[b]``
-    tokens. (An empty request gives zeros, as our kernels do.)"""
+    tokens; with ``window_left`` >= 0 only the last ``window_left + 1`` of those, and with
+    ``logits_soft_cap`` the scaled scores capped by ``cap · tanh(s / cap)``. (An empty request
+    gives zeros, as our kernels do.)"""
     out = torch.zeros(q.shape, dtype=torch.float64)
     page_size = k_cache.shape[2]
     for b in range(len(last_page_len)):
@@ -51,8 +56,12 @@ def flashinfer_reference(
         v = v_cache[pages].transpose(0, 1).reshape(v_cache.shape[1], -1, v_cache.shape[3])[:, :n].double()
         group = q.shape[1] // k_cache.shape[1]
         k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-        p = torch.softmax(torch.einsum("hd,hnd->hn", q[b].double(), k) * sm_scale, dim=-1)
-        out[b] = torch.einsum("hn,hnd->hd", p, v)
+        if window_left >= 0:
+            k, v = k[:, -(window_left + 1) :], v[:, -(window_left + 1) :]
+        s = torch.einsum("hd,hnd->hn", q[b].double(), k) * sm_scale
+        if logits_soft_cap:
+            s = logits_soft_cap * torch.tanh(s / logits_soft_cap)
+        out[b] = torch.einsum("hn,hnd->hd", torch.softmax(s, dim=-1), v)
     return out
 
 
@@ -79,7 +88,7 @@ class _Wrapper:
         for t in (indptr, indices, last_page_len):  # host int32: planning never waits on the device
             assert t.dtype == torch.int32 and t.device.type == "cpu"
         assert kw["pos_encoding_mode"] == "NONE" and kw["q_data_type"] == kw["kv_data_type"]
-        self.args = indptr, indices, last_page_len, kw["sm_scale"]
+        self.args = indptr, indices, last_page_len, kw["sm_scale"], kw["window_left"], kw["logits_soft_cap"]
         self.shape = num_qo_heads, num_kv_heads, head_dim, page_size
         _Wrapper.plans += 1
 
@@ -88,8 +97,7 @@ class _Wrapper:
     ) -> None:
         k, v = paged_kv_cache
         assert self.shape == (q.shape[1], k.shape[1], k.shape[3], k.shape[2])
-        indptr, indices, last, scale = self.args
-        out.copy_(flashinfer_reference(q, k, v, indptr, indices, last, scale))
+        out.copy_(flashinfer_reference(q, k, v, *self.args))
 
 
 @pytest.fixture
@@ -99,12 +107,14 @@ def fake_flashinfer(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "flashinfer", module)
 
 
-def _pool_and_rows(case: int, dtype: torch.dtype) -> tuple[torch.Tensor, KvPool, DecodeRows, torch.Tensor]:
+def _pool_and_rows(
+    case: int, dtype: torch.dtype, window: int | None = None, softcap: float | None = None
+) -> tuple[torch.Tensor, KvPool, DecodeRows, torch.Tensor]:
     """Case ``case``'s q, its K/V as a pool, its rows, and the Rust kernel's output on layer 1."""
     lens, kv_heads, group, head_dim, block_size = CASES[case]
     q, k, v, tables, seq_lens = make_case(lens, kv_heads, group, head_dim, block_size, dtype, seed=case)
     want = torch.empty_like(q)
-    CpuAttention().forward(q, k, v, 1, tables, seq_lens, head_dim**-0.5, want)
+    CpuAttention().forward(q, k, v, 1, tables, seq_lens, head_dim**-0.5, want, window=window, softcap=softcap)
     pool = KvPool(KvLayout(2, kv_heads, block_size, head_dim, dtype), k.shape[1], torch.device("cpu"))
     pool.k, pool.v = k, v
     rows = DecodeRows(0, len(lens), tables, seq_lens, max(lens), tables, seq_lens)
@@ -116,8 +126,21 @@ def _pool_and_rows(case: int, dtype: torch.dtype) -> tuple[torch.Tensor, KvPool,
 def test_the_torch_fallback_matches_the_rust_kernel(case: int, dtype: torch.dtype) -> None:
     q, pool, rows, want = _pool_and_rows(case, dtype)
     index = TokenIndex.of(rows.block_tables, rows.seq_lens, pool.layout.block_size, rows.max_seq_len)
-    got = paged_decode_torch(q, pool, 1, index, pool.layout.head_dim**-0.5)
+    got = paged_decode_torch(q, pool, 1, index, AttentionKind(pool.layout.head_dim**-0.5))
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("backend", ["torch", "flashinfer"])
+@pytest.mark.parametrize(("case", "window", "softcap"), KIND_CASES)
+def test_windows_and_caps_match_the_rust_kernel(
+    case: int, window: int | None, softcap: float | None, backend: str, fake_flashinfer: None
+) -> None:
+    dtype = torch.float32
+    q, pool, rows, want = _pool_and_rows(case, dtype, window, softcap)
+    decode = TorchDecode() if backend == "torch" else FlashInferDecode(torch.device("cpu"))
+    got = torch.full_like(q, float("nan"))
+    decode(q, pool, 1, rows, AttentionKind(pool.layout.head_dim**-0.5, window, softcap), got)
+    torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -127,7 +150,7 @@ def test_flashinfer_gets_our_page_table_in_its_form(
 ) -> None:
     q, pool, rows, want = _pool_and_rows(case, dtype)
     got = torch.full_like(q, float("nan"))
-    FlashInferDecode(torch.device("cpu"))(q, pool, 1, rows, pool.layout.head_dim**-0.5, got)
+    FlashInferDecode(torch.device("cpu"))(q, pool, 1, rows, AttentionKind(pool.layout.head_dim**-0.5), got)
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
@@ -151,10 +174,11 @@ def test_backends_plan_once_per_iterations_rows(
     else:
         decode, _Wrapper.plans = FlashInferDecode(torch.device("cpu")), 0
     out = torch.empty_like(q)
+    kind = AttentionKind(0.125)
     for layer in (0, 1, 0):
-        decode(q, pool, layer, rows, 0.125, out)
+        decode(q, pool, layer, rows, kind, out)
     again = DecodeRows(**vars(rows))  # the next iteration's rows, equal but new
-    decode(q, pool, 1, again, 0.125, out)
+    decode(q, pool, 1, again, kind, out)
     assert (len(calls) if backend == "torch" else _Wrapper.plans) == 2
 
 

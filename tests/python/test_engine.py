@@ -103,7 +103,7 @@ def test_torch_decode_fallback_matches_the_rust_kernel(checkpoints) -> None:
             runner.device_pool.v[1][table[pos // bs], :, pos % bs] = float("inf")
     runner.attention.decode(q, runner.device_pool, 1, rows, want)
     got = torch.empty_like(q)
-    TorchDecode()(q, runner.device_pool, 1, rows, layout.head_dim**-0.5, got)
+    TorchDecode()(q, runner.device_pool, 1, rows, runner.attention.kinds[1], got)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     engine.scheduler.update([0, 0, 0], [])
     for rid in list(engine._requests):

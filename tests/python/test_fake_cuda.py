@@ -125,6 +125,29 @@ def test_two_ranks_each_on_a_fake_gpu(monkeypatch, mode: str) -> None:
             worker.terminate()
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_sliding_windows_and_soft_caps(monkeypatch, checkpoints, kind: str, backend: str) -> None:
+    """Gemma's sliding and global layers (capped scores and logits, two RoPE tables), chunked
+    prefills and NEO's pipeline: each kernel gets its layer's kind, within the budget."""
+    with fake_gpu(monkeypatch, backend) as checks:
+        engine = engine_on(
+            str(checkpoints[kind]),
+            offload="neo",
+            num_gpu_blocks=10,
+            max_num_batched_tokens=16,
+            neo_force_pipeline=True,
+        )
+        queue(engine)
+        assert "pipelined" in run(engine, checks)
+        if backend == "triton":
+            assert checks.ops["neo_rs.paged_decode.default"] and checks.ops["neo_rs.paged_prefill.default"], (
+                checks.ops
+            )
+        assert_all_blocks_free(engine)
+        engine.shutdown()
+
+
 def test_swaps_chunked_prefill_and_int8_host_kv(monkeypatch) -> None:
     with fake_gpu(monkeypatch) as checks:
         # Six requests of up to 41 tokens in 12 blocks of 8: some are swapped out and back.

@@ -52,7 +52,7 @@ def test_the_worst_iteration_fits_the_plan(monkeypatch, tmp_path, offload: str) 
         runner = engine.runner
         small = plan_activations(
             lambda: empty_model(engine.model_config, engine.dtype, runner.device, 4096),
-            runner.attention.scale,
+            runner.attention.kinds,
             runner.device,
             TOKENS // 4,
             SEQS // 4,

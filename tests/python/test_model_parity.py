@@ -246,7 +246,7 @@ def test_longrope_tables_match_transformers_on_both_sides_of_the_original_length
     short_cos, short_sin = hf(x, torch.arange(64)[None])
     long_cos, long_sin = hf(x, torch.arange(80)[None])
     assert not torch.allclose(short_cos[0], long_cos[0, :64])  # the two sides differ
-    torch.testing.assert_close(ours.cos[:64], short_cos[0], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(ours.sin[:64], short_sin[0], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(ours.cos[64:], long_cos[0, 64:], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(ours.sin[64:], long_sin[0, 64:], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ours.cos[0, :64], short_cos[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ours.sin[0, :64], short_sin[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ours.cos[0, 64:], long_cos[0, 64:], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ours.sin[0, 64:], long_sin[0, 64:], rtol=1e-6, atol=1e-6)

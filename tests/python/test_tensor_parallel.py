@@ -223,10 +223,11 @@ def test_each_rank_loads_its_slices_of_the_checkpoint(checkpoints, monkeypatch, 
 # -- parity -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["qwen3", "mixtral", "qwen3_moe", "gemma3"])
 def test_two_ranks_run_the_newer_families(checkpoints, kind: str) -> None:  # noqa: ANN001
     # Qwen3's per-head q/k norms and its O bias (added by rank 0 alone), and experts whose
     # intermediate columns the ranks split, in the NEO pipeline over both ranks' host pools.
+    # Gemma 3: sliding and global layers with a RoPE each, embeddings scaled after their sum.
     two, stats = generate(checkpoints[kind], 2, "neo")
     assert two == hf_tokens(checkpoints[kind], kind)
     assert stats["num_pipelined_steps"] > 0 and stats["num_prefills_to_host"] > 0, stats

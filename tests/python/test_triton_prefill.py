@@ -10,11 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from decode_cases import INTERPRET, KERNEL_DEVICE, interpret_imports
+from decode_cases import INTERPRET, KERNEL_DEVICE, interpret_imports, reference_attention
 from neo_rs import CpuAttention
 from neo_rs.attention.device_decode import select_paged_prefill
-from neo_rs.attention.layer import Attention
+from neo_rs.attention.layer import Attention, attend_positions
 from neo_rs.attention.metadata import Prefill
+from neo_rs.config import AttentionKind
 from neo_rs.kv.pools import KvLayout, KvPool
 from neo_rs.kv.transfer import HostTransfer
 
@@ -39,9 +40,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("case", range(len(CASES)))
-def test_paged_prefill_matches_sdpa_over_the_whole_sequence(case: int, dtype: torch.dtype) -> None:
+def _sequence_in_pool(case: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Case ``case``'s K/V, its chunk's q, and the K/V in a shuffled, poisoned pool."""
     seq_len, computed, kv_heads, group, head_dim, bs = CASES[case]
     g = torch.Generator().manual_seed(case)
     k_seq = torch.randn(seq_len, kv_heads, head_dim, generator=g).to(dtype)
@@ -54,6 +54,14 @@ def test_paged_prefill_matches_sdpa_over_the_whole_sequence(case: int, dtype: to
     for pos in range(seq_len):
         k_cache[table[pos // bs], :, pos % bs] = k_seq[pos]
         v_cache[table[pos // bs], :, pos % bs] = v_seq[pos]
+    return k_seq, v_seq, q, k_cache, v_cache, table
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_paged_prefill_matches_sdpa_over_the_whole_sequence(case: int, dtype: torch.dtype) -> None:
+    seq_len, computed, _, _, head_dim, _ = CASES[case]
+    k_seq, v_seq, q, k_cache, v_cache, table = _sequence_in_pool(case, dtype)
     scale = head_dim**-0.5
     on = KERNEL_DEVICE
     kv = k_cache.to(on), v_cache.to(on)
@@ -68,6 +76,40 @@ def test_paged_prefill_matches_sdpa_over_the_whole_sequence(case: int, dtype: to
     torch.testing.assert_close(got.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+# (case, window, softcap): windows inside one row tile, across tiles and blocks, past the start.
+KINDS = [(0, 25, None), (1, 3, 4.0), (2, 9, None), (3, None, 2.0), (4, 70, 1.0)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize(("case", "window", "softcap"), KINDS)
+def test_windows_and_caps_in_every_prefill_path(
+    case: int, window: int | None, softcap: float | None, dtype: torch.dtype
+) -> None:
+    """The kernel, the gather of a later chunk and a first chunk's own K/V, each against the
+    float64 reference of the same rows."""
+    seq_len, computed, kv_heads, _, head_dim, bs = CASES[case]
+    k_seq, v_seq, q, k_cache, v_cache, table = _sequence_in_pool(case, dtype)
+    kind = AttentionKind(head_dim**-0.5, window, softcap)
+    want = reference_attention(q, k_seq, v_seq, computed, kind.scale, window, softcap)
+    on = KERNEL_DEVICE
+    kv = k_cache.to(on), v_cache.to(on)
+    got = paged_prefill(
+        q.to(on), *kv, table.to(on), computed, seq_len, kind.scale, window or 0, softcap or 0.0
+    )
+    tol = dict(atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(got.cpu().double(), want, **tol)
+    layout = KvLayout(num_layers=1, num_kv_heads=kv_heads, block_size=bs, head_dim=head_dim, dtype=dtype)
+    pool = KvPool(layout, k_cache.shape[0], torch.device("cpu"))
+    pool.k[0], pool.v[0] = k_cache, v_cache
+    attn = Attention([kind], CpuAttention(), HostTransfer(torch.device("cpu")))
+    chunk = Prefill(0, len(q), computed, seq_len, table)
+    own = k_seq[computed:], v_seq[computed:]  # the chunk's K/V (a first chunk reads only these)
+    torch.testing.assert_close(attn.prefill(q, *own, pool, 0, chunk).double(), want, **tol)
+    whole = reference_attention(k_seq.repeat_interleave(2, 1), k_seq, v_seq, 0, kind.scale, window, softcap)
+    first = attend_positions(k_seq.repeat_interleave(2, 1), k_seq, v_seq, 0, kind)
+    torch.testing.assert_close(first.double(), whole, **tol)
+
+
 def test_attention_hands_later_chunks_to_the_kernel_as_it_would_on_cuda() -> None:
     # Without the kernel (a CPU runner) the context is gathered; with it put in (as a CUDA runner
     # selects it), the same chunk gives the same rows: the call's arguments are the kernel's.
@@ -75,7 +117,7 @@ def test_attention_hands_later_chunks_to_the_kernel_as_it_would_on_cuda() -> Non
     layout = KvLayout(num_layers=2, num_kv_heads=2, block_size=16, head_dim=32, dtype=torch.float32)
     pool = KvPool(layout, 8, on)
     pool.k.normal_(), pool.v.normal_()
-    attn = Attention(32**-0.5, CpuAttention(), HostTransfer(on))
+    attn = Attention([AttentionKind(32**-0.5)] * 2, CpuAttention(), HostTransfer(on))
     assert attn.paged_prefill is (paged_prefill if on.type == "cuda" else None)
     attn.paged_prefill = None
     q, k, v = (torch.randn(20, n, 32, device=on) for n in (8, 2, 2))

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 
-from neo_rs.config import device_attention
+from neo_rs.config import AttentionKind, device_attention
 from neo_rs.errors import InvalidArgumentError
 from neo_rs.kv.pools import KvPool
 
@@ -34,10 +34,16 @@ BACKENDS = ("auto", "flashinfer", "triton", "torch")
 
 class DeviceDecode(Protocol):
     def __call__(
-        self, q: torch.Tensor, pool: KvPool, layer: int, rows: DecodeRows, scale: float, out: torch.Tensor
+        self,
+        q: torch.Tensor,
+        pool: KvPool,
+        layer: int,
+        rows: DecodeRows,
+        kind: AttentionKind,
+        out: torch.Tensor,
     ) -> None:
         """``out[i]`` = attention of ``q[i]`` (``[rows, heads, head_dim]``) over layer ``layer``
-        of the first ``rows.seq_lens[i]`` tokens of row ``i``'s blocks."""
+        of the first ``rows.seq_lens[i]`` tokens of row ``i``'s blocks, as ``kind`` says."""
 
 
 @dataclass(frozen=True)
@@ -61,15 +67,28 @@ class TokenIndex:
 
 
 def paged_decode_torch(
-    q: torch.Tensor, pool: KvPool, layer: int, index: TokenIndex, scale: float
+    q: torch.Tensor, pool: KvPool, layer: int, index: TokenIndex, kind: AttentionKind
 ) -> torch.Tensor:
     """Decode attention in plain torch: the rows' tokens gathered (only up to the longest row),
-    then SDPA masked past each length; an empty row gives zeros."""
+    then SDPA masked past each length (and before a sliding window); an empty row gives zeros.
+    Soft-capped scores (no SDPA hook for them) go through plain torch."""
     # Advanced indices around a slice: [rows, max_len, kv_heads, head_dim].
     k = pool.k[layer][index.blocks, :, index.offsets].transpose(1, 2)
     v = pool.v[layer][index.blocks, :, index.offsets].transpose(1, 2)
-    mask = index.valid[:, None, None, :]
-    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    valid = index.valid
+    if kind.window is not None:
+        lens = valid.sum(dim=1, keepdim=True)
+        valid = valid & (torch.arange(valid.shape[1], device=valid.device)[None, :] >= lens - kind.window)
+    mask = valid[:, None, None, :]
+    qr = q[:, :, None, :]
+    if kind.softcap is None:
+        out = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, scale=kind.scale, enable_gqa=True)
+    else:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1).float(), v.repeat_interleave(group, 1).float()
+        scores = torch.matmul(qr.float(), k.transpose(-1, -2)) * kind.scale
+        scores = kind.softcap * torch.tanh(scores / kind.softcap)
+        out = torch.matmul(torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1), v).to(q.dtype)
     return out[:, :, 0, :].masked_fill(~index.valid[:, :1, None], 0.0)
 
 
@@ -78,12 +97,18 @@ class TorchDecode:
         self._planned: tuple[DecodeRows, TokenIndex] | None = None
 
     def __call__(
-        self, q: torch.Tensor, pool: KvPool, layer: int, rows: DecodeRows, scale: float, out: torch.Tensor
+        self,
+        q: torch.Tensor,
+        pool: KvPool,
+        layer: int,
+        rows: DecodeRows,
+        kind: AttentionKind,
+        out: torch.Tensor,
     ) -> None:
         if self._planned is None or self._planned[0] is not rows:
             index = TokenIndex.of(rows.block_tables, rows.seq_lens, pool.layout.block_size, rows.max_seq_len)
             self._planned = rows, index
-        out.copy_(paged_decode_torch(q, pool, layer, self._planned[1], scale))
+        out.copy_(paged_decode_torch(q, pool, layer, self._planned[1], kind))
 
 
 class TritonDecode:
@@ -94,7 +119,13 @@ class TritonDecode:
         self._planned: tuple[DecodeRows, SplitPlan] | None = None
 
     def __call__(
-        self, q: torch.Tensor, pool: KvPool, layer: int, rows: DecodeRows, scale: float, out: torch.Tensor
+        self,
+        q: torch.Tensor,
+        pool: KvPool,
+        layer: int,
+        rows: DecodeRows,
+        kind: AttentionKind,
+        out: torch.Tensor,
     ) -> None:
         if self._planned is None or self._planned[0] is not rows:
             self._planned = rows, self._split(rows.max_seq_len, pool.layout.block_size)
@@ -105,10 +136,12 @@ class TritonDecode:
             v,
             rows.block_tables,
             rows.seq_lens,
-            scale,
+            kind.scale,
             out,
             plan.num_splits,
             plan.blocks_per_split,
+            kind.window or 0,
+            kind.softcap or 0.0,
         )
 
 
@@ -140,9 +173,10 @@ def select_device_decode(device: torch.device) -> DeviceDecode:
     return TorchDecode()
 
 
-# (q, k_cache, v_cache, block_table, num_computed, seq_len, scale) -> the chunk's attention
+# (q, k_cache, v_cache, block_table, num_computed, seq_len, scale, window or 0, softcap or 0)
+# -> the chunk's attention
 PagedPrefill = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, float], torch.Tensor
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, float, int, float], torch.Tensor
 ]
 
 

@@ -2,7 +2,8 @@
 per sequence); device decodes with the Rust CPU kernel when the device pool is in CPU memory,
 else a CUDA backend (``device_decode.py``: FlashInfer, our Triton kernel, or plain torch); CPU
 decodes (NEO's offloaded requests) with the Rust kernel over the host pool, appending their new
-K/V there."""
+K/V there. Each layer attends as its ``AttentionKind`` says (scale, sliding window,
+soft-capping), in every one of these paths."""
 
 from __future__ import annotations
 
@@ -12,16 +13,37 @@ import torch.nn.functional as F
 from neo_rs._core import AttentionHandle, CpuAttention
 from neo_rs.attention.device_decode import select_device_decode, select_paged_prefill
 from neo_rs.attention.metadata import AttentionBatch, DecodeRows, Prefill
+from neo_rs.config import AttentionKind
 from neo_rs.kv.pools import KvPool
 from neo_rs.kv.transfer import HostTransfer, Staged
 from neo_rs.timing import StageClock
 
 
-def causal_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of a whole prompt's rows (``[rows, heads, head_dim]``) over its own K/V, causally."""
+def attend_positions(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, kind: AttentionKind
+) -> torch.Tensor:
+    """Rows ``q`` ``[rows, heads, head_dim]`` at positions ``first ..`` attending causally over
+    ``k``/``v`` ``[keys, kv_heads, head_dim]`` (positions ``0 ..``), as ``kind`` says. SDPA unless
+    the scores are soft-capped (it has no score hook): then the same in plain torch."""
     qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))
-    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
-    return out[0].transpose(0, 1)
+    rows, keys = q.shape[0], k.shape[0]
+    if first == 0 and rows == keys and kind.window is None and kind.softcap is None:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=kind.scale, enable_gqa=True)
+        return out[0].transpose(0, 1)
+    pos_q = torch.arange(first, first + rows, device=q.device)[:, None]
+    pos_k = torch.arange(keys, device=q.device)[None, :]
+    mask = pos_k <= pos_q
+    if kind.window is not None:
+        mask &= pos_k > pos_q - kind.window
+    if kind.softcap is None:
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=kind.scale, enable_gqa=True)
+        return out[0].transpose(0, 1)
+    group = q.shape[1] // k.shape[1]
+    kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
+    scores = torch.matmul(qh.float(), kh.float().transpose(-1, -2)) * kind.scale
+    scores = kind.softcap * torch.tanh(scores / kind.softcap)
+    p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.matmul(p, vh.float())[0].transpose(0, 1).to(q.dtype)
 
 
 class PendingCpuAttention:
@@ -40,8 +62,10 @@ class Attention:
     """One layer's attention for one sub-batch. ``cpu_attention`` serves CPU decodes, and device
     decodes too when the device pool lives in CPU memory."""
 
-    def __init__(self, scale: float, cpu_attention: CpuAttention, transfer: HostTransfer) -> None:
-        self.scale = scale
+    def __init__(
+        self, kinds: list[AttentionKind], cpu_attention: CpuAttention, transfer: HostTransfer
+    ) -> None:
+        self.kinds = kinds  # per layer
         self.cpu_attention = cpu_attention
         self.transfer = transfer
         cuda = transfer.device.type == "cuda"
@@ -74,14 +98,16 @@ class Attention:
                 layer,
                 rows.block_tables,
                 rows.seq_lens,
-                self.scale,
+                self.kinds[layer].scale,
                 out,
                 new_k=new_k,
                 new_v=new_v,
+                window=self.kinds[layer].window,
+                softcap=self.kinds[layer].softcap,
             )
             return
         assert new_kv is None and self.device_decode is not None, "a CUDA pool: a device backend, no append"
-        self.device_decode(q, pool, layer, rows, self.scale, out)
+        self.device_decode(q, pool, layer, rows, self.kinds[layer], out)
 
     def stage_cpu(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch
@@ -107,11 +133,13 @@ class Attention:
             layer,
             c.block_tables,
             c.seq_lens,
-            self.scale,
+            self.kinds[layer].scale,
             out,
             new_k=k,
             new_v=v,
             **host.scales(),
+            window=self.kinds[layer].window,
+            softcap=self.kinds[layer].softcap,
         )
         return PendingCpuAttention(handle, out, self.transfer)
 
@@ -142,23 +170,32 @@ class Attention:
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KvPool, layer: int, p: Prefill
     ) -> torch.Tensor:
+        kind = self.kinds[layer]
         if p.num_computed == 0:
-            return causal_prefill(q, k, v, self.scale)
+            return attend_positions(q, k, v, 0, kind)
         if self.paged_prefill is not None:
             # A later chunk: earlier tokens are only in the pool, read there in place.
             return self.paged_prefill(
-                q, pool.k[layer], pool.v[layer], p.block_table, p.num_computed, p.seq_len, self.scale
+                q,
+                pool.k[layer],
+                pool.v[layer],
+                p.block_table,
+                p.num_computed,
+                p.seq_len,
+                kind.scale,
+                kind.window or 0,
+                kind.softcap or 0.0,
             )
         # A later chunk, without Triton: its context gathered from the pool.
-        kvh, qh = pool.layout.num_kv_heads, q.transpose(0, 1)[None]  # [1, heads, rows, d]
-        kh, vh = (
-            c[layer][p.block_table].transpose(0, 1).reshape(kvh, -1, q.shape[-1])[:, : p.seq_len][None]
+        kvh = pool.layout.num_kv_heads
+        kc, vc = (
+            c[layer][p.block_table]
+            .transpose(0, 1)
+            .reshape(kvh, -1, q.shape[-1])[:, : p.seq_len]
+            .transpose(0, 1)
             for c in (pool.k, pool.v)
         )
-        rows = torch.arange(p.num_computed, p.seq_len, device=q.device)
-        mask = torch.arange(p.seq_len, device=q.device)[None, :] <= rows[:, None]
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale, enable_gqa=True)
-        return out[0].transpose(0, 1)
+        return attend_positions(q, kc, vc, p.num_computed, kind)
 
     def device_part(
         self,

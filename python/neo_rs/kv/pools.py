@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from math import prod
 from mmap import PAGESIZE
+from typing import TypedDict
 
 import numpy as np
 import torch
@@ -28,6 +29,13 @@ import torch
 from neo_rs._core import dequantize_rows, quantize_rows
 
 Slots = tuple[torch.Tensor, torch.Tensor]  # block ids and in-block offsets, one per token
+
+
+class RowScales(TypedDict, total=False):
+    """An int8 pool's row scales, as keyword arguments of a CPU attention call."""
+
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -80,7 +88,7 @@ class KvPool:
     def quantized(self) -> bool:
         return self.k_scale is not None
 
-    def scales(self) -> dict[str, torch.Tensor]:
+    def scales(self) -> RowScales:
         """The row scales as keyword arguments of a CPU attention call (none for a float pool)."""
         if self.k_scale is None or self.v_scale is None:
             return {}

@@ -1,6 +1,7 @@
 """The decoder of every supported family (Llama 2/3, Mistral, Qwen2/3, Qwen3-MoE, Mixtral, Phi-3/4,
-SmolLM3, OLMo 2) in one readable file, gpt-fast style: the families differ in a few switches of
-``ModelConfig`` (q/k norms, norm placement, RoPE per layer, partial rotary, sparse MLPs).
+SmolLM3, OLMo 2, Gemma 2/3) in one readable file, gpt-fast style: the families differ in a few
+switches of ``ModelConfig`` (q/k norms, norm placement and form, RoPE per layer, partial rotary,
+the MLP's activation, sparse MLPs, scaled embeddings, capped logits).
 
 Each decoder layer runs as NEO's three stages so the pipeline can interleave sub-batches:
 ``pre_attention`` (norm, QKV, q/k norms, RoPE, KV write), attention (``neo_rs.attention``) and
@@ -20,25 +21,36 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from neo_rs.config import ModelConfig
+from neo_rs.config import ModelConfig, RopeConfig
 from neo_rs.model.moe import SparseMoe
 from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """``offset`` (Gemma): scaled by ``1 + weight`` in float32, then cast; else (Llama) cast, then
+    scaled by ``weight``, as transformers rounds each."""
+
+    def __init__(self, dim: int, eps: float, offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (h * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * h.to(x.dtype)
 
 
-# A forward's rotary tables, cos and sin (``Rotary.at``).
+# A forward's rotary tables, cos and sin (``Rotary.at``), ``[tables, tokens, 1, rotary_dim]``:
+# one table per RoPE of the model (Gemma 3's sliding layers have their own).
 Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+def rope_tables(cfg: ModelConfig) -> list[RopeConfig]:
+    """The model's RoPEs: the global one, then the sliding layers' where it differs."""
+    return [cfg.rope] if cfg.local_rope is None else [cfg.rope, cfg.local_rope]
 
 
 class Rotary(nn.Module):
@@ -49,50 +61,61 @@ class Rotary(nn.Module):
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
-        self.rope, self.head_dim, self.max_positions = cfg.rope, cfg.head_dim, max_positions
-        dim = cfg.rope.rotary_dim(cfg.head_dim)
-        self.register_buffer("cos", torch.empty(max_positions, dim), persistent=False)
-        self.register_buffer("sin", torch.empty(max_positions, dim), persistent=False)
+        self.ropes, self.head_dim, self.max_positions = rope_tables(cfg), cfg.head_dim, max_positions
+        shape = (len(self.ropes), max_positions, cfg.rope.rotary_dim(cfg.head_dim))
+        self.register_buffer("cos", torch.empty(shape), persistent=False)
+        self.register_buffer("sin", torch.empty(shape), persistent=False)
 
     def fill_tables(self) -> None:
         """(Re)compute the tables in float32 on the buffers' device (once they are allocated)."""
-        with torch.device("cpu"):
-            freqs = self.rope.angles(self.head_dim, self.max_positions)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        scale = self.rope.attention_factor
-        self.cos = (emb.cos() * scale).to(self.cos.device)
-        self.sin = (emb.sin() * scale).to(self.sin.device)
+        cos, sin = [], []
+        for rope in self.ropes:
+            with torch.device("cpu"):
+                freqs = rope.angles(self.head_dim, self.max_positions)
+            emb = torch.cat([freqs, freqs], dim=-1)
+            cos.append(emb.cos() * rope.attention_factor)
+            sin.append(emb.sin() * rope.attention_factor)
+        self.cos = torch.stack(cos).to(self.cos.device)
+        self.sin = torch.stack(sin).to(self.sin.device)
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
-        """cos and sin at each token's position, ``[tokens, 1, rotary_dim]`` in ``dtype``: gathered
-        once per forward for every layer (gathered in each layer, they cost ~5% of a CPU decode step)."""
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+        """cos and sin at each token's position, ``[tables, tokens, 1, rotary_dim]`` in ``dtype``:
+        gathered once per forward for every layer (gathered in each layer, they cost ~5% of a
+        CPU decode step)."""
+        cos, sin = self.cos[:, positions].to(dtype), self.sin[:, positions].to(dtype)
+        return cos[:, :, None, :], sin[:, :, None, :]
 
 
-def rotate(x: torch.Tensor, rope: Rope) -> torch.Tensor:
-    """Rotate ``x`` ``[tokens, heads, head_dim]`` by its tokens' ``Rotary.at`` tables: the leading
-    ``rotary_dim`` dimensions of each head (all of them but under a partial rotary factor)."""
-    cos, sin = rope
+def rotate(x: torch.Tensor, rope: Rope, table: int = 0) -> torch.Tensor:
+    """Rotate ``x`` ``[tokens, heads, head_dim]`` by its tokens' ``Rotary.at`` tables (table
+    ``table``): the leading ``rotary_dim`` dimensions of each head (all of them but under a
+    partial rotary factor)."""
+    return _rotate(x, rope[0][table], rope[1][table])
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     dim = cos.shape[-1]
     if dim < x.shape[-1]:
-        return torch.cat([rotate(x[..., :dim], rope), x[..., dim:]], dim=-1)
+        return torch.cat([_rotate(x[..., :dim], cos, sin), x[..., dim:]], dim=-1)
     half = dim // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
 
 
 class DenseMlp(nn.Module):
-    """SwiGLU: gate and up fused into one column-parallel matrix, down row-parallel."""
+    """SwiGLU (or GeGLU, ``act="gelu_pytorch_tanh"``): gate and up fused into one
+    column-parallel matrix, down row-parallel."""
 
-    def __init__(self, hidden: int, intermediate: int, tp: TensorParallel) -> None:
+    def __init__(self, hidden: int, intermediate: int, tp: TensorParallel, act: str = "silu") -> None:
         super().__init__()
-        self.tp = tp
+        self.tp, self.gelu = tp, act == "gelu_pytorch_tanh"
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.tp.all_reduce(self.down_proj(gate * up))
 
 
 class DecoderLayer(nn.Module):
@@ -101,11 +124,19 @@ class DecoderLayer(nn.Module):
         self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.uses_rope = cfg.rope_layers is None or cfg.rope_layers[index]
+        kind = cfg.attention_kinds()[index]
+        self.rope_table = 1 if cfg.local_rope is not None and kind.window is not None else 0
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        hidden, eps, gemma = cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma
+
+        def norm(dim: int) -> RMSNorm:
+            return RMSNorm(dim, eps, offset=gemma)
+
         # OLMo 2 normalises after attention and the MLP (post_attention_layernorm and
-        # post_feedforward_layernorm), the others before them (input_ and post_attention_layernorm).
-        self.input_layernorm: RMSNorm | None = None if cfg.post_norms else RMSNorm(hidden, eps)
+        # post_feedforward_layernorm), Gemma before and after both (input_, post_attention_,
+        # pre_feedforward_ and post_feedforward_layernorm), the others before them (input_ and
+        # post_attention_layernorm).
+        self.input_layernorm: RMSNorm | None = None if cfg.post_norms else norm(hidden)
         self.qkv_proj = nn.Linear(hidden, q_size + 2 * kv_size, bias=cfg.qkv_bias)
         # q/k norms: per head (Qwen3), or over the whole projection (OLMo 2).
         self.norm_whole_projection = cfg.qk_norm == "projection"
@@ -113,16 +144,17 @@ class DecoderLayer(nn.Module):
         self.k_norm: RMSNorm | None = None
         if cfg.qk_norm is not None:
             per_head = cfg.qk_norm == "head"
-            self.q_norm = RMSNorm(cfg.head_dim if per_head else q_size, eps)
-            self.k_norm = RMSNorm(cfg.head_dim if per_head else kv_size, eps)
+            self.q_norm = norm(cfg.head_dim if per_head else q_size)
+            self.k_norm = norm(cfg.head_dim if per_head else kv_size)
         self.o_proj = nn.Linear(q_size, hidden, bias=cfg.o_bias)
-        self.post_attention_layernorm = RMSNorm(hidden, eps)
-        self.post_feedforward_layernorm: RMSNorm | None = RMSNorm(hidden, eps) if cfg.post_norms else None
+        self.post_attention_layernorm = norm(hidden)
+        self.pre_feedforward_layernorm: RMSNorm | None = norm(hidden) if gemma else None
+        self.post_feedforward_layernorm: RMSNorm | None = norm(hidden) if cfg.post_norms or gemma else None
         moe = cfg.moe
         self.mlp: nn.Module = (
             SparseMoe(hidden, moe, tp)
             if moe is not None and moe.layers[index]
-            else DenseMlp(hidden, cfg.intermediate_size, tp)
+            else DenseMlp(hidden, cfg.intermediate_size, tp, cfg.hidden_act)
         )
 
     def pre_attention(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -140,12 +172,15 @@ class DecoderLayer(nn.Module):
         if q_norm is not None and k_norm is not None and not whole:
             q, k = q_norm(q), k_norm(k)
         if self.uses_rope:
-            q, k = rotate(q, rope), rotate(k, rope)
+            q, k = rotate(q, rope, self.rope_table), rotate(k, rope, self.rope_table)
         return q, k, v.view(-1, self.num_kv_heads, self.head_dim)
 
     def post_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Stage 3: O-proj and residual, then the MLP and residual."""
         o = self.tp.all_reduce(self.o_proj(attn.reshape(attn.shape[0], -1)))
+        if self.pre_feedforward_layernorm is not None and self.post_feedforward_layernorm is not None:
+            h = residual + self.post_attention_layernorm(o)
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         if self.post_feedforward_layernorm is not None:
             h = residual + self.post_attention_layernorm(o)
             return h + self.post_feedforward_layernorm(self.mlp(h))
@@ -163,7 +198,7 @@ class CausalLM(nn.Module):
         self.vocab_size = vocab_size or cfg.vocab_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=cfg.gemma)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg, max_positions)
         self._decoder_layers: list[DecoderLayer] | None = None
@@ -176,16 +211,25 @@ class CausalLM(nn.Module):
         return self._decoder_layers
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """The tokens' embeddings (vocab-parallel under tensor parallelism)."""
+        """The tokens' embeddings (vocab-parallel under tensor parallelism; Gemma's scaled by
+        sqrt(hidden), rounded to the model's dtype as transformers rounds it)."""
         if self.tp.size == 1:
-            return self.embed_tokens(ids)
-        # This rank's vocab rows; ids outside them contribute zeros to the sum over ranks.
-        local = ids - self.tp.rank * self.config.vocab_size
-        outside = (local < 0) | (local >= self.config.vocab_size)
-        x = self.embed_tokens(local.masked_fill(outside, 0))
-        return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0))
+            x = self.embed_tokens(ids)
+        else:
+            # This rank's vocab rows; ids outside them contribute zeros to the sum over ranks.
+            local = ids - self.tp.rank * self.config.vocab_size
+            outside = (local < 0) | (local >= self.config.vocab_size)
+            x = self.embed_tokens(local.masked_fill(outside, 0))
+            x = self.tp.all_reduce(x.masked_fill_(outside[:, None], 0))
+        if self.config.gemma:
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[rows, vocab]`` of the final hidden states of the sampled rows (on
-        rank 0 under tensor parallelism; other ranks get their vocab shard)."""
-        return self.tp.gather_vocab(self.lm_head(self.norm(hidden)).float(), self.vocab_size)
+        rank 0 under tensor parallelism; other ranks get their vocab shard), soft-capped where
+        the model says (Gemma 2)."""
+        logits = self.lm_head(self.norm(hidden)).float()
+        if (cap := self.config.final_softcap) is not None:
+            logits = cap * torch.tanh(logits / cap)
+        return self.tp.gather_vocab(logits, self.vocab_size)

@@ -36,7 +36,12 @@ _COLUMN = {
 }
 # Row-parallel: each rank reads its input columns.
 _ROW = {"self_attn.o_proj": "o_proj", "mlp.down_proj": "mlp.down_proj"}
-_NORMS = ("input_layernorm", "post_attention_layernorm", "post_feedforward_layernorm")
+_NORMS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
 # An expert's matrices: Mixtral's w1/w3/w2, Qwen3-MoE's gate/up/down.
 _EXPERT = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)$")
 _EXPERT_PART = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1}

@@ -20,7 +20,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
-from neo_rs.attention.layer import causal_prefill
+from neo_rs.attention.layer import attend_positions
+from neo_rs.config import AttentionKind
 from neo_rs.cuda_runtime import runtime
 from neo_rs.model.decoder import CausalLM
 from neo_rs.sample.sampling import SampleRow, SamplingParams, draw
@@ -71,10 +72,14 @@ class AllocationTracker(MemTracker):
 
 
 def plan_activations(
-    empty_model: Callable[[], CausalLM], scale: float, device: torch.device, tokens: int, rows: int
+    empty_model: Callable[[], CausalLM],
+    kinds: list[AttentionKind],
+    device: torch.device,
+    tokens: int,
+    rows: int,
 ) -> ActivationPlan:
     """Trace the worst-case iteration on ``device`` of the model ``empty_model()`` builds
-    (attention scale ``scale``), on fake tensors: nothing is allocated."""
+    (each layer attending as ``kinds`` says), on fake tensors: nothing is allocated."""
     rows = min(rows, tokens)
     # Under a fake mode already (the CUDA path tested without a GPU) the trace joins it.
     active = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
@@ -84,7 +89,7 @@ def plan_activations(
         model = empty_model()
         tracker.track_external(model)  # so that views of the weights count as weights
         with torch.inference_mode(), tracker:
-            _worst_iteration(model, scale, device, tokens, rows)
+            _worst_iteration(model, kinds, device, tokens, rows)
     peak = peak_beyond(tracker, device)
     if peak <= 0:
         raise RuntimeError(f"the activation trace saw no allocation on {device}")
@@ -99,14 +104,16 @@ def peak_beyond(tracker: MemTracker, device: torch.device) -> int:
     return int(peak.get("Total", 0) - sum(peak.get(kind, 0) for kind in before))
 
 
-def _worst_iteration(model: CausalLM, scale: float, dev: torch.device, tokens: int, rows: int) -> None:
+def _worst_iteration(
+    model: CausalLM, kinds: list[AttentionKind], dev: torch.device, tokens: int, rows: int
+) -> None:
     ids = torch.zeros(tokens, dtype=torch.long, device=dev)
     x = model.embed(ids)
     rope = model.rotary.at(torch.arange(tokens, device=dev), x.dtype)
-    for layer in model.decoder_layers:  # as ModelRunner._sequential runs a prefill's layers
+    for layer, kind in zip(model.decoder_layers, kinds, strict=True):  # as ModelRunner._sequential
         q, k, v = layer.pre_attention(x, rope)
         out = torch.empty_like(q)
-        out[:] = causal_prefill(q, k, v, scale)
+        out[:] = attend_positions(q, k, v, 0, kind)
         x = layer.post_attention(out, x)
     logits = model.compute_logits(x[tokens - rows :])
     sample_rows = [SampleRow(WORST_ROW, [], [], None, []) for _ in range(rows)]

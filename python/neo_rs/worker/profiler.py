@@ -198,7 +198,7 @@ class _Profiler:
     def _cpu_call(self, q: torch.Tensor, rows: DecodeRows, out: torch.Tensor) -> None:
         attn, host = self.r.attention, self.r.host_pool
         attn.cpu_attention.forward(
-            q, host.k, host.v, 0, rows.block_tables, rows.seq_lens, attn.scale, out, **host.scales()
+            q, host.k, host.v, 0, rows.block_tables, rows.seq_lens, attn.kinds[0].scale, out, **host.scales()
         )
 
     def gpu_decode(self, rows_grid: list[int], cols_grid: list[int]) -> Grid:
@@ -225,7 +225,15 @@ class _Profiler:
         for _ in range(20):
             t = time.perf_counter()
             h = attn.cpu_attention.submit(
-                q, host.k, host.v, 0, rows.block_tables, rows.seq_lens, attn.scale, out, **host.scales()
+                q,
+                host.k,
+                host.v,
+                0,
+                rows.block_tables,
+                rows.seq_lens,
+                attn.kinds[0].scale,
+                out,
+                **host.scales(),
             )
             h.wait()
             costs.append((time.perf_counter() - t) * 1e3 - (h.run_ms or 0.0))

@@ -111,7 +111,7 @@ class ModelRunner:
             log.info("prepacked %d bf16 linears for oneDNN", pack_linears(self.model, args.max_num_seqs))
         self.layout = KvLayout(cfg.num_layers, cfg.num_kv_heads, args.block_size, cfg.head_dim, dtype)
         self.transfer = HostTransfer(device, emulate_async=emulate_async_copies())
-        self.attention = Attention(cfg.head_dim**-0.5, cpu_attention(args, device), self.transfer)
+        self.attention = Attention(cfg.attention_kinds(), cpu_attention(args, device), self.transfer)
         # On a GPU, room for one worst-case iteration's activations is kept from the KV pools. The
         # trace runs this rank's heads and FFN columns in one process (no collectives on fake
         # tensors) and the whole vocabulary's logits, as rank 0 gathers them.
@@ -119,7 +119,7 @@ class ModelRunner:
         self.activation_plan = (
             plan_activations(
                 partial(empty_model, traced, dtype, device, max_model_len),
-                self.attention.scale,
+                self.attention.kinds,
                 device,
                 args.token_budget,
                 args.max_num_seqs,

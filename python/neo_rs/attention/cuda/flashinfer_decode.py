@@ -6,10 +6,11 @@ tensors, so planning never waits on the device; every layer then only runs."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from neo_rs.config import AttentionKind
 from neo_rs.kv.pools import KvPool
 
 if TYPE_CHECKING:
@@ -35,18 +36,27 @@ def paged_kv_args(
     return indptr, indices, last
 
 
+class _Planned:
+    """One wrapper and the rows it is planned for (FlashInfer plans a window and a cap with them)."""
+
+    def __init__(self, wrapper: Any) -> None:
+        self.wrapper: Any = wrapper
+        self.rows: DecodeRows | None = None
+
+
 class FlashInferDecode:
     """The ``DeviceDecode`` backend (``attention/device_decode.py``) on FlashInfer's
-    ``BatchDecodeWithPagedKVCacheWrapper``."""
+    ``BatchDecodeWithPagedKVCacheWrapper``: one wrapper per attention kind of the model's layers
+    (Gemma's sliding and global layers plan apart), each with its own workspace."""
 
     plans_on_host = True  # its plan() reads the lengths on the host: no CUDA graph around it
 
     def __init__(self, device: torch.device) -> None:
         import flashinfer  # noqa: PLC0415 (optional)
 
-        workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND")
-        self._planned: DecodeRows | None = None  # the rows the wrapper is planned for
+        self._make = flashinfer.BatchDecodeWithPagedKVCacheWrapper
+        self._device = device
+        self._by_kind: dict[AttentionKind, _Planned] = {}
 
     def __call__(
         self,
@@ -54,13 +64,17 @@ class FlashInferDecode:
         pool: KvPool,
         layer: int,
         rows: DecodeRows,
-        scale: float,
+        kind: AttentionKind,
         out: torch.Tensor,
     ) -> None:
-        if rows is not self._planned:
+        planned = self._by_kind.get(kind)
+        if planned is None:
+            workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=self._device)
+            planned = self._by_kind[kind] = _Planned(self._make(workspace, "HND"))
+        if rows is not planned.rows:
             layout = pool.layout
             indptr, indices, last = paged_kv_args(rows.host_tables, rows.host_lens, layout.block_size)
-            self._wrapper.plan(
+            planned.wrapper.plan(
                 indptr,
                 indices,
                 last,
@@ -71,7 +85,9 @@ class FlashInferDecode:
                 pos_encoding_mode="NONE",
                 q_data_type=q.dtype,
                 kv_data_type=pool.k.dtype,
-                sm_scale=scale,
+                sm_scale=kind.scale,
+                window_left=-1 if kind.window is None else kind.window - 1,
+                logits_soft_cap=kind.softcap,
             )
-            self._planned = rows
-        self._wrapper.run(q.contiguous(), (pool.k[layer], pool.v[layer]), out=out)
+            planned.rows = rows
+        planned.wrapper.run(q.contiguous(), (pool.k[layer], pool.v[layer]), out=out)

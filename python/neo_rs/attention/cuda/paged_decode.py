@@ -48,15 +48,22 @@ def _widen(x, IS_BF16: tl.constexpr):
 
 
 @triton.jit
+def _softcap(s, cap):
+    """``cap * tanh(s / cap)``, as 2·sigmoid(2x) - 1 (one exp; saturates to ±1 without inf - inf)."""
+    return cap * (2 * tl.sigmoid(2 * s / cap) - 1)
+
+
+@triton.jit
 def _paged_decode_split(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr,
-    scale, max_blocks, blocks_per_split,
+    scale, window, softcap, max_blocks, blocks_per_split,
     stride_qs, stride_qh,
     stride_kb, stride_kh, stride_kt,
     stride_as, stride_ah, stride_ap,
     stride_ms, stride_mh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, TOKENS: tl.constexpr, IS_BF16: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g = tl.arange(0, BLOCK_G)
@@ -72,7 +79,9 @@ def _paged_decode_split(
     # The split's blocks, walked TOKENS rows at a time (a block's rows in several tiles when the
     # group x tokens x head-dim products would not fit in registers).
     tiles = BLOCK_SIZE // TOKENS
-    first = split * blocks_per_split * tiles
+    # Under a sliding window the splits start at the block of the first attended position.
+    lo = tl.maximum(seq_len - window, 0) if HAS_WINDOW else 0
+    first = (lo // BLOCK_SIZE + split * blocks_per_split) * tiles
     last = tl.minimum(first + blocks_per_split * tiles, tl.cdiv(seq_len, TOKENS))
     m = tl.full([BLOCK_G], _EMPTY, tl.float32)
     lsum = tl.zeros([BLOCK_G], tl.float32)
@@ -81,12 +90,14 @@ def _paged_decode_split(
         block = tl.load(tables_ptr + seq * max_blocks + i // tiles).to(tl.int64)
         row = (i % tiles) * TOKENS + t
         pos = i * TOKENS + t
-        t_ok = pos < seq_len  # slots past the length hold whatever the pool held: never load them
+        t_ok = (pos < seq_len) & (pos >= lo)  # slots past the length hold whatever the pool held
         kv_at = block * stride_kb + kv_head * stride_kh + row[:, None] * stride_kt + d[None, :]
         kv_ok = t_ok[:, None] & d_ok[None, :]
         k = _widen(tl.load(k_ptr + kv_at, kv_ok, 0), IS_BF16)
         v = _widen(tl.load(v_ptr + kv_at, kv_ok, 0), IS_BF16)
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, TOKENS]
+        if HAS_SOFTCAP:
+            s = _softcap(s, softcap)
         s = tl.where(t_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
@@ -106,7 +117,14 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
-def decode_launch(group: int, head_dim: int, block_size: int, dtype: torch.dtype) -> dict[str, Any]:
+def decode_launch(
+    group: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    window: bool = False,
+    softcap: bool = False,
+) -> dict[str, Any]:
     """The decode kernel's compile-time arguments for one model shape and dtype: its constants and
     warps, as ``benches/gpu_compile.py`` compiles them for each GPU target. q·k and p·v are
     broadcast products of ``[group, tokens, head_dim]`` f32 values, held in registers: tiles of
@@ -123,6 +141,8 @@ def decode_launch(group: int, head_dim: int, block_size: int, dtype: torch.dtype
         BLOCK_D=block_d,
         TOKENS=min(block_size, triton.next_power_of_2(tokens + 1) // 2),  # a power of two, at most
         IS_BF16=dtype == torch.bfloat16,
+        HAS_WINDOW=window,
+        HAS_SOFTCAP=softcap,
         num_warps=warps,
     )
 
@@ -146,12 +166,16 @@ def paged_decode(
     out: torch.Tensor,
     num_splits: int,
     blocks_per_split: int,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """Decode attention of ``q`` ``[seqs, q_heads, head_dim]`` over one layer's pools into ``out``;
     ``block_tables`` ``[seqs, max_blocks]`` and ``seq_lens`` ``[seqs]`` are int32 on the pools'
     device; each sequence's blocks cut as a ``SplitPlan`` says. A sequence of length 0 gets
-    zeros. A torch custom op, so that torch sees one opaque call (fake tensors check its
-    arguments, ``check_paged_args``; graphs and compilers keep it whole)."""
+    zeros. ``window`` > 0: each attends to its last ``window`` positions only; ``softcap`` > 0:
+    scaled scores become ``softcap · tanh(score / softcap)``. A torch custom op, so that torch
+    sees one opaque call (fake tensors check its arguments, ``check_paged_args``; graphs and
+    compilers keep it whole)."""
     num_seqs, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     if num_seqs == 0:
@@ -161,12 +185,12 @@ def paged_decode(
     acc, m, lsum = _split_scratch(q, splits)
     _paged_decode_split[(num_seqs, num_kv_heads, splits)](
         _bits(q), _bits(k_cache), _bits(v_cache), block_tables, seq_lens, acc, m, lsum,
-        scale, block_tables.shape[1], blocks_per_split,
+        scale, window, softcap, block_tables.shape[1], blocks_per_split,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         acc.stride(0), acc.stride(1), acc.stride(2),
         m.stride(0), m.stride(1),
-        **decode_launch(num_heads // num_kv_heads, head_dim, block_size, q.dtype),
+        **decode_launch(num_heads // num_kv_heads, head_dim, block_size, q.dtype, window > 0, softcap > 0),
     )  # fmt: skip
     # Merge the splits by their log-sum-exp; empty splits (and empty sequences) weigh nothing.
     weight = torch.exp(m - m.max(dim=2, keepdim=True).values) * (lsum > 0)
@@ -186,6 +210,8 @@ def _(
     out: torch.Tensor,
     num_splits: int,
     blocks_per_split: int,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     check_paged_args(q, k_cache, v_cache, block_tables, seq_lens, out)
     if out.shape != q.shape or seq_lens.shape != (q.shape[0],) or block_tables.shape[0] != q.shape[0]:
