@@ -9,7 +9,10 @@ with the kernel's bf16 dot products off, two runs that differ only in f32 accumu
 Teacher forcing goes through the engine itself: the sampler is wrapped so that each sequence's
 next token is the text's, and each step's log-probabilities are recorded.
 
-    python benches/kv_quant.py [--model smollm2-135m-instruct] [--dtype bfloat16] [--seqs 4]
+With ``--weights`` the same measure compares int8 weights (``--quantization int8``) with the model
+dtype's, the host KV as auto in both.
+
+    python benches/kv_quant.py [--model smollm2-135m-instruct] [--dtype bfloat16] [--seqs 4] [--weights]
 """
 
 from __future__ import annotations
@@ -30,13 +33,17 @@ TEXT = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
 NUM_TOKENS, PROMPT_TOKENS = 2176, 32
 
 
-def teacher_forced(model: str, dtype: str, kv: str, seqs: list[list[int]]) -> tuple[torch.Tensor, float]:
+def teacher_forced(
+    model: str, dtype: str, kv: str, seqs: list[list[int]], quantization: str | None = None
+) -> tuple[torch.Tensor, float]:
     """Log-probabilities ``[positions, vocab]`` (float16, in a fixed order) of every forced
     position, and the seconds the run took."""
-    llm = LLM(model, dtype=dtype, offload="all", cpu_kv_dtype=kv, max_num_seqs=len(seqs))
+    llm = LLM(
+        model, dtype=dtype, offload="all", cpu_kv_dtype=kv, max_num_seqs=len(seqs), quantization=quantization
+    )
     text = {tuple(s[:PROMPT_TOKENS]): s for s in seqs}
     recorded: dict[tuple[int, int], torch.Tensor] = {}
-    real = neo_rs.engine.sample
+    real = neo_rs.engine.llm_engine.sample
 
     def forced(
         logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator, mask: object = None
@@ -50,14 +57,15 @@ def teacher_forced(model: str, dtype: str, kv: str, seqs: list[list[int]]) -> tu
             tokens.append(full[pos])
         return SampleResult(tokens, [None] * len(rows))
 
-    neo_rs.engine.sample = forced  # type: ignore[assignment]
+    neo_rs.engine.llm_engine.sample = forced  # type: ignore[assignment]
     try:
         start = time.perf_counter()
         params = [SamplingParams(max_tokens=len(s) - PROMPT_TOKENS, ignore_eos=True) for s in seqs]
         llm.generate([s[:PROMPT_TOKENS] for s in seqs], params, use_tqdm=False)
         elapsed = time.perf_counter() - start
     finally:
-        neo_rs.engine.sample = real
+        neo_rs.engine.llm_engine.sample = real
+        llm.shutdown()
     return torch.stack([recorded[k] for k in sorted(recorded)]), elapsed
 
 
@@ -66,15 +74,23 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seqs", type=int, default=4, help="sequences the text is cut into")
+    ap.add_argument(
+        "--weights", action="store_true", help="int8 weights (--quantization int8) against the model dtype's"
+    )
     args = ap.parse_args()
     llm = LLM(args.model, dtype=args.dtype)
     ids = llm.get_tokenizer()(TEXT.read_text())["input_ids"][:NUM_TOKENS]
-    del llm
+    llm.shutdown()
     per = len(ids) // args.seqs
     seqs = [ids[i * per : (i + 1) * per] for i in range(args.seqs)]
     targets = torch.tensor([t for s in seqs for t in s[PROMPT_TOKENS:]])
     print(f"{args.model} ({args.dtype}): {len(targets)} teacher-forced tokens in {args.seqs} sequences")
-    runs = {kv: teacher_forced(args.model, args.dtype, kv, seqs) for kv in ("auto", "int8")}
+    runs = {"auto": teacher_forced(args.model, args.dtype, "auto", seqs)}
+    if args.weights:
+        print("int8: the decoder's linear weights (--quantization int8); the host KV as auto")
+        runs["int8"] = teacher_forced(args.model, args.dtype, "auto", seqs, quantization="int8")
+    else:
+        runs["int8"] = teacher_forced(args.model, args.dtype, "int8", seqs)
     for kv, (lp, secs) in runs.items():
         nll = -lp.float().gather(1, targets[:, None]).mean().item()
         print(f"{kv:>5}: perplexity {math.exp(nll):8.3f}   ({secs:.0f} s)")

@@ -68,6 +68,8 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 OFFLOAD_MODES = ("neo", "none", "all")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 CPU_KV_DTYPES = ("auto", "int8")
+# --quantization (vLLM's names) of an unquantized checkpoint, quantized at load (``model/quant.py``).
+QUANTIZATIONS = ("int8",)
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -257,6 +259,12 @@ class ModelConfig:
                 f"(supported: {', '.join(ARCHITECTURES)})"
             )
         family = ARCHITECTURES[arch]
+        if (quant := cfg.get("quantization_config")) is not None:
+            method = quant.get("quant_method") if isinstance(quant, dict) else quant
+            raise ModelLoadError(
+                f"{where}: quantization_config {method!r} is not supported yet; load an unquantized "
+                f"checkpoint, optionally with --quantization {' or '.join(QUANTIZATIONS)}"
+            )
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
@@ -501,6 +509,9 @@ class EngineArgs:
     # GPU run has validated them. ``enforce_eager`` (vLLM's name) says never.
     cuda_graphs: bool = False
     enforce_eager: bool = False
+    # Weights kept quantized (``model/quant.py``): "int8", weight-only per output channel,
+    # quantized at load. None: the checkpoint's dtype.
+    quantization: str | None = None
 
     @property
     def token_budget(self) -> int:
@@ -536,6 +547,10 @@ class EngineArgs:
             )
         if self.cuda_graphs and self.enforce_eager:
             raise InvalidArgumentError("cuda_graphs and enforce_eager contradict each other: pick one")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise InvalidArgumentError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
         if self.cpu_kv_gib < 0:
             raise InvalidArgumentError(f"cpu_kv_gib must be non-negative, got {self.cpu_kv_gib}")
         if self.cpu_prefix_cache_gib is not None and not self.cpu_prefix_cache_gib >= 0:

@@ -148,6 +148,19 @@ def test_sliding_windows_and_soft_caps(monkeypatch, checkpoints, kind: str, back
         engine.shutdown()
 
 
+def test_int8_weights(monkeypatch) -> None:
+    """--quantization int8 on CUDA: the weights quantized on the device at load, torch's int8
+    kernel in every linear, within the budget."""
+    with fake_gpu(monkeypatch) as checks:
+        engine = engine_on(
+            "demo", offload="neo", num_gpu_blocks=10, neo_force_pipeline=True, quantization="int8"
+        )
+        queue(engine)
+        assert "pipelined" in run(engine, checks)
+        assert checks.ops["aten._weight_int8pack_mm.default"], checks.ops
+        engine.shutdown()
+
+
 def test_swaps_chunked_prefill_and_int8_host_kv(monkeypatch) -> None:
     with fake_gpu(monkeypatch) as checks:
         # Six requests of up to 41 tokens in 12 blocks of 8: some are swapped out and back.

@@ -17,7 +17,7 @@ from typing import NoReturn
 
 from aiohttp import web
 
-from neo_rs.config import CPU_KV_DTYPES, OFFLOAD_MODES, EngineArgs
+from neo_rs.config import CPU_KV_DTYPES, OFFLOAD_MODES, QUANTIZATIONS, EngineArgs
 from neo_rs.engine.async_engine import AsyncEngine
 from neo_rs.model.registry import DEFAULT_MODEL, DEMO_MODEL, served_name
 from neo_rs.serve.app import ServerState, create_app
@@ -66,6 +66,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="host pool storage (int8: half of bf16)",
     )
     p.add_argument("--offload", default="none", choices=list(OFFLOAD_MODES))
+    p.add_argument(
+        "--quantization",
+        choices=list(QUANTIZATIONS),
+        help="keep the decoder's linear weights quantized (int8: weight-only, per channel, at load)",
+    )
     p.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -143,6 +148,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         cpu_kv_dtype=args.cpu_kv_dtype,
         cpu_threads=args.cpu_threads,
         offload=args.offload,
+        quantization=args.quantization,
         enable_prefix_caching=args.enable_prefix_caching,
         cpu_prefix_cache_gib=args.cpu_prefix_cache_gib,
         seed=args.seed,

@@ -88,6 +88,7 @@ def profile_key(runner: ModelRunner, max_tokens: int) -> str:
         # What else changes a layer's linear time: the family's extra norms and sparse MLPs.
         "family": [cfg.o_bias, cfg.qk_norm, cfg.post_norms, str(cfg.moe)],
         "dtype": str(runner.layout.dtype),
+        "quantization": runner.quantization,
         "cpu_kv_dtype": str(runner.host_pool.k.dtype),
         "block_size": runner.layout.block_size,
         "device": _device_name(runner.device),

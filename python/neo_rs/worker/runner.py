@@ -27,6 +27,7 @@ from neo_rs.kv.transfer import HostTransfer, Staged
 from neo_rs.model.decoder import Rope
 from neo_rs.model.loader import empty_model, load_model
 from neo_rs.model.packed import pack_linears, packing_applies
+from neo_rs.model.quant import quantize_linears
 from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel, rank_device
 from neo_rs.timing import HostWaits, MeasuredTimes, StageClock
 from neo_rs.worker.graphs import DecodeGraphs
@@ -104,9 +105,12 @@ class ModelRunner:
     ) -> None:
         """Under tensor parallelism, rank ``tp.rank``'s runner: its shard of the model, and pools
         of its KV heads (as many blocks on every rank)."""
-        self.device, self.tp = device, tp
+        self.device, self.tp, self.quantization = device, tp, args.quantization
         self.model = load_model(model_dir, cfg, dtype, device, max_model_len, tp)
         cfg_all, cfg = cfg, self.model.config  # the whole model's shapes, this rank's
+        if args.quantization is not None:
+            count = quantize_linears(self.model, args.quantization)
+            log.info("quantized %d linears to %s (weight-only, per output channel)", count, args.quantization)
         if packing_applies(device, dtype):
             log.info("prepacked %d bf16 linears for oneDNN", pack_linears(self.model, args.max_num_seqs))
         self.layout = KvLayout(cfg.num_layers, cfg.num_kv_heads, args.block_size, cfg.head_dim, dtype)
