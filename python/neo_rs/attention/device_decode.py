@@ -66,12 +66,27 @@ class TokenIndex:
         return TokenIndex(blocks, pos % block_size, valid)
 
 
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, kind: AttentionKind
+) -> torch.Tensor:
+    """SDPA of ``q`` ``[..., heads, rows, d]`` over ``k``/``v`` ``[..., kv_heads, keys, d]`` where
+    ``mask`` is true, scaled as ``kind`` says; soft-capped scores (SDPA has no hook for them) in
+    plain torch, in float32."""
+    if kind.softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=kind.scale, enable_gqa=True)
+    group = q.shape[-3] // k.shape[-3]
+    k, v = (t.repeat_interleave(group, -3).float() for t in (k, v))
+    scores = torch.matmul(q.float(), k.transpose(-1, -2)) * kind.scale
+    scores = kind.softcap * torch.tanh(scores / kind.softcap)
+    return torch.matmul(torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1), v).to(q.dtype)
+
+
 def paged_decode_torch(
     q: torch.Tensor, pool: KvPool, layer: int, index: TokenIndex, kind: AttentionKind
 ) -> torch.Tensor:
     """Decode attention in plain torch: the rows' tokens gathered (only up to the longest row),
-    then SDPA masked past each length (and before a sliding window); an empty row gives zeros.
-    Soft-capped scores (no SDPA hook for them) go through plain torch."""
+    then attention masked past each length (and before a sliding window); an empty row gives
+    zeros."""
     # Advanced indices around a slice: [rows, max_len, kv_heads, head_dim].
     k = pool.k[layer][index.blocks, :, index.offsets].transpose(1, 2)
     v = pool.v[layer][index.blocks, :, index.offsets].transpose(1, 2)
@@ -79,16 +94,7 @@ def paged_decode_torch(
     if kind.window is not None:
         lens = valid.sum(dim=1, keepdim=True)
         valid = valid & (torch.arange(valid.shape[1], device=valid.device)[None, :] >= lens - kind.window)
-    mask = valid[:, None, None, :]
-    qr = q[:, :, None, :]
-    if kind.softcap is None:
-        out = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, scale=kind.scale, enable_gqa=True)
-    else:
-        group = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(group, 1).float(), v.repeat_interleave(group, 1).float()
-        scores = torch.matmul(qr.float(), k.transpose(-1, -2)) * kind.scale
-        scores = kind.softcap * torch.tanh(scores / kind.softcap)
-        out = torch.matmul(torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1), v).to(q.dtype)
+    out = masked_attention(q[:, :, None, :], k, v, valid[:, None, None, :], kind)
     return out[:, :, 0, :].masked_fill(~index.valid[:, :1, None], 0.0)
 
 

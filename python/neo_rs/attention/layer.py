@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from neo_rs._core import AttentionHandle, CpuAttention
-from neo_rs.attention.device_decode import select_device_decode, select_paged_prefill
+from neo_rs.attention.device_decode import masked_attention, select_device_decode, select_paged_prefill
 from neo_rs.attention.metadata import AttentionBatch, DecodeRows, Prefill
 from neo_rs.config import AttentionKind
 from neo_rs.kv.pools import KvPool
@@ -23,8 +23,7 @@ def attend_positions(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, kind: AttentionKind
 ) -> torch.Tensor:
     """Rows ``q`` ``[rows, heads, head_dim]`` at positions ``first ..`` attending causally over
-    ``k``/``v`` ``[keys, kv_heads, head_dim]`` (positions ``0 ..``), as ``kind`` says. SDPA unless
-    the scores are soft-capped (it has no score hook): then the same in plain torch."""
+    ``k``/``v`` ``[keys, kv_heads, head_dim]`` (positions ``0 ..``), as ``kind`` says."""
     qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))
     rows, keys = q.shape[0], k.shape[0]
     if first == 0 and rows == keys and kind.window is None and kind.softcap is None:
@@ -35,15 +34,7 @@ def attend_positions(
     mask = pos_k <= pos_q
     if kind.window is not None:
         mask &= pos_k > pos_q - kind.window
-    if kind.softcap is None:
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=kind.scale, enable_gqa=True)
-        return out[0].transpose(0, 1)
-    group = q.shape[1] // k.shape[1]
-    kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
-    scores = torch.matmul(qh.float(), kh.float().transpose(-1, -2)) * kind.scale
-    scores = kind.softcap * torch.tanh(scores / kind.softcap)
-    p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-    return torch.matmul(p, vh.float())[0].transpose(0, 1).to(q.dtype)
+    return masked_attention(qh, kh, vh, mask, kind)[0].transpose(0, 1)
 
 
 class PendingCpuAttention:
