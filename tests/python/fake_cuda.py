@@ -89,6 +89,7 @@ class FakeCuda(CudaRuntime):
         self.event_waits = 0
         self.reads = 0
         self.captures = 0
+        self.cache_empties = 0
         self._pinned: set[int] = set()  # storage addresses of live pinned buffers
         self._next = 0
 
@@ -117,7 +118,7 @@ class FakeCuda(CudaRuntime):
         self.synchronizes += 1
 
     def empty_cache(self) -> None:
-        pass
+        self.cache_empties += 1
 
     def collective_backend(self) -> str:
         """torch's fake process group: collectives on fake tensors that move nothing (the

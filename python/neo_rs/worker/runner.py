@@ -111,6 +111,9 @@ class ModelRunner:
         if args.quantization is not None:
             count = quantize_linears(self.model, args.quantization)
             log.info("quantized %d linears to %s (weight-only, per output channel)", count, args.quantization)
+            if device.type == "cuda":
+                # The float weights' memory back to the driver, where the pools' sizing sees it.
+                runtime().empty_cache()
         if packing_applies(device, dtype):
             log.info("prepacked %d bf16 linears for oneDNN", pack_linears(self.model, args.max_num_seqs))
         self.layout = KvLayout(cfg.num_layers, cfg.num_kv_heads, args.block_size, cfg.head_dim, dtype)
