@@ -182,6 +182,24 @@ def test_backends_plan_once_per_iterations_rows(
     assert (len(calls) if backend == "torch" else _Wrapper.plans) == 2
 
 
+def test_flashinfer_plans_each_attention_kind_apart(fake_flashinfer: None) -> None:
+    # Gemma's sliding and global layers alternate within one iteration: each kind keeps its own
+    # planned wrapper, so neither re-plans the other's window away (one plan per kind and rows).
+    q, pool, rows, _ = _pool_and_rows(0, torch.float32)
+    scale = pool.layout.head_dim**-0.5
+    sliding, full = AttentionKind(scale, 7), AttentionKind(scale)
+    want = {}
+    for kind in (sliding, full):
+        want[kind] = torch.empty_like(q)
+        TorchDecode()(q, pool, 1, rows, kind, want[kind])
+    decode, _Wrapper.plans = FlashInferDecode(torch.device("cpu")), 0
+    for kind in (sliding, full, sliding, full):
+        got = torch.full_like(q, float("nan"))
+        decode(q, pool, 1, rows, kind, got)
+        torch.testing.assert_close(got, want[kind], atol=1e-5, rtol=1e-5)
+    assert _Wrapper.plans == 2
+
+
 def test_neo_rs_device_attention_picks_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     cuda = torch.device("cuda")
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # not installed: its import fails
