@@ -1,7 +1,9 @@
-"""Shared pieces of the Python benchmarks: the ~20M-parameter random Llama and seeded prompts."""
+"""Shared pieces of the Python benchmarks: the ~20M-parameter random Llama, seeded prompts, and
+the CPU line every speed figure is printed beside."""
 
 from __future__ import annotations
 
+import platform
 from pathlib import Path
 
 import torch
@@ -103,3 +105,19 @@ def warm_up_and_queue(engine, batch: list[list[int]], max_tokens: int) -> None: 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for p in batch:
         engine.add_request(p, params)
+
+
+def cpu_line() -> str:
+    """The CPU's model name and the flags that move our figures (``/proc/cpuinfo``)."""
+    model, flags = platform.processor() or "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    noted = " ".join(f for f in ("avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8") if f in flags)
+    return f"{model} ({platform.machine()}), flags: {noted or 'none of note'}"

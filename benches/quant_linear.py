@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from common import cpu_line
 from neo_rs import LLM, SamplingParams
 from neo_rs.model.packed import PackedLinear
 from neo_rs.model.quant import Int8Linear
@@ -152,9 +152,7 @@ def main() -> None:
     ap.add_argument("--skip-1b", action="store_true", help="SmolLM2 only end to end")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model, cpu_flags = _cpu()
-    flags = " ".join(f for f in ("avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8") if f in cpu_flags)
-    print(f"{model} ({platform.machine()}), {args.threads} threads, flags: {flags or 'none of note'}")
+    print(f"{cpu_line()}, {args.threads} threads")
     print(f"torch {torch.__version__}")
     linear_table([1, 64])
     models = {"smollm2-135m": "smollm2-135m-instruct"}
@@ -170,21 +168,6 @@ def main() -> None:
             print(f"{name:<24}{'bf16':<6}{bf16[0]:>19.1f}{bf16[1]:>18.1f}")
             print(f"{'':<24}{'int8':<6}{int8[0]:>19.1f}{int8[1]:>18.1f}")
             print(f"{'':<24}{'ratio':<6}{bf16[0] / int8[0]:>18.2f}x{int8[1] / bf16[1]:>17.2f}x", flush=True)
-
-
-def _cpu() -> tuple[str, set[str]]:
-    """The CPU's model name and flags (``/proc/cpuinfo``)."""
-    model, flags = platform.processor() or "unknown CPU", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    except OSError:
-        pass
-    return model, flags
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ impl Load {
             force_pipeline: neo,
             enable_prefix_caching,
             num_cpu_prefix_blocks: 0,
+            sliding_window: None,
         })
         .expect("valid config");
         let mut load = Load { s, next_id: 0, shared_prefix };

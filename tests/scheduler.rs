@@ -56,15 +56,18 @@ fn workload(mode: impl Strategy<Value = OffloadMode>) -> impl Strategy<Value = W
             kv_bytes_per_token: 1024,
             force_pipeline,
             num_cpu_prefix_blocks: 0,
+            sliding_window: None,
         });
     // Prefix caching on in most workloads, with a host tier of up to the whole host pool.
     // Copies priced from free to dearer than any compute, which moves NEO's choices (host-prefill
     // copies, a host-tier hit copied in or attended in place).
     let copy_cost = prop_oneof![Just(0usize), Just(1024), Just(1 << 24)];
-    let config = (config, prop::bool::weighted(0.7), 0u32..=24, copy_cost).prop_map(
-        |(c, enable_prefix_caching, tier, kv_bytes_per_token)| {
+    // A sliding window on every layer in some: blocks behind it are released.
+    let window = prop::option::weighted(0.3, 1usize..24);
+    let config = (config, prop::bool::weighted(0.7), 0u32..=24, copy_cost, window).prop_map(
+        |(c, enable_prefix_caching, tier, kv_bytes_per_token, sliding_window)| {
             let num_cpu_prefix_blocks = if enable_prefix_caching { tier.min(c.num_cpu_blocks) } else { 0 };
-            SchedulerConfig { enable_prefix_caching, num_cpu_prefix_blocks, kv_bytes_per_token, ..c }
+            SchedulerConfig { enable_prefix_caching, num_cpu_prefix_blocks, kv_bytes_per_token, sliding_window, ..c }
         },
     );
     let job = (
@@ -139,7 +142,9 @@ fn check_plan(s: &Scheduler, out: &SchedulerOutput) -> Result<(), TestCaseError>
         prop_assert_eq!(sr.sample, sr.num_computed_tokens + sr.num_new_tokens == req.num_tokens());
         let table = s.kv(sr.device).table(sr.id);
         let row = &m.block_tables[i * m.max_blocks..(i + 1) * m.max_blocks];
-        prop_assert!(table.iter().zip(row).all(|(b, &r)| b.0 as i32 == r));
+        // Blocks released behind the window show as block 0.
+        let shown = |b: &BlockId| if b.is_null() { 0 } else { b.0 as i32 };
+        prop_assert!(table.iter().zip(row).all(|(b, &r)| shown(b) == r));
         prop_assert_eq!(m.seq_lens[i] as usize, sr.num_computed_tokens + sr.num_new_tokens);
         prop_assert!(table.len() * c.block_size >= m.seq_lens[i] as usize);
         let start = m.query_start_loc[i] as usize;
@@ -155,12 +160,14 @@ fn check_plan(s: &Scheduler, out: &SchedulerOutput) -> Result<(), TestCaseError>
             prop_assert_eq!(slot / c.block_size, table[pos / c.block_size].0 as usize);
             prop_assert!(slots.insert((sr.device, slot)), "slot {} written twice", slot);
         }
-        // A prefill finishing into the host pool stages every device block to its host twin.
+        // A prefill finishing into the host pool stages every device block to its host twin
+        // (blocks released behind the window are released in both).
         let host = s.kv(Device::Cpu).table(sr.id);
         if sr.device == Device::Gpu && !host.is_empty() {
             prop_assert!(sr.sample && c.offload != OffloadMode::GpuOnly);
             prop_assert_eq!(host.len(), table.len());
-            staged.extend(table.iter().copied().zip(host.iter().copied()));
+            prop_assert!(table.iter().zip(host).all(|(d, h)| d.is_null() == h.is_null()));
+            staged.extend(table.iter().copied().zip(host.iter().copied()).filter(|(d, _)| !d.is_null()));
         }
     }
     let pipelined = out.sub_batch1_start < out.scheduled.len();
@@ -218,8 +225,9 @@ impl FakeKv {
     /// Play one plan in the runner's order: every copy's source is read before anything the plan
     /// writes (device blocks evicted from the prefix cache, swap-outs; host blocks bound for the
     /// device), swap-outs land before the forward and copies into the device at its start; every
-    /// scheduled request reads the KV of its computed tokens (checked: each slot of its table holds
-    /// its own token there, shared and host-tier prefix blocks included) and writes its new tokens;
+    /// scheduled request reads the KV of its computed tokens within the window of its first new
+    /// token (checked: each slot of its table holds its own token there, shared and host-tier
+    /// prefix blocks included) and writes its new tokens;
     /// then host-bound prefills are staged to the host, and the evicted blocks land in the tier.
     fn run(&mut self, s: &Scheduler, out: &SchedulerOutput) -> Result<(), TestCaseError> {
         let bs = s.config().block_size;
@@ -232,7 +240,8 @@ impl FakeKv {
         for sr in &out.scheduled {
             let req = s.request(sr.id).expect("scheduled request exists");
             let table = s.kv(sr.device).table(sr.id);
-            for pos in 0..sr.num_computed_tokens {
+            let first = s.config().sliding_window.map_or(0, |w| (sr.num_computed_tokens + 1).saturating_sub(w));
+            for pos in first..sr.num_computed_tokens {
                 let held = self.slots.get(&(sr.device, table[pos / bs].0, pos % bs)).copied();
                 prop_assert_eq!(held, Some(req.token_ids[pos]), "request {} reads wrong KV at {}", sr.id, pos);
             }
@@ -259,7 +268,11 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
             let prompt = (0..job.prompt_len)
                 .map(|p| if p < job.shared { token(1_000 + job.family, p) } else { token(id, p) })
                 .collect();
-            let need = (job.prompt_len + job.max_tokens - 1).div_ceil(w.config.block_size);
+            // At most a chunk's worth beyond the window is held at once.
+            let mut need = (job.prompt_len + job.max_tokens - 1).div_ceil(w.config.block_size);
+            if let Some(window) = w.config.sliding_window {
+                need = need.min((window - 1 + w.config.max_num_batched_tokens).div_ceil(w.config.block_size) + 1);
+            }
             let fits = job.prompt_len + job.max_tokens <= w.config.max_model_len
                 && need <= w.config.num_gpu_blocks as usize
                 && (w.config.offload == OffloadMode::GpuOnly || need <= w.config.num_cpu_blocks as usize);
@@ -321,6 +334,20 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
             prop_assert!(outcome.insert(id.0, reason).is_none(), "request {} finished twice", id);
         }
         s.check_invariants().map_err(TestCaseError::fail)?;
+        if let Some(window) = w.config.sliding_window {
+            // However long a request, it holds the window's blocks and one more.
+            for kv in [s.kv(Device::Gpu), s.kv(Device::Cpu)] {
+                for (id, table) in kv.tables() {
+                    let held = table.iter().filter(|b| !b.is_null()).count();
+                    prop_assert!(
+                        held <= window.div_ceil(w.config.block_size) + 1,
+                        "request {} holds {} blocks",
+                        id,
+                        held
+                    );
+                }
+            }
+        }
         step += 1;
     }
     for kv in [s.kv(Device::Gpu), s.kv(Device::Cpu)] {

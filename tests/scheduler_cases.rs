@@ -21,6 +21,7 @@ fn config(gpu: u32, cpu: u32, budget: usize) -> SchedulerConfig {
         force_pipeline: false,
         enable_prefix_caching: false,
         num_cpu_prefix_blocks: 0,
+        sliding_window: None,
     }
 }
 
@@ -135,6 +136,7 @@ fn neo_mode_offloads_pipelines_and_swaps_both_ways() {
         force_pipeline: false,
         enable_prefix_caching: false,
         num_cpu_prefix_blocks: 0,
+        sliding_window: None,
         max_model_len: 128,
     };
     let mut s = Scheduler::new(cfg).unwrap();
@@ -255,6 +257,7 @@ fn neo_admits_host_bound_prompts_while_the_device_is_full() {
         force_pipeline: true,
         enable_prefix_caching: false,
         num_cpu_prefix_blocks: 0,
+        sliding_window: None,
     };
     let mut s = Scheduler::new(cfg).unwrap();
     let mut order = VecDeque::new();
@@ -316,6 +319,7 @@ fn neo_steady_state(
         force_pipeline: false,
         enable_prefix_caching: false,
         num_cpu_prefix_blocks: 0,
+        sliding_window: None,
     };
     let mut s = Scheduler::new(cfg).unwrap();
     s.predictor_mut().cpu_decode = neo_rs::sched::Table2::new(vec![1.0, 1e6], vec![0.0, 1e7], vec![cpu_ms; 4]).unwrap();
@@ -450,6 +454,7 @@ fn under_neo_a_host_bound_prompt_decodes_in_place_over_host_tier_blocks() {
         offload: OffloadMode::Neo,
         enable_prefix_caching: true,
         num_cpu_prefix_blocks: 8,
+        sliding_window: None,
         ..config(8, 32, 64)
     };
     let mut s = Scheduler::new(cfg).unwrap();
@@ -520,6 +525,7 @@ fn under_neo_a_host_tier_hit_starts_in_place_where_copying_it_costs_more() {
             offload: OffloadMode::Neo,
             enable_prefix_caching: true,
             num_cpu_prefix_blocks: 128,
+            sliding_window: None,
             max_model_len: 512,
             kv_bytes_per_token,
             ..config(100, 128, 512)
@@ -551,5 +557,29 @@ fn under_neo_a_host_tier_hit_starts_in_place_where_copying_it_costs_more() {
         assert!(plans.iter().all(|p| p.swap_in.pairs.is_empty()), "request 4 stays where it started");
         assert_eq!(s.kv(Device::Cpu).num_free_blocks(), 128);
         assert_eq!(s.kv(Device::Gpu).num_free_blocks(), 100);
+    }
+}
+
+#[test]
+fn a_sliding_window_generation_ten_windows_long_holds_the_window() {
+    // Window 8, blocks of 4: however long the request, it holds 8 / 4 + 1 blocks after each
+    // step (a prefill chunk of 8 more while it runs). 86 tokens would need 22 blocks of a pool
+    // of 6 without the window: the request is admitted only because of it.
+    for offload in [OffloadMode::GpuOnly, OffloadMode::Neo, OffloadMode::AllCpu] {
+        let cfg = SchedulerConfig { offload, max_model_len: 128, sliding_window: Some(8), ..config(6, 6, 8) };
+        let mut s = Scheduler::new(cfg.clone()).unwrap();
+        s.add_request(RequestId(0), vec![5; 20], 66).unwrap();
+        let mut most = 0;
+        while s.has_unfinished() {
+            let out = s.schedule().unwrap();
+            let sampled: Vec<u32> = out.inputs.sample_ids.iter().map(|_| 7).collect();
+            s.update(&sampled, &[]).unwrap();
+            s.check_invariants().unwrap();
+            let used = [Device::Gpu, Device::Cpu].map(|d| s.kv(d).num_used_blocks());
+            most = most.max(used[0] + used[1]);
+        }
+        assert_eq!(most, 3, "{offload:?}");
+        let without = SchedulerConfig { sliding_window: None, ..cfg };
+        assert!(Scheduler::new(without).unwrap().add_request(RequestId(0), vec![5; 20], 66).is_err());
     }
 }

@@ -7,6 +7,13 @@ import torch
 def simd_tiers() -> list[str]:
     """SIMD tiers this CPU supports, slowest first (``scalar``, ``avx2``, ``avx512``, ``neon``)."""
 
+def peak_kv_blocks(
+    num_tokens: int, *, block_size: int, max_num_batched_tokens: int, sliding_window: int | None = None
+) -> int:
+    """The most KV blocks of a pool a request of ``num_tokens`` cached tokens holds at once:
+    all of them, or under ``sliding_window`` on every layer, a chunk beyond the window. The
+    scheduler refuses a request that needs more than a pool has."""
+
 def quantize_rows(src: torch.Tensor, out: torch.Tensor, scales: torch.Tensor) -> None:
     """Each row (last dim) of ``src`` as the int8 host pool stores it, into ``out``: rotated by a
     normalized Hadamard transform, then symmetric int8 with one float32 scale per row into
@@ -171,12 +178,14 @@ class Scheduler:
         force_pipeline: bool = False,
         enable_prefix_caching: bool = False,
         num_cpu_prefix_blocks: int = 0,
+        sliding_window: int | None = None,
     ) -> None:
         """``offload``: ``neo`` (partial offload, pipelined when it pays), ``none`` (GPU-only,
         overflow swapped) or ``all`` (every decode on the CPU). ``enable_prefix_caching``: new
         prompts start after the full device blocks they share with earlier ones.
         ``num_cpu_prefix_blocks``: host blocks that keep prefix blocks the device evicts (the
-        host tier; needs ``enable_prefix_caching``)."""
+        host tier; needs ``enable_prefix_caching``). ``sliding_window``: every layer's window,
+        when all of them slide: blocks behind it are released as requests advance."""
     def add_request(
         self, request_id: int, prompt_token_ids: list[int], max_tokens: int, cache_salt: str | None = None
     ) -> None:

@@ -1,7 +1,8 @@
 //! One pool's KV manager (vLLM's `KvCacheManager`): a block table per request, grown by
 //! `allocate_slots` (which answers "no room" instead of failing), whole-request swap plans, and
 //! with prefix caching on, blocks shared by reference count between requests whose prompts
-//! start alike (`prefix.rs`).
+//! start alike (`prefix.rs`). Under a sliding window on every layer, the blocks behind the
+//! window leave the tables (`window.rs`).
 
 use std::collections::HashMap;
 
@@ -10,6 +11,7 @@ use super::{BlockId, BlockPool, Device};
 use crate::kv::RequestId;
 
 mod host_tier;
+mod window;
 
 #[derive(Debug, Clone)]
 pub struct KvManager {
@@ -29,6 +31,8 @@ pub struct KvManager {
     evicted: Option<Vec<Evicted>>,
     /// Host-tier blocks held while they are copied to the device (`pin_host_hit`).
     pins: Vec<BlockId>,
+    /// Every layer's sliding window (tokens), if all of them slide (`with_window`).
+    window: Option<usize>,
 }
 
 /// Block pairs `(src, dst)` that move one or more requests from pool `src` to pool `dst`; every
@@ -58,6 +62,9 @@ pub struct PrefixHit {
     pub evictable: usize,
     pub host: Vec<BlockId>,
     host_hashes: Vec<BlockHash>,
+    /// Leading blocks of the hit (device ones first) behind the sliding window of the prompt's
+    /// next token: found, but neither held, pinned nor copied (`KvManager::skip_behind_window`).
+    skip: usize,
 }
 
 impl PrefixHit {
@@ -66,10 +73,37 @@ impl PrefixHit {
         self.blocks.len() + self.host.len()
     }
 
-    /// Keep the device blocks only (the host ones are to be recomputed).
+    /// Keep the device blocks only (the host ones are to be recomputed); skip none until
+    /// `KvManager::skip_behind_window` counts them again.
     pub fn drop_host(&mut self) {
         self.host.clear();
         self.host_hashes.clear();
+        self.skip = 0;
+    }
+
+    fn skipped_device(&self) -> usize {
+        self.skip.min(self.blocks.len())
+    }
+
+    fn skipped_host(&self) -> usize {
+        self.skip.saturating_sub(self.blocks.len())
+    }
+
+    /// The host blocks to copy to the device: those not behind the window.
+    pub fn host_kept(&self) -> &[BlockId] {
+        &self.host[self.skipped_host()..]
+    }
+
+    /// Entries of the table of a request that takes the hit, before it grows: the device blocks
+    /// (skipped ones as `BlockId::NULL`), then a `NULL` for each skipped host block.
+    pub fn table_len(&self) -> usize {
+        self.blocks.len() + self.skipped_host()
+    }
+
+    /// Blocks a request takes up by growing from the hit to `table_blocks` table entries: new
+    /// ones, and the cached ones it holds that no request held.
+    pub fn blocks_taken(&self, table_blocks: usize) -> usize {
+        table_blocks.saturating_sub(self.table_len()) + self.evictable
     }
 }
 
@@ -88,6 +122,7 @@ impl KvManager {
             chains: HashMap::new(),
             evicted: None,
             pins: Vec::new(),
+            window: None,
         }
     }
 
@@ -176,7 +211,7 @@ impl KvManager {
     /// last block first, so a sequence's tail is evicted before its head (which more prompts
     /// share).
     fn release_blocks(&mut self, blocks: &[BlockId]) {
-        for &b in blocks.iter().rev() {
+        for &b in blocks.iter().rev().filter(|b| !b.is_null()) {
             let r = &mut self.refs[b.0 as usize];
             assert!(*r > 0, "block {b} released with no holder");
             *r -= 1;
@@ -249,8 +284,7 @@ impl KvManager {
     /// changed since) and new ones up to `num_tokens` tokens. `false` (nothing changed) when the
     /// pool has no room for the new ones.
     pub fn allocate_with_prefix(&mut self, id: RequestId, hit: &PrefixHit, num_tokens: usize) -> bool {
-        let need = self.blocks_for(num_tokens).saturating_sub(hit.blocks.len());
-        if need + hit.evictable > self.num_free_blocks() {
+        if hit.blocks_taken(self.blocks_for(num_tokens)) > self.num_free_blocks() {
             return false;
         }
         self.take_prefix(id, hit);
@@ -261,14 +295,18 @@ impl KvManager {
 
     /// Give a request that holds nothing here the blocks of `hit` (from `lookup`; blocks freed
     /// since may have been taken again, none evicted), so that allocations for other requests
-    /// cannot evict them before its own.
+    /// cannot evict them before its own. Its skipped blocks enter the table as `NULL`s.
     pub fn take_prefix(&mut self, id: RequestId, hit: &PrefixHit) {
         assert!(!self.holds(id), "request {id} already holds blocks");
-        if hit.blocks.is_empty() {
+        if hit.table_len() == 0 {
             return;
         }
-        self.hold(&hit.blocks, &hit.hashes);
-        self.tables.insert(id, hit.blocks.clone());
+        let skip = hit.skipped_device();
+        self.hold(&hit.blocks[skip..], &hit.hashes[skip..]);
+        let mut table = vec![BlockId::NULL; skip];
+        table.extend_from_slice(&hit.blocks[skip..]);
+        table.resize(hit.table_len(), BlockId::NULL);
+        self.tables.insert(id, table);
         self.chains.insert(id, hit.hashes.clone());
     }
 
@@ -290,8 +328,8 @@ impl KvManager {
     }
 
     /// Register the request's full blocks among its first `num_computed` tokens (`tokens`: its
-    /// prompt and outputs; `salt`: its namespace) for later prompts to reuse. A no-op without
-    /// prefix caching.
+    /// prompt and outputs; `salt`: its namespace) for later prompts to reuse; a block released
+    /// behind the window only extends the chain. A no-op without prefix caching.
     pub fn cache_full_blocks(&mut self, id: RequestId, tokens: &[u32], num_computed: usize, salt: Option<BlockHash>) {
         let Some(cache) = &mut self.cache else { return };
         let Some(table) = self.tables.get(&id) else { return };
@@ -299,7 +337,9 @@ impl KvManager {
         let full = (num_computed / self.block_size).min(table.len());
         for i in chain.len()..full {
             let block = &tokens[i * self.block_size..(i + 1) * self.block_size];
-            let hash = cache.register(table[i], chain.last().copied().or(salt), block);
+            let parent = chain.last().copied().or(salt);
+            let hash =
+                if table[i].is_null() { hash_block(parent, block) } else { cache.register(table[i], parent, block) };
             chain.push(hash);
         }
     }
@@ -313,14 +353,27 @@ impl KvManager {
         }
     }
 
-    /// Move request `id` wholly from `self` to `dst`: allocate its blocks in `dst`, release them
-    /// here, and append the block pairs to `plan`. `false` (nothing changed) when `dst` has no room.
+    /// Move request `id` wholly from `self` to `dst`: allocate its blocks in `dst` (its `NULL`
+    /// entries stay `NULL`), release them here, and append the block pairs to `plan`. `false`
+    /// (nothing changed) when `dst` has no room.
     pub fn swap_to(&mut self, dst: &mut KvManager, id: RequestId, plan: &mut SwapPlan) -> bool {
         debug_assert!(plan.src == self.device && plan.dst == dst.device && self.block_size == dst.block_size);
         debug_assert!(!dst.holds(id), "request {id} already holds blocks in the destination pool");
         let Some(src_blocks) = self.tables.get(&id) else { return true };
-        let Some(dst_blocks) = dst.take_blocks(src_blocks.len()) else { return false };
-        plan.pairs.extend(src_blocks.iter().copied().zip(dst_blocks.iter().copied()));
+        let live = src_blocks.iter().filter(|b| !b.is_null()).count();
+        let Some(fresh) = dst.take_blocks(live) else { return false };
+        let mut fresh = fresh.into_iter();
+        let dst_blocks = src_blocks
+            .iter()
+            .map(|&b| match b.is_null() {
+                true => b,
+                false => {
+                    let d = fresh.next().expect("one per live block");
+                    plan.pairs.push((b, d));
+                    d
+                }
+            })
+            .collect();
         self.free(id);
         dst.tables.insert(id, dst_blocks);
         true
@@ -332,7 +385,7 @@ impl KvManager {
         let name = self.device.name();
         self.pool.check().map_err(|e| format!("{name} pool: {e}"))?;
         let mut holders = vec![0u32; self.num_total_blocks()];
-        for b in self.tables.values().flatten().chain(&self.pins) {
+        for b in self.tables.values().flatten().chain(&self.pins).filter(|b| !b.is_null()) {
             holders[b.0 as usize] += 1;
         }
         for (i, (&h, &r)) in holders.iter().zip(&self.refs).enumerate() {

@@ -1,6 +1,7 @@
 //! Paged KV accounting for both pools (NEO's GPU and CPU KV caches): the block pool with its
 //! free list, a per-device manager of block tables, and swap plans that move a whole request.
-//! Only ids live here; Python owns the pool tensors.
+//! Under a sliding window on every layer, blocks behind the window leave the tables
+//! (`BlockId::NULL`) and go back to the pool. Only ids live here; Python owns the pool tensors.
 
 mod block_pool;
 mod manager;
@@ -32,6 +33,17 @@ impl Device {
 /// Index of a block in one pool's tensors (`[num_layers, num_blocks, ...]`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BlockId(pub u32);
+
+impl BlockId {
+    /// A table entry whose block was released because it lies wholly behind the sliding window
+    /// of every layer: no later query reads it (vLLM's null block). Never a pool index: a pool
+    /// holds fewer than `u32::MAX` blocks. Model inputs show it as block 0.
+    pub const NULL: BlockId = BlockId(u32::MAX);
+
+    pub fn is_null(self) -> bool {
+        self == BlockId::NULL
+    }
+}
 
 impl fmt::Display for BlockId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

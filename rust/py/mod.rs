@@ -35,9 +35,28 @@ fn simd_tiers() -> Vec<&'static str> {
     crate::attn::Tier::supported().into_iter().map(|t| t.name()).collect()
 }
 
+/// The most KV blocks of a pool a request of `num_tokens` cached tokens holds at once (the
+/// scheduler refuses one that needs more than a pool has).
+#[pyfunction]
+#[pyo3(signature = (num_tokens, *, block_size, max_num_batched_tokens, sliding_window = None))]
+fn peak_kv_blocks(
+    num_tokens: usize,
+    block_size: usize,
+    max_num_batched_tokens: usize,
+    sliding_window: Option<usize>,
+) -> PyResult<usize> {
+    crate::error::ensure!(
+        block_size >= 1 && sliding_window != Some(0),
+        Value,
+        "block_size and sliding_window must be positive"
+    );
+    Ok(crate::sched::peak_blocks(num_tokens, block_size, max_num_batched_tokens, sliding_window))
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(simd_tiers, m)?)?;
+    m.add_function(wrap_pyfunction!(peak_kv_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(quant::quantize_rows, m)?)?;
     m.add_function(wrap_pyfunction!(quant::dequantize_rows, m)?)?;
     m.add_class::<attn::CpuAttention>()?;

@@ -94,7 +94,7 @@ fn column(v: impl Iterator<Item = usize>) -> Vec<i64> {
 #[pymethods]
 impl Scheduler {
     #[new]
-    #[pyo3(signature = (*, max_num_seqs, max_num_batched_tokens, max_model_len, block_size, num_gpu_blocks, num_cpu_blocks, offload = "none", transfer_bytes_per_decode = 0, kv_bytes_per_token = 0, force_pipeline = false, enable_prefix_caching = false, num_cpu_prefix_blocks = 0))]
+    #[pyo3(signature = (*, max_num_seqs, max_num_batched_tokens, max_model_len, block_size, num_gpu_blocks, num_cpu_blocks, offload = "none", transfer_bytes_per_decode = 0, kv_bytes_per_token = 0, force_pipeline = false, enable_prefix_caching = false, num_cpu_prefix_blocks = 0, sliding_window = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         max_num_seqs: usize,
@@ -109,6 +109,7 @@ impl Scheduler {
         force_pipeline: bool,
         enable_prefix_caching: bool,
         num_cpu_prefix_blocks: u32,
+        sliding_window: Option<usize>,
     ) -> PyResult<Self> {
         let config = SchedulerConfig {
             max_num_seqs,
@@ -123,6 +124,7 @@ impl Scheduler {
             force_pipeline,
             enable_prefix_caching,
             num_cpu_prefix_blocks,
+            sliding_window,
         };
         Ok(Scheduler { inner: sched::Scheduler::new(config)? })
     }

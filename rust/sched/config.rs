@@ -58,15 +58,38 @@ pub struct SchedulerConfig {
     /// Host pool blocks that keep prefix blocks evicted from the device cache (the host tier; 0:
     /// none). They stay free room for swap-outs and CPU decodes, which take them when needed.
     pub num_cpu_prefix_blocks: u32,
+    /// The sliding window (tokens) when every layer has one: blocks behind it are released as
+    /// requests advance, in both pools. `None`: every block is kept (some or all layers global).
+    pub sliding_window: Option<usize>,
+}
+
+/// The most blocks of a pool a request of `num_tokens` cached tokens holds at once: all of them,
+/// or under a window on every layer, a chunk of `max_num_batched_tokens` beyond the window (a
+/// block more where they straddle block edges).
+pub fn peak_blocks(
+    num_tokens: usize,
+    block_size: usize,
+    max_num_batched_tokens: usize,
+    window: Option<usize>,
+) -> usize {
+    let all = num_tokens.div_ceil(block_size);
+    let span = |w: usize| (w - 1 + max_num_batched_tokens).div_ceil(block_size) + 1;
+    window.map_or(all, |w| all.min(span(w)))
 }
 
 impl SchedulerConfig {
+    /// `peak_blocks` under these settings.
+    pub fn peak_blocks(&self, num_tokens: usize) -> usize {
+        peak_blocks(num_tokens, self.block_size, self.max_num_batched_tokens, self.sliding_window)
+    }
+
     pub fn validate(&self) -> Result<()> {
         ensure!(self.max_num_seqs >= 1, Value, "max_num_seqs must be at least 1");
         ensure!(self.max_num_batched_tokens >= 1, Value, "max_num_batched_tokens must be at least 1");
         ensure!(self.max_model_len >= 1, Value, "max_model_len must be at least 1");
         ensure!(self.block_size >= 1, Value, "block_size must be at least 1");
         ensure!(self.num_gpu_blocks >= 1, Value, "num_gpu_blocks must be at least 1");
+        ensure!(self.sliding_window != Some(0), Value, "sliding_window must be at least 1");
         ensure!(
             self.num_cpu_prefix_blocks <= self.num_cpu_blocks,
             Value,

@@ -9,7 +9,7 @@ mod request;
 mod scheduler;
 mod stats;
 
-pub use config::{OffloadMode, SchedulerConfig};
+pub use config::{peak_blocks, OffloadMode, SchedulerConfig};
 pub use output::{ModelInputs, ScheduledRequest, SchedulerOutput, StageTimes};
 pub use perf::{PerfPredictor, Table1, Table2, Term};
 pub use request::{FinishReason, Request, RequestId, RequestStatus};

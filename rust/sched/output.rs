@@ -43,7 +43,8 @@ pub struct ModelInputs {
     pub query_start_loc: Vec<i32>,
     /// `[num_reqs]` context length after this iteration (`num_computed + num_new`).
     pub seq_lens: Vec<i32>,
-    /// `[num_reqs, max_blocks]` block tables (of the row's pool), row-major, padded with block 0.
+    /// `[num_reqs, max_blocks]` block tables (of the row's pool), row-major, padded with block 0
+    /// (which also stands for the blocks released behind a sliding window).
     pub block_tables: Vec<i32>,
     pub max_blocks: usize,
     /// Rows whose logits are sampled, and their requests, in batch order.
@@ -147,7 +148,8 @@ impl ModelInputs {
                 m.slot_mapping.push(slot);
             }
             let row = &mut m.block_tables[i * max_blocks..i * max_blocks + table.len()];
-            for (dst, b) in row.iter_mut().zip(table) {
+            // Blocks released behind the window read as block 0; no kernel reads them.
+            for (dst, b) in row.iter_mut().zip(table).filter(|(_, b)| !b.is_null()) {
                 *dst = b.0 as i32;
             }
             m.query_start_loc.push(m.input_ids.len() as i32);

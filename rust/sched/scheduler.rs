@@ -8,6 +8,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 mod invariants;
 mod neo;
 mod prefix_tiers;
+mod to_host;
 
 pub use neo::MAX_HOST_PREFILL_DEFERS;
 
@@ -82,14 +83,17 @@ impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Result<Self> {
         config.validate()?;
         let mut gpu =
-            KvManager::new(Device::Gpu, config.num_gpu_blocks, config.block_size, config.enable_prefix_caching);
+            KvManager::new(Device::Gpu, config.num_gpu_blocks, config.block_size, config.enable_prefix_caching)
+                .with_window(config.sliding_window);
         let tier = config.num_cpu_prefix_blocks as usize;
         if tier > 0 {
             gpu.record_evictions();
         }
         Ok(Scheduler {
             gpu,
-            cpu: KvManager::new(Device::Cpu, config.num_cpu_blocks, config.block_size, false).limit_cache(tier),
+            cpu: KvManager::new(Device::Cpu, config.num_cpu_blocks, config.block_size, false)
+                .limit_cache(tier)
+                .with_window(config.sliding_window),
             config,
             requests: HashMap::new(),
             waiting: VecDeque::new(),
@@ -181,7 +185,7 @@ impl Scheduler {
             self.config.max_model_len
         );
         // The last sampled token is never written to the cache.
-        let need = self.gpu.blocks_for(total - 1);
+        let need = self.config.peak_blocks(total - 1);
         ensure!(
             need <= self.gpu.num_total_blocks(),
             Value,
@@ -324,7 +328,7 @@ impl Scheduler {
             let n = req.num_pending_tokens().min(step.budget);
             let target = req.num_computed_tokens + n;
             let to_host = self.prefill_goes_to_host(req, req.num_computed_tokens, n);
-            if to_host && !self.host_has_room(target, 0) {
+            if to_host && !self.host_has_room(req.num_computed_tokens, target, 0) {
                 i += 1; // its last chunk waits for host room
                 continue;
             }
@@ -371,7 +375,7 @@ impl Scheduler {
             let Some(&id) = self.swapped.front() else { break };
             let req = &self.requests[&id];
             let n = req.num_pending_tokens().min(step.budget);
-            if self.gpu.blocks_for(req.num_computed_tokens + n) > self.gpu.num_free_blocks() {
+            if self.gpu.blocks_held(req.num_computed_tokens, req.num_computed_tokens + n) > self.gpu.num_free_blocks() {
                 break;
             }
             let moved = self.cpu.swap_to(&mut self.gpu, id, &mut step.swap_in);
@@ -393,12 +397,17 @@ impl Scheduler {
             let Some(&id) = self.waiting.front() else { break };
             let req = &self.requests[&id];
             let mut hit = self.prefix_hit(req);
-            if self.config.offload == OffloadMode::AllCpu && !self.host_has_room(req.num_tokens(), hit.host.len()) {
+            let hit_tokens = hit.num_blocks() * self.config.block_size;
+            if self.config.offload == OffloadMode::AllCpu
+                && !self.host_has_room(hit_tokens, req.num_tokens(), hit.host_kept().len())
+            {
                 // Its KV ends in the host pool: room for it comes before pinning the tier's
                 // blocks, which would otherwise keep it waiting for good.
                 hit.drop_host();
+                self.gpu.skip_behind_window(&mut hit);
             }
             let computed = req.num_computed_tokens + hit.num_blocks() * self.config.block_size;
+            let pinned = hit.host_kept().len();
             let n = (req.num_tokens() - computed).min(step.budget);
             let target = computed + n;
             let to_host = self.prefill_goes_to_host(req, computed, n);
@@ -414,7 +423,7 @@ impl Scheduler {
                 step.push(self.scheduled(id, n));
                 continue;
             }
-            if (to_host && !self.host_has_room(target, hit.host.len()))
+            if (to_host && !self.host_has_room(computed, target, pinned))
                 || !self.gpu.allocate_with_prefix(id, &hit, target)
             {
                 break;
@@ -429,30 +438,6 @@ impl Scheduler {
             }
             step.push(self.scheduled(id, n));
         }
-    }
-
-    /// Whether running `n` tokens after the first `computed` of this device-resident request
-    /// finishes its prefill and its KV must then live in the host pool (every decode on the CPU).
-    fn prefill_goes_to_host(&self, req: &Request, computed: usize, n: usize) -> bool {
-        self.config.offload == OffloadMode::AllCpu && req.device == Device::Gpu && computed + n == req.num_tokens()
-    }
-
-    /// Whether the host pool has blocks for `num_tokens` tokens once `pinned` more of its free
-    /// (cached) blocks are pinned for a host-tier hit.
-    fn host_has_room(&self, num_tokens: usize, pinned: usize) -> bool {
-        self.cpu.blocks_for(num_tokens) + pinned <= self.cpu.num_free_blocks()
-    }
-
-    /// Give the request host blocks for `num_tokens` tokens and plan the layer-wise copy of its
-    /// device blocks (which stay allocated as staging until `update()`). Only for a prompt whose
-    /// earlier chunks already sit on the device; whole prompts go straight to the host.
-    fn stage_to_host(&mut self, id: RequestId, num_tokens: usize, step: &mut Step) {
-        let grown = self.cpu.allocate_slots(id, num_tokens);
-        debug_assert!(grown, "host room was checked");
-        let pairs = self.gpu.table(id).iter().copied().zip(self.cpu.table(id).iter().copied());
-        step.to_host.pairs.extend(pairs);
-        self.moving_to_host.push(id);
-        self.stats.num_prefills_to_host += 1;
     }
 
     fn scheduled(&self, id: RequestId, n: usize) -> ScheduledRequest {
@@ -557,6 +542,10 @@ impl Scheduler {
                 // The staging blocks (cached first); the KV is in the host pool now.
                 self.gpu.free(s.id);
                 req.device = Device::Cpu;
+            }
+            match req.device {
+                Device::Gpu => self.gpu.release_behind_window(s.id, req.num_computed_tokens),
+                Device::Cpu => self.cpu.release_behind_window(s.id, req.num_computed_tokens),
             }
             if let Some(t) = token {
                 req.token_ids.push(t);

@@ -63,6 +63,8 @@ def _config(kind: str):  # noqa: ANN202 (a transformers config)
         return MistralConfig(
             num_attention_heads=4, num_key_value_heads=1, sliding_window=None, rope_parameters=rope, **common
         )
+    if kind == "mistral_window":  # Mistral v0.1: every layer slides (test_sliding_window.py)
+        return MistralConfig(num_attention_heads=4, num_key_value_heads=2, sliding_window=8, **common)
     if kind == "qwen2":
         return Qwen2Config(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, **common)
     return _family_config(kind, common)

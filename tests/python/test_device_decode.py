@@ -56,11 +56,11 @@ def flashinfer_reference(
         v = v_cache[pages].transpose(0, 1).reshape(v_cache.shape[1], -1, v_cache.shape[3])[:, :n].double()
         group = q.shape[1] // k_cache.shape[1]
         k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-        if window_left >= 0:
-            k, v = k[:, -(window_left + 1) :], v[:, -(window_left + 1) :]
         s = torch.einsum("hd,hnd->hn", q[b].double(), k) * sm_scale
         if logits_soft_cap:
             s = logits_soft_cap * torch.tanh(s / logits_soft_cap)
+        if window_left >= 0:  # masked, not sliced off: like a kernel, it reads every page given
+            s[:, : max(n - window_left - 1, 0)] = float("-inf")
         out[b] = torch.einsum("hn,hnd->hd", torch.softmax(s, dim=-1), v)
     return out
 
@@ -125,7 +125,7 @@ def _pool_and_rows(
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_the_torch_fallback_matches_the_rust_kernel(case: int, dtype: torch.dtype) -> None:
     q, pool, rows, want = _pool_and_rows(case, dtype)
-    index = TokenIndex.of(rows.block_tables, rows.seq_lens, pool.layout.block_size, rows.max_seq_len)
+    index = TokenIndex.of(rows.block_tables, rows.seq_lens, pool.layout.block_size, rows.max_seq_len, None)
     got = paged_decode_torch(q, pool, 1, index, AttentionKind(pool.layout.head_dim**-0.5))
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
@@ -141,6 +141,39 @@ def test_windows_and_caps_match_the_rust_kernel(
     got = torch.full_like(q, float("nan"))
     decode(q, pool, 1, rows, AttentionKind(pool.layout.head_dim**-0.5, window, softcap), got)
     torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("backend", ["rust", "torch", "flashinfer"])
+@pytest.mark.parametrize(("case", "window", "softcap"), [c for c in KIND_CASES if c[1] is not None])
+def test_blocks_behind_the_window_are_never_read(
+    case: int, window: int, softcap: float | None, backend: str, fake_flashinfer: None
+) -> None:
+    # Under a window on every layer the scheduler releases the blocks wholly before it (their
+    # table entries read block 0 then, whatever it holds): poisoned here, no path may read them.
+    q, pool, rows, want = _pool_and_rows(case, torch.float32, window, softcap)
+    bs = pool.layout.block_size
+    for i, n in enumerate(rows.seq_lens.tolist()):
+        behind = rows.block_tables[i, : max(n - window, 0) // bs].long()
+        pool.k[1][behind], pool.v[1][behind] = float("nan"), float("nan")
+    kind = AttentionKind(pool.layout.head_dim**-0.5, window, softcap)
+    got = torch.full_like(q, float("nan"))
+    if backend == "rust":
+        CpuAttention().forward(
+            q,
+            pool.k,
+            pool.v,
+            1,
+            rows.block_tables,
+            rows.seq_lens,
+            kind.scale,
+            got,
+            window=window,
+            softcap=softcap,
+        )
+    else:
+        decode = TorchDecode() if backend == "torch" else FlashInferDecode(torch.device("cpu"))
+        decode(q, pool, 1, rows, kind, got)
+    torch.testing.assert_close(got, want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

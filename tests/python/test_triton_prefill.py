@@ -105,6 +105,18 @@ def test_windows_and_caps_in_every_prefill_path(
     chunk = Prefill(0, len(q), computed, seq_len, table)
     own = k_seq[computed:], v_seq[computed:]  # the chunk's K/V (a first chunk reads only these)
     torch.testing.assert_close(attn.prefill(q, *own, pool, 0, chunk).double(), want, **tol)
+    if window is not None:
+        # Blocks wholly before the first row's window may have been released (their entries
+        # read block 0, whatever it holds): poisoned, neither path reads them.
+        behind = table[: max(computed + 1 - window, 0) // bs].long()
+        for c in (k_cache, v_cache, pool.k[0], pool.v[0]):
+            c[behind] = float("nan")
+        kv = k_cache.to(on), v_cache.to(on)
+        got = paged_prefill(
+            q.to(on), *kv, table.to(on), computed, seq_len, kind.scale, window, softcap or 0.0
+        )
+        torch.testing.assert_close(got.cpu().double(), want, **tol)
+        torch.testing.assert_close(attn.prefill(q, *own, pool, 0, chunk).double(), want, **tol)
     whole = reference_attention(k_seq.repeat_interleave(2, 1), k_seq, v_seq, 0, kind.scale, window, softcap)
     first = attend_positions(k_seq.repeat_interleave(2, 1), k_seq, v_seq, 0, kind)
     torch.testing.assert_close(first.double(), whole, **tol)

@@ -49,19 +49,26 @@ class DeviceDecode(Protocol):
 @dataclass(frozen=True)
 class TokenIndex:
     """Where each token of each row lies in the pool: ``[rows, max_len]`` block ids and in-block
-    offsets, and which of them lie within the row's length."""
+    offsets, and which of them the row attends to (within its length and its window)."""
 
     blocks: torch.Tensor
     offsets: torch.Tensor
     valid: torch.Tensor
 
     @staticmethod
-    def of(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, max_len: int) -> TokenIndex:
-        """Positions past a row's length read its first token instead: it is written, so never-
-        cleared pool memory (NaN and inf included) is never read, and masking the scores is enough."""
+    def of(
+        block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, max_len: int, window: int | None
+    ) -> TokenIndex:
+        """Positions past a row's length or before its window read its last token instead: it
+        is written, so never-cleared pool memory (NaN and inf included) and blocks released
+        behind the window (block 0 in the tables) are never read, and masking the scores is
+        enough."""
         pos = torch.arange(max(max_len, 1), device=block_tables.device)[None, :]
-        valid = pos < seq_lens.long()[:, None]
-        pos = torch.where(valid, pos, 0)
+        lens = seq_lens.long()[:, None]
+        valid = pos < lens
+        if window is not None:
+            valid &= pos >= lens - window
+        pos = torch.where(valid, pos, (lens - 1).clamp(min=0))
         blocks = block_tables.long().gather(1, pos // block_size)
         return TokenIndex(blocks, pos % block_size, valid)
 
@@ -85,22 +92,19 @@ def paged_decode_torch(
     q: torch.Tensor, pool: KvPool, layer: int, index: TokenIndex, kind: AttentionKind
 ) -> torch.Tensor:
     """Decode attention in plain torch: the rows' tokens gathered (only up to the longest row),
-    then attention masked past each length (and before a sliding window); an empty row gives
-    zeros."""
+    then attention masked past each length and before the window ``index`` was made for
+    (``kind``'s); an empty row gives zeros."""
     # Advanced indices around a slice: [rows, max_len, kv_heads, head_dim].
     k = pool.k[layer][index.blocks, :, index.offsets].transpose(1, 2)
     v = pool.v[layer][index.blocks, :, index.offsets].transpose(1, 2)
-    valid = index.valid
-    if kind.window is not None:
-        lens = valid.sum(dim=1, keepdim=True)
-        valid = valid & (torch.arange(valid.shape[1], device=valid.device)[None, :] >= lens - kind.window)
-    out = masked_attention(q[:, :, None, :], k, v, valid[:, None, None, :], kind)
-    return out[:, :, 0, :].masked_fill(~index.valid[:, :1, None], 0.0)
+    out = masked_attention(q[:, :, None, :], k, v, index.valid[:, None, None, :], kind)
+    return out[:, :, 0, :].masked_fill(~index.valid.any(dim=1)[:, None, None], 0.0)
 
 
 class TorchDecode:
     def __init__(self) -> None:
-        self._planned: tuple[DecodeRows, TokenIndex] | None = None
+        # The rows planned for, and their index per window (Gemma's layers alternate two).
+        self._planned: tuple[DecodeRows, dict[int | None, TokenIndex]] | None = None
 
     def __call__(
         self,
@@ -112,9 +116,13 @@ class TorchDecode:
         out: torch.Tensor,
     ) -> None:
         if self._planned is None or self._planned[0] is not rows:
-            index = TokenIndex.of(rows.block_tables, rows.seq_lens, pool.layout.block_size, rows.max_seq_len)
-            self._planned = rows, index
-        out.copy_(paged_decode_torch(q, pool, layer, self._planned[1], kind))
+            self._planned = rows, {}
+        indices = self._planned[1]
+        if kind.window not in indices:
+            indices[kind.window] = TokenIndex.of(
+                rows.block_tables, rows.seq_lens, pool.layout.block_size, rows.max_seq_len, kind.window
+            )
+        out.copy_(paged_decode_torch(q, pool, layer, indices[kind.window], kind))
 
 
 class TritonDecode:

@@ -177,16 +177,18 @@ class Attention:
                 kind.window or 0,
                 kind.softcap or 0.0,
             )
-        # A later chunk, without Triton: its context gathered from the pool.
-        kvh = pool.layout.num_kv_heads
+        # A later chunk, without Triton: its context gathered from the pool, from the block of
+        # the first row's first attended position (blocks before it may have been released).
+        bs, kvh = pool.layout.block_size, pool.layout.num_kv_heads
+        skip = max(p.num_computed + 1 - kind.window, 0) // bs * bs if kind.window is not None else 0
         kc, vc = (
-            c[layer][p.block_table]
+            c[layer][p.block_table[skip // bs :]]
             .transpose(0, 1)
-            .reshape(kvh, -1, q.shape[-1])[:, : p.seq_len]
+            .reshape(kvh, -1, q.shape[-1])[:, : p.seq_len - skip]
             .transpose(0, 1)
             for c in (pool.k, pool.v)
         )
-        return attend_positions(q, kc, vc, p.num_computed, kind)
+        return attend_positions(q, kc, vc, p.num_computed - skip, kind)
 
     def device_part(
         self,

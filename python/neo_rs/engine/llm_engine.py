@@ -12,9 +12,9 @@ import uuid
 import weakref
 from concurrent.futures import wait
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
-from neo_rs._core import Scheduler, SchedulerOutput
+from neo_rs._core import Scheduler, SchedulerOutput, peak_kv_blocks
 from neo_rs.config import EngineArgs, ModelConfig, cache_dir, resolve_dtype
 from neo_rs.cuda_runtime import runtime
 from neo_rs.engine.sequence import RequestMetrics, RequestOutput, Sequence
@@ -32,6 +32,15 @@ from neo_rs.worker.runner import RunnerSetup, resolve_device
 from neo_rs.worker.tp_workers import TpWorkers, budget_threads
 
 log = logging.getLogger(__name__)
+
+
+class _BlockShape(TypedDict):
+    """What decides the most KV blocks a request holds (``peak_kv_blocks``), as the scheduler
+    takes it."""
+
+    block_size: int
+    max_num_batched_tokens: int
+    sliding_window: int | None
 
 
 @dataclass
@@ -142,11 +151,15 @@ class LLMEngine:
         self.grammars = self._owned.grammars = (
             None if self.tokenizer is None else Grammars(self.tokenizer, cfg.vocab_size, self.eos_ids)
         )
+        self._block_shape = _BlockShape(
+            block_size=args.block_size,
+            max_num_batched_tokens=args.token_budget,
+            sliding_window=cfg.every_layer_window(),
+        )
         self.scheduler = Scheduler(
             max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.token_budget,
             max_model_len=self.max_model_len,
-            block_size=args.block_size,
+            **self._block_shape,
             num_gpu_blocks=self.runner.num_gpu_blocks,
             num_cpu_blocks=self.runner.num_cpu_blocks,
             offload=args.offload,
@@ -156,7 +169,6 @@ class LLMEngine:
             enable_prefix_caching=args.enable_prefix_caching,
             num_cpu_prefix_blocks=self.runner.num_cpu_prefix_blocks,
         )
-        self._block_size = args.block_size
         self._pool_blocks = [("device", self.runner.num_gpu_blocks)]
         if args.offload != "none":  # the host pool holds whole requests too
             self._pool_blocks.append(("host", self.runner.num_cpu_blocks))
@@ -207,7 +219,7 @@ class LLMEngine:
             )
         # The scheduler refuses a request that could never fit its pools (as it is added, on the
         # engine's thread); said here, a server answers 400 before a stream has begun.
-        need = -(-(n + max_tokens - 1) // self._block_size)
+        need = peak_kv_blocks(n + max_tokens - 1, **self._block_shape)
         for pool, blocks in self._pool_blocks:
             if need > blocks:
                 raise InvalidArgumentError(

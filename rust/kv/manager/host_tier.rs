@@ -34,11 +34,12 @@ impl KvManager {
         (hit.host, hit.host_hashes) = (blocks, hashes);
     }
 
-    /// Hold the host blocks of `hit` (from `extend_hit`, none evicted since) while they are
-    /// copied to the device, until `unpin_all`.
+    /// Hold the host blocks of `hit` to copy (from `extend_hit`, none evicted since) while they
+    /// are copied to the device, until `unpin_all`.
     pub fn pin_host_hit(&mut self, hit: &PrefixHit) {
-        self.hold(&hit.host, &hit.host_hashes);
-        self.pins.extend_from_slice(&hit.host);
+        let skip = hit.skipped_host();
+        self.hold(&hit.host[skip..], &hit.host_hashes[skip..]);
+        self.pins.extend_from_slice(&hit.host[skip..]);
     }
 
     /// Let go of every pinned block (the copies that read them are done, or abandoned).

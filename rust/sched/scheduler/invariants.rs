@@ -5,12 +5,22 @@ use super::*;
 impl Scheduler {
     /// Check the accounting between iterations: pools agree with their tables and reference
     /// counts (`KvManager::check`), every request is in exactly one queue and holds blocks only
-    /// where its status says.
+    /// where its status says, and none behind a window on every layer.
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         for kv in [&self.gpu, &self.cpu] {
             kv.check()?;
             if let Some((id, _)) = kv.tables().find(|(id, _)| !self.requests.contains_key(id)) {
                 return Err(format!("{} pool holds blocks of unknown request {id}", kv.device().name()));
+            }
+            // Under a window on every layer, exactly the blocks behind it are released.
+            for (id, table) in kv.tables() {
+                let behind = kv.blocks_behind_window(self.requests[&id].num_computed_tokens).min(table.len());
+                if table.iter().enumerate().any(|(i, b)| b.is_null() != (i < behind)) {
+                    return Err(format!(
+                        "{} pool: request {id} should release its first {behind} blocks",
+                        kv.device().name()
+                    ));
+                }
             }
         }
         let queued = self.waiting.len() + self.running.len() + self.swapped.len();

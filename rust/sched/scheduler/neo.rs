@@ -318,7 +318,7 @@ impl Scheduler {
             if req.device != Device::Cpu {
                 continue;
             }
-            let need = self.gpu.blocks_for(req.num_computed_tokens + 1);
+            let need = self.gpu.blocks_held(req.num_computed_tokens, req.num_computed_tokens + 1);
             let grows = self.gpu.blocks_for(req.num_tokens() + horizon) - need;
             let used = self.gpu.num_used_blocks() + need;
             if used > limit || (reserve > 0 && used + reserve + grows > self.gpu.num_total_blocks()) {
@@ -403,6 +403,7 @@ mod tests {
             force_pipeline: false,
             enable_prefix_caching: false,
             num_cpu_prefix_blocks: 0,
+            sliding_window: None,
         })
         .unwrap()
     }

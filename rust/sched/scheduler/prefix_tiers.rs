@@ -18,6 +18,7 @@ impl Scheduler {
         if self.config.num_cpu_prefix_blocks > 0 {
             self.cpu.extend_hit(&mut hit, &req.token_ids, &req.block_hashes);
         }
+        self.gpu.skip_behind_window(&mut hit);
         hit
     }
 
@@ -26,7 +27,11 @@ impl Scheduler {
     /// and it decodes there.
     pub(super) fn in_place_hit(&self, req: &Request) -> PrefixHit {
         match (self.config.num_cpu_prefix_blocks, req.num_computed_tokens) {
-            (1.., 0) => self.cpu.lookup(&req.token_ids, req.salt, &req.block_hashes),
+            (1.., 0) => {
+                let mut hit = self.cpu.lookup(&req.token_ids, req.salt, &req.block_hashes);
+                self.cpu.skip_behind_window(&mut hit);
+                hit
+            }
             _ => PrefixHit::default(),
         }
     }
@@ -46,17 +51,18 @@ impl Scheduler {
         }
     }
 
-    /// Plan the copy of `hit`'s host blocks into the device blocks that follow its device
-    /// blocks in the request's table (just allocated). The host blocks must be pinned
-    /// (`KvManager::pin_host_hit`) since the lookup; the device copies are registered in the
-    /// cache by `update()`, once they hold the bytes.
+    /// Plan the copy of `hit`'s host blocks (those not behind the window) into the device
+    /// blocks that follow its device blocks in the request's table (just allocated). The host
+    /// blocks must be pinned (`KvManager::pin_host_hit`) since the lookup; the device copies
+    /// are registered in the cache by `update()`, once they hold the bytes.
     pub(super) fn copy_host_hit(&mut self, id: RequestId, hit: &PrefixHit, step: &mut Step) {
-        if hit.host.is_empty() {
+        let host = hit.host_kept();
+        if host.is_empty() {
             return;
         }
-        let dst = &self.gpu.table(id)[hit.blocks.len()..hit.num_blocks()];
-        step.cache_to_device.pairs.extend(hit.host.iter().copied().zip(dst.iter().copied()));
-        self.stats.num_cache_blocks_to_device += hit.host.len() as u64;
+        let dst = &self.gpu.table(id)[hit.table_len()..hit.num_blocks()];
+        step.cache_to_device.pairs.extend(host.iter().copied().zip(dst.iter().copied()));
+        self.stats.num_cache_blocks_to_device += host.len() as u64;
         self.host_hit_copies.push(id);
     }
 

@@ -21,16 +21,21 @@ _WORKSPACE_BYTES = 128 << 20
 
 
 def paged_kv_args(
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, window: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FlashInfer's page table from our padded one (host int32 tensors in, host int32 out):
     ``indptr`` ``[n + 1]``, request ``b``'s pages being ``indices[indptr[b]:indptr[b + 1]]`` in
-    order, and ``last_page_len`` ``[n]``, the tokens in its last page (0 for an empty request)."""
+    order, and ``last_page_len`` ``[n]``, the tokens in its last page (0 for an empty request).
+    Under a sliding ``window`` the pages wholly before it are left out: no query reads them, and
+    they may have been released (block 0 in our tables). The window still counts from the last
+    token, so FlashInfer's ``window_left`` selects the same keys."""
     lens = seq_lens.long()
     pages = (lens + block_size - 1) // block_size
+    first = (lens - window).clamp(min=0) // block_size if window is not None else torch.zeros_like(lens)
     indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    indptr[1:] = pages.cumsum(0)
-    used = torch.arange(block_tables.shape[1])[None, :] < pages[:, None]
+    indptr[1:] = (pages - first).cumsum(0)
+    page = torch.arange(block_tables.shape[1])[None, :]
+    used = (page < pages[:, None]) & (page >= first[:, None])
     indices = block_tables[used].to(torch.int32)  # row-major: request by request, pages in order
     last = torch.where(pages > 0, lens - (pages - 1) * block_size, 0).to(torch.int32)
     return indptr, indices, last
@@ -73,7 +78,9 @@ class FlashInferDecode:
             planned = self._by_kind[kind] = _Planned(self._make(workspace, "HND"))
         if rows is not planned.rows:
             layout = pool.layout
-            indptr, indices, last = paged_kv_args(rows.host_tables, rows.host_lens, layout.block_size)
+            indptr, indices, last = paged_kv_args(
+                rows.host_tables, rows.host_lens, layout.block_size, kind.window
+            )
             planned.wrapper.plan(
                 indptr,
                 indices,

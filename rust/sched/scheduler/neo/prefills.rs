@@ -61,7 +61,7 @@ impl Scheduler {
             let to_host = || {
                 let place = self.in_place_hit(req);
                 let n = req.num_pending_tokens() - place.blocks.len() * self.config.block_size;
-                let host_blocks = self.cpu.blocks_for(req.num_tokens()) - place.blocks.len() + place.evictable;
+                let host_blocks = place.blocks_taken(self.cpu.blocks_for(req.num_tokens()));
                 let fits = n <= budget && host_blocks + swap_reserve <= free_cpu;
                 let attn_ms = self.predictor.prefill_attn_ms(req.num_computed_tokens, n);
                 let t = Tentative {
@@ -80,17 +80,18 @@ impl Scheduler {
             let computed = req.num_computed_tokens + hit.num_blocks() * self.config.block_size;
             let n_dev = (req.num_tokens() - computed).min(budget);
             // Device blocks it takes up: new ones, and cached ones no request holds.
-            let blocks = self.gpu.blocks_for(computed + n_dev) - hit.blocks.len() + hit.evictable;
+            let blocks = hit.blocks_taken(self.gpu.blocks_for(computed + n_dev));
             // A prompt longer than the budget runs in chunks over several iterations: it starts
             // only where all of it fits. Preempted halfway it is recomputed (`preempt`), and
             // admitted again on a chunk's room it would be preempted again, each time losing
             // the chunks it ran (prompts over the budget ran at a fifth of `none`'s rate).
-            let whole = self.gpu.blocks_for(req.num_tokens()) - hit.blocks.len() + hit.evictable;
+            let whole =
+                hit.blocks_taken(self.gpu.blocks_for(req.num_tokens())).min(self.config.peak_blocks(req.num_tokens()));
             let (t, host_blocks) = if !host_bound && whole + max_headroom.min(on_device) <= free_gpu {
                 // Priced with a layer's share of copying its host-tier blocks in.
-                let copied = hit.host.len() * self.config.block_size * self.config.kv_bytes_per_token;
+                let copied = hit.host_kept().len() * self.config.block_size * self.config.kv_bytes_per_token;
                 let attn_ms = self.predictor.prefill_attn_ms(computed, n_dev) + self.predictor.transfer_ms(copied);
-                let host_hit = !hit.host.is_empty();
+                let host_hit = !hit.host_kept().is_empty();
                 let dev = Tentative {
                     id,
                     n: n_dev,
@@ -117,7 +118,7 @@ impl Scheduler {
             } else {
                 // Its host-tier blocks are pinned while copied: no room for others this plan
                 // (counted twice when two prefills pin one block: a safe overestimate).
-                free_cpu = free_cpu.saturating_sub(t.hit.host.len());
+                free_cpu = free_cpu.saturating_sub(t.hit.host_kept().len());
                 free_gpu -= blocks;
                 on_device += 1;
             }
@@ -143,7 +144,7 @@ impl Scheduler {
             self.sequential_ms(&b)
         };
         let total = self.gpu.num_total_blocks();
-        let need = self.gpu.blocks_for(place.target + 1);
+        let need = self.gpu.blocks_held(place.target, place.target + 1);
         let swap_back = total - free_gpu + need <= (SWAP_IN_WATERMARK * total as f64) as usize;
         let back_bytes = if swap_back { need * self.config.block_size * self.config.kv_bytes_per_token } else { 0 };
         with(place) + self.predictor.transfer_ms(back_bytes) < with(dev)

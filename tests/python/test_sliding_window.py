@@ -1,0 +1,108 @@
+"""KV memory that follows a sliding window: on a model whose every layer slides (Mistral v0.1
+style), generations ten windows long hold about a window of blocks each, in every offload mode
+and on the CUDA path (fake, ``fake_cuda.py``), and still match transformers token for token; a
+hybrid model (Gemma 3) matches as far."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from conftest import assert_all_blocks_free, hf_greedy_ids, make_checkpoint
+from neo_rs import LLM, SamplingParams
+from test_fake_cuda import engine_on, fake_gpu, run
+
+WINDOW, BLOCK = 8, 8
+PROMPTS = [list(range(10, 30)), [5, 9, 200, 31] * 5, list(range(100, 120))]
+NEW = 60  # 20 + 60 tokens: ten windows
+
+
+@pytest.fixture(scope="module")
+def sliding(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 (a path)
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt"), "mistral_window")
+
+
+def _hf(path, prompts: list[list[int]]) -> list[list[int]]:  # noqa: ANN001
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return [hf_greedy_ids(model, p, NEW) for p in prompts]
+
+
+def _generate(path, **kwargs) -> tuple[list[list[int]], int, Counter, LLM]:  # noqa: ANN001
+    """Greedy tokens, the most blocks in use in both pools after any step, and the steps'
+    CPU decodes."""
+    llm = LLM(str(path), dtype="float32", block_size=BLOCK, max_num_batched_tokens=24, **kwargs)
+    engine, seen = llm.engine, Counter()
+    step, sched = engine.step, engine.scheduler
+
+    def counting_step() -> list:
+        outs = step()
+        used = sum(sched.num_total_blocks(d) - sched.num_free_blocks(d) for d in ("gpu", "cpu"))
+        seen["most_blocks"] = max(seen["most_blocks"], used)
+        if engine.last_stats is not None:
+            seen["cpu_decodes"] += engine.last_stats.num_cpu_decodes
+        return outs
+
+    engine.step = counting_step  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], seen["most_blocks"], seen, llm
+
+
+@pytest.mark.parametrize("offload", ["none", "neo", "all"])
+def test_generations_ten_windows_long_hold_a_window_of_blocks(sliding, offload: str) -> None:
+    # 5 device blocks hold 40 tokens: one 80-token request could not even be admitted with
+    # every block kept (the scheduler refuses it), and three at once need 30 blocks.
+    pipeline = dict(neo_force_pipeline=True) if offload == "neo" else {}
+    tokens, most, seen, llm = _generate(
+        sliding, offload=offload, num_gpu_blocks=5, num_cpu_blocks=16, **pipeline
+    )
+    assert tokens == _hf(sliding, PROMPTS)
+    # Each holds its window's blocks and one more (and a chunk's worth while prefilling).
+    assert most <= len(PROMPTS) * (WINDOW // BLOCK + 1), most
+    st = llm.engine.scheduler.stats()
+    if offload != "none":
+        assert seen["cpu_decodes"] > 0, seen
+    if offload == "neo":
+        # Requests decoding on the CPU come back to the device with their window's blocks only.
+        assert st["num_pipelined_steps"] > 0 and st["num_swapped_in"] > 0, st
+        assert st["num_swapped_in_blocks"] <= st["num_swapped_in"] * (WINDOW // BLOCK + 1), st
+    assert_all_blocks_free(llm.engine)
+    llm.shutdown()
+
+
+def test_without_the_window_the_same_request_does_not_fit(sliding, tmp_path) -> None:  # noqa: ANN001
+    import json
+    import shutil
+
+    path = tmp_path / "global"
+    shutil.copytree(sliding, path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "sliding_window": None}))
+    with LLM(str(path), dtype="float32", block_size=BLOCK, num_gpu_blocks=5, num_cpu_blocks=16) as llm:
+        with pytest.raises(ValueError, match="KV blocks"):
+            llm.generate([PROMPTS[0]], SamplingParams(max_tokens=NEW), use_tqdm=False)
+
+
+def test_a_hybrid_model_ten_windows_long_matches_transformers(checkpoints) -> None:
+    # Gemma 3: sliding and global layers; its blocks are all kept (the global layers read them).
+    tokens, _, _, llm = _generate(checkpoints["gemma3"], offload="neo", num_gpu_blocks=24, num_cpu_blocks=64)
+    assert tokens == _hf(checkpoints["gemma3"], PROMPTS)
+    assert_all_blocks_free(llm.engine)
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_the_cuda_path_reads_only_the_window(monkeypatch, sliding, backend: str) -> None:  # noqa: ANN001
+    # Each iteration within the sync budget, no device mixed up, and every block back.
+    with fake_gpu(monkeypatch, backend) as checks:
+        engine = engine_on(
+            str(sliding), offload="neo", num_gpu_blocks=5, max_num_batched_tokens=24, neo_force_pipeline=True
+        )
+        for p in PROMPTS:
+            engine.add_request(p, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+        assert "pipelined" in run(engine, checks)
+        assert_all_blocks_free(engine)
+        engine.shutdown()
