@@ -1,4 +1,5 @@
-"""GGUF loading on tiny files written with the ``gguf`` package (Llama, Qwen2, Qwen3, Qwen3-MoE):
+"""GGUF loading on tiny files written with the ``gguf`` package (Llama, Qwen2, Qwen3, Qwen3-MoE,
+Phi-3, Gemma 2, Gemma 3):
 every supported quantization type dequantizes to what transformers' own GGUF loading produces, the
 Q/K permutation round-trips, the converted checkpoint generates like transformers, Llama 3.1's
 rope factors become its rope scaling, and bad files raise ``ModelLoadError``."""
@@ -22,7 +23,10 @@ HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 256, 4, 2, 2  # K-quants need rows o
 HEAD_DIM = HIDDEN // HEADS
 # transformers' GGUF reader takes Qwen3-MoE's expert width from its default (768), not the file.
 EXPERTS, EXPERTS_USED, EXPERT_FFN = 4, 2, 768
-ARCHS = ["llama", "qwen2", "qwen3", "qwen3moe"]
+ARCHS = ["llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3"]
+# Gemma's window, shorter than the longer test prompts; its head dim is 256 (its models' own),
+# where llama.cpp's attention scale and transformers' default query_pre_attn_scalar agree.
+GEMMA_WINDOW = 16
 # Byte offsets of each quantized block's fp16 scale fields, which random bytes must not make NaN.
 _F16_FIELDS = {
     "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
@@ -62,26 +66,36 @@ def write_gguf(
     types: list[str] | None = None,
     seed: int = 0,
     rope_freqs: np.ndarray | None = None,
+    rope_factors: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Path:
-    """A tiny GGUF of ``arch`` (Qwen3's with q/k norms, Qwen3-MoE's with stacked experts) with a
-    byte-level tokenizer; 2-D tensors cycle through ``types``."""
+    """A tiny GGUF of ``arch`` (Qwen3's with q/k norms, Qwen3-MoE's with stacked experts, Phi-3's
+    with fused projections, Gemma's with four norms per layer and a window) with a byte-level
+    tokenizer; 2-D tensors cycle through ``types``."""
     rng = np.random.default_rng(seed)
     types = types or QUANT_TYPES
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(LAYERS)
+    # Phi-3's fused projections leave fewer matrices per layer: a third layer gives every type one.
+    layers = LAYERS + 1 if arch == "phi3" else LAYERS
+    w.add_block_count(layers)
     w.add_context_length(256)
     w.add_embedding_length(HIDDEN)
     w.add_feed_forward_length(FFN)
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV_HEADS)
     # Qwen3's head dim is its own (128), not hidden / heads: transformers' reader assumes 128.
-    head_dim = 128 if arch.startswith("qwen3") else HEAD_DIM
+    head_dim = 128 if arch.startswith("qwen3") else 256 if arch.startswith("gemma") else HEAD_DIM
+    gemma = arch.startswith("gemma")
     w.add_key_length(head_dim)
     w.add_rope_freq_base(10000.0)
     if arch == "qwen3moe":
         w.add_expert_count(EXPERTS)
         w.add_expert_used_count(EXPERTS_USED)
         w.add_expert_feed_forward_length(EXPERT_FFN)
+    if gemma:
+        w.add_sliding_window(GEMMA_WINDOW)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(50.0)
+        w.add_final_logit_softcapping(30.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -90,6 +104,8 @@ def write_gguf(
     w.add_token_scores([0.0] * 258)  # no merges: transformers derives them (none) from the scores
     w.add_bos_token_id(256)
     w.add_eos_token_id(257)
+    if arch == "phi3":  # else transformers takes Phi3Config's pad id (32000), outside this vocabulary
+        w.add_pad_token_id(257)
     w.add_chat_template("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
     vocab, q, kv = 258, HEADS * head_dim, KV_HEADS * head_dim
     shapes = {"attn_q": (q, HIDDEN), "attn_k": (kv, HIDDEN), "attn_v": (kv, HIDDEN)}
@@ -98,6 +114,10 @@ def write_gguf(
     if arch == "qwen3moe":  # the dense MLP's place: a router and stacked experts
         del shapes["ffn_gate"], shapes["ffn_up"], shapes["ffn_down"]
         shapes |= {"ffn_gate_inp": (EXPERTS, HIDDEN)}
+    if arch == "phi3":  # q, k and v in one matrix; gate and up in one
+        del shapes["attn_q"], shapes["attn_k"], shapes["attn_v"], shapes["ffn_gate"]
+        shapes |= {"attn_qkv": (q + 2 * kv, HIDDEN), "ffn_up": (2 * FFN, HIDDEN)}
+    norms = ["attn_norm", "ffn_norm"] + (["post_attention_norm", "post_ffw_norm"] if gemma else [])
     kinds = itertools.cycle(types)
 
     def add(name: str, shape: tuple[int, ...]) -> None:
@@ -108,18 +128,18 @@ def write_gguf(
         data, raw_dtype = _tensor(rng, shape, next(kinds))
         w.add_tensor(name, data, raw_dtype=raw_dtype)
 
-    for name in ("token_embd.weight", "output.weight"):
+    for name in ("token_embd.weight",) if gemma else ("token_embd.weight", "output.weight"):  # Gemma ties
         add(name, (vocab, HIDDEN))
     w.add_tensor("output_norm.weight", rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))
-    for i in range(LAYERS):
-        for kind in ("attn_norm", "ffn_norm"):
+    for i in range(layers):
+        for kind in norms:
             w.add_tensor(f"blk.{i}.{kind}.weight", rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))
         for kind, shape in shapes.items():
             add(f"blk.{i}.{kind}.weight", shape)
             if arch == "qwen2" and kind in ("attn_q", "attn_k", "attn_v"):
                 bias = (rng.standard_normal(shape[0]) * 0.05).astype(np.float32)
                 w.add_tensor(f"blk.{i}.{kind}.bias", bias)
-        if arch.startswith("qwen3"):
+        if arch.startswith("qwen3") or arch == "gemma3":
             for kind in ("attn_q_norm", "attn_k_norm"):
                 w.add_tensor(f"blk.{i}.{kind}.weight", rng.uniform(0.5, 1.5, head_dim).astype(np.float32))
         if arch == "qwen3moe":
@@ -128,6 +148,10 @@ def write_gguf(
             add(f"blk.{i}.ffn_down_exps.weight", (EXPERTS, HIDDEN, EXPERT_FFN))
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    if rope_factors is not None:  # Phi-3's longrope, as llama.cpp writes it (original length 64)
+        w.add_rope_scaling_orig_ctx_len(64)
+        w.add_tensor("rope_factors_long.weight", rope_factors[0].astype(np.float32))
+        w.add_tensor("rope_factors_short.weight", rope_factors[1].astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -148,7 +172,7 @@ def _transformers(path: Path):  # noqa: ANN202 (a transformers model)
 
 
 # transformers holds Qwen3-MoE's experts stacked; its generation is compared below instead.
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"])
 def test_every_quant_type_dequantizes_like_transformers(tiny, arch: str) -> None:
     reader = open_gguf(tiny[arch])
     cfg = hf_config(reader, tiny[arch])
@@ -156,6 +180,8 @@ def test_every_quant_type_dequantizes_like_transformers(tiny, arch: str) -> None
     assert set(QUANT_TYPES) <= kinds, set(QUANT_TYPES) - kinds
     ours = dict(iter_weights(reader, cfg, torch.float32))
     want = _transformers(tiny[arch]).state_dict()
+    if cfg["tie_word_embeddings"]:  # Gemma: transformers lists the tied head too
+        assert want.pop("lm_head.weight").data_ptr() == want["model.embed_tokens.weight"].data_ptr()
     assert set(ours) == set(want)
     for name, w in ours.items():
         assert torch.isfinite(w).all(), name
@@ -245,6 +271,54 @@ def test_llama31_rope_freqs_become_llama3_rope_scaling(tmp_path: Path) -> None:
     llm = LLM(str(path), dtype="float32", num_gpu_blocks=32)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy_ids(hf, p, 8) for p in prompts]
+
+
+def test_phi3_rope_factors_become_its_longrope(tmp_path: Path) -> None:
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    rng = np.random.default_rng(3)
+    long, short = rng.uniform(1, 4, HEAD_DIM // 2), rng.uniform(1, 1.5, HEAD_DIM // 2)
+    path = write_gguf(tmp_path / "phi3.gguf", "phi3", types=["F32"], rope_factors=(long, short))
+    converted = converted_dir(path, torch.float32)
+    rope = json.loads((converted / "config.json").read_text())["rope_scaling"]
+    assert rope["rope_type"] == "longrope" and rope["original_max_position_embeddings"] == 64
+    np.testing.assert_allclose(rope["long_factor"], long, rtol=1e-6)
+    np.testing.assert_allclose(rope["short_factor"], short, rtol=1e-6)
+    # Within the original length, where transformers and we rotate alike (past it, transformers
+    # re-rotates the whole sequence with the long factors: README, Models).
+    prompts = [list(range(10, 40)), [5, 9, 200, 31] * 6]
+    hf = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()
+    with LLM(str(path), dtype="float32", num_gpu_blocks=32) as llm:
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy_ids(hf, p, 8) for p in prompts]
+
+
+def test_gemma_config_follows_what_llama_cpp_hardcodes() -> None:
+    # The 27B models scale attention by hidden / heads (their HF configs' query_pre_attn_scalar:
+    # 144 and 168), the others by the head dim; Gemma 3's every 6th layer is global.
+    from neo_rs.model.gguf import _gemma_config
+
+    meta = {"attention.sliding_window": 4096}.get
+    shapes = {  # (layers, hidden, heads, head_dim) -> scalar
+        ("gemma2", 46, 4608, 32, 128): 144,
+        ("gemma2", 42, 3584, 16, 256): 256,
+        ("gemma3", 62, 5376, 32, 128): 168,
+        ("gemma3", 34, 2560, 8, 256): 256,
+    }
+    for (arch, layers, hidden, heads, head_dim), scalar in shapes.items():
+        cfg = {
+            "num_hidden_layers": layers,
+            "hidden_size": hidden,
+            "num_attention_heads": heads,
+            "head_dim": head_dim,
+        }
+        got = _gemma_config(arch, cfg, meta)
+        assert got["query_pre_attn_scalar"] == scalar, (arch, layers)
+        full = [i for i, t in enumerate(got["layer_types"]) if t == "full_attention"]
+        assert full == list(range(1 if arch == "gemma2" else 5, layers, 2 if arch == "gemma2" else 6))
 
 
 def test_rope_freqs_no_llama3_scaling_explains_are_refused(tmp_path: Path) -> None:

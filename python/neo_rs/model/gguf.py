@@ -3,8 +3,11 @@ Hugging Face checkpoint directory under the cache dir: ``config.json`` from the 
 tokenizer and chat template through transformers' GGUF tokenizer conversion, and the weights
 dequantized into the model dtype with llama.cpp's Q/K row permutation undone and its stacked
 expert tensors split per expert. Llama 3.1's per-frequency rope factors (``rope_freqs.weight``)
-become the ``llama3`` rope parameters that reproduce them. The engine then
-loads that directory like any other, and a second start finds it cached."""
+become the ``llama3`` rope parameters that reproduce them, Phi-3's long and short factors its
+``longrope`` parameters. Gemma's norms come back as HF keeps them (llama.cpp stores ``1 + w``), and
+what llama.cpp hardcodes for Gemma (its layer pattern, attention scale, local RoPE base) is
+written out. The engine then loads that directory like any other, and a second start finds it
+cached."""
 
 from __future__ import annotations
 
@@ -26,9 +29,17 @@ from neo_rs.errors import ModelLoadError
 log = logging.getLogger(__name__)
 
 # Bump when the conversion's output changes, so stale cached directories are not reused.
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
 # GGUF architecture -> transformers' model_type.
-GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+GGUF_MODEL_TYPES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3moe": "qwen3_moe",
+    "phi3": "phi3",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3_text",
+}
 # The model types whose Q/K rows llama.cpp's converter permuted (rotate-half -> interleaved).
 PERMUTED_QK = {"llama"}
 # The types the ``gguf`` package dequantizes that llama.cpp emits for these models' weights.
@@ -52,6 +63,26 @@ _LAYER_NAMES = {
     "attn_k_norm": "self_attn.k_norm",
     "ffn_gate_inp": "mlp.gate",
 }
+# Where an architecture names a layer tensor otherwise: Gemma's four norms, Phi-3's fused
+# projections.
+_GEMMA_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_ARCH_LAYER_NAMES = {
+    "gemma2": _LAYER_NAMES | _GEMMA_NAMES,
+    "gemma3": _LAYER_NAMES | _GEMMA_NAMES,
+    "phi3": _LAYER_NAMES | {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+# llama.cpp's Gemma: every 2nd (Gemma 2) or 6th (Gemma 3) layer global, the others sliding, and
+# a fixed RoPE base of the sliding layers (Gemma 3); the number of layers of the 27B models,
+# which scale attention by hidden / heads instead of the head dim.
+_GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}
+_GEMMA_LOCAL_ROPE_BASE = 10000.0
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# Tensors read into config.json's rope parameters, not weights.
+_ROPE_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 # Stacked expert tensors [experts, rows, cols] -> each expert's matrix.
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _SHARD_BYTES = 64 << 20  # written shard by shard: conversion holds one shard (and its bytes) at a time
@@ -111,10 +142,22 @@ def hf_config(reader: Any, where: str | Path) -> dict[str, Any]:
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(meta("rope.freq_base", 10000.0))}
     if scaling == "linear":
         rope = {**rope, "rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
-    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    if freqs is not None:
+    rope_tensors = {t.name: t for t in reader.tensors if t.name in _ROPE_TENSORS}
+    if "rope_freqs.weight" in rope_tensors:
         original = int(meta("rope.scaling.original_context_length", 8192))
-        rope = llama3_rope(dequantize(freqs), rope["rope_theta"], head_dim, original, where)
+        rope = llama3_rope(
+            dequantize(rope_tensors["rope_freqs.weight"]), rope["rope_theta"], head_dim, original, where
+        )
+    if "rope_factors_long.weight" in rope_tensors:  # Phi-3's longrope
+        rope = {
+            **rope,
+            "rope_type": "longrope",
+            "long_factor": dequantize(rope_tensors["rope_factors_long.weight"]).tolist(),
+            "short_factor": dequantize(rope_tensors["rope_factors_short.weight"]).tolist(),
+            "original_max_position_embeddings": int(meta("rope.scaling.original_context_length")),
+        }
+        if (scale := meta("rope.scaling.attn_factor", None)) is not None:
+            rope["attention_factor"] = float(scale)
     model_type = GGUF_MODEL_TYPES[arch]
     cfg = {
         "architectures": [MODEL_TYPES[model_type]],
@@ -133,6 +176,13 @@ def hf_config(reader: Any, where: str | Path) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in names,
         "torch_dtype": _native_dtype(reader),
     }
+    rotary = int(meta("rope.dimension_count", head_dim))
+    if rotary != head_dim:
+        cfg["partial_rotary_factor"] = rotary / head_dim
+    if rope["rope_type"] == "longrope":  # where Phi-3's configs (and transformers) keep it too
+        cfg["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
+    if arch in _GEMMA_GLOBAL_EVERY:
+        cfg |= _gemma_config(arch, cfg, meta)
     if arch == "qwen3moe":
         cfg |= {
             "num_experts": int(meta("expert_count")),
@@ -143,11 +193,31 @@ def hf_config(reader: Any, where: str | Path) -> dict[str, Any]:
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
         }
-    for key in ("bos", "eos"):
+    for key, hf in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("padding", "pad_token_id")):
         token_id = _field(reader, f"tokenizer.ggml.{key}_token_id", where, None)
         if token_id is not None:
-            cfg[f"{key}_token_id"] = int(token_id)
+            cfg[hf] = int(token_id)
     return cfg
+
+
+def _gemma_config(arch: str, cfg: dict[str, Any], meta: Any) -> dict[str, Any]:
+    """What Gemma's config says beyond Llama's, as llama.cpp reads or hardcodes it."""
+    layers, every = cfg["num_hidden_layers"], _GEMMA_GLOBAL_EVERY[arch]
+    big = layers == _GEMMA_27B_LAYERS[arch]
+    out = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": int(meta("attention.sliding_window")),
+        "layer_types": [
+            "full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(layers)
+        ],
+        "query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"] if big else cfg["head_dim"],
+    }
+    if arch == "gemma2":
+        out["attn_logit_softcapping"] = float(meta("attn_logit_softcapping", 50.0))
+        out["final_logit_softcapping"] = float(meta("final_logit_softcapping", 30.0))
+    else:
+        out["rope_local_base_freq"] = _GEMMA_LOCAL_ROPE_BASE
+    return out
 
 
 def llama3_rope(factors: torch.Tensor, theta: float, head_dim: int, original: int, where: str | Path) -> dict:
@@ -193,14 +263,14 @@ def _native_dtype(reader: Any) -> str:
     return "bfloat16"
 
 
-def hf_name(name: str) -> tuple[str, str | None]:
-    """(Hugging Face parameter name, the llama.cpp layer tensor kind or None) of GGUF ``name``; a
-    stacked expert tensor's name has ``{}`` where the expert's index goes."""
+def hf_name(name: str, arch: str) -> tuple[str, str | None]:
+    """(Hugging Face parameter name, the llama.cpp layer tensor kind or None) of GGUF ``name`` in
+    a file of ``arch``; a stacked expert tensor's name has ``{}`` where the expert's index goes."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name], None
-    parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}", parts[2]
+    parts, layer_names = name.split("."), _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}", parts[2]
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in _EXPERT_NAMES:
         return f"model.layers.{parts[1]}.mlp.experts.{{}}.{_EXPERT_NAMES[parts[2]]}.{parts[3]}", parts[2]
     raise ModelLoadError(f"unexpected GGUF tensor {name!r}")
@@ -224,15 +294,18 @@ def dequantize(tensor: Any) -> torch.Tensor:
 
 def iter_weights(reader: Any, cfg: dict[str, Any], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, weight in ``dtype``) for every tensor, one at a time (peak: one float32 copy)."""
+    arch = _field(reader, "general.architecture", "GGUF")
     permuted = cfg["model_type"] in PERMUTED_QK
     heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
     for tensor in tqdm(reader.tensors, desc="Dequantizing GGUF tensors", unit="tensor", leave=False):
-        if tensor.name == "rope_freqs.weight":  # in config.json's rope parameters (hf_config)
+        if tensor.name in _ROPE_TENSORS:  # in config.json's rope parameters (hf_config)
             continue
-        name, kind = hf_name(tensor.name)
+        name, kind = hf_name(tensor.name, arch)
         w = dequantize(tensor)
         if permuted and kind in heads and name.endswith(".weight"):
             w = unpermute_qk(w, heads[kind])
+        if arch in _GEMMA_GLOBAL_EVERY and tensor.name.endswith("norm.weight"):
+            w = w - 1  # llama.cpp's converter stored Gemma's (1 + w)
         if kind in _EXPERT_NAMES:
             for e, expert in enumerate(w.to(dtype)):
                 yield name.format(e), expert.clone()
