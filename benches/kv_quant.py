@@ -9,10 +9,12 @@ with the kernel's bf16 dot products off, two runs that differ only in f32 accumu
 Teacher forcing goes through the engine itself: the sampler is wrapped so that each sequence's
 next token is the text's, and each step's log-probabilities are recorded.
 
-With ``--weights`` the same measure compares int8 weights (``--quantization int8``) with the model
-dtype's, the host KV as auto in both.
+With ``--weights [int8|int4]`` the same measure compares quantized weights (``--quantization``)
+with the model dtype's, the host KV as auto in both (targets: perplexity <= 1.01x for int8,
+<= 1.05x for int4).
 
-    python benches/kv_quant.py [--model smollm2-135m-instruct] [--dtype bfloat16] [--seqs 4] [--weights]
+    python benches/kv_quant.py [--model smollm2-135m-instruct] [--dtype bfloat16] [--seqs 4]
+        [--weights [int8|int4]]
 """
 
 from __future__ import annotations
@@ -75,7 +77,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seqs", type=int, default=4, help="sequences the text is cut into")
     ap.add_argument(
-        "--weights", action="store_true", help="int8 weights (--quantization int8) against the model dtype's"
+        "--weights",
+        nargs="?",
+        const="int8",
+        choices=["int8", "int4"],
+        help="quantized weights (--quantization, default int8) against the model dtype's",
     )
     args = ap.parse_args()
     llm = LLM(args.model, dtype=args.dtype)
@@ -86,25 +92,26 @@ def main() -> None:
     targets = torch.tensor([t for s in seqs for t in s[PROMPT_TOKENS:]])
     print(f"{args.model} ({args.dtype}): {len(targets)} teacher-forced tokens in {args.seqs} sequences")
     runs = {"auto": teacher_forced(args.model, args.dtype, "auto", seqs)}
+    name, target = args.weights or "int8", 1.05 if args.weights == "int4" else 1.01
     if args.weights:
-        print("int8: the decoder's linear weights (--quantization int8); the host KV as auto")
-        runs["int8"] = teacher_forced(args.model, args.dtype, "auto", seqs, quantization="int8")
+        print(f"{name}: the decoder's linear weights (--quantization {name}); the host KV as auto")
+        runs[name] = teacher_forced(args.model, args.dtype, "auto", seqs, quantization=name)
     else:
-        runs["int8"] = teacher_forced(args.model, args.dtype, "int8", seqs)
+        runs[name] = teacher_forced(args.model, args.dtype, "int8", seqs)
     for kv, (lp, secs) in runs.items():
         nll = -lp.float().gather(1, targets[:, None]).mean().item()
         print(f"{kv:>5}: perplexity {math.exp(nll):8.3f}   ({secs:.0f} s)")
-    auto, int8 = runs["auto"][0], runs["int8"][0]
+    auto, int8 = runs["auto"][0], runs[name][0]
     ppl_ratio, agree, kl = compare(auto, int8, targets)
-    print(f"int8 / auto perplexity: {ppl_ratio:.4f}x (target <= 1.01)")
+    print(f"{name} / auto perplexity: {ppl_ratio:.4f}x (target <= {target})")
     print(f"greedy top-1 agreement: {agree:.2%} (target >= 98%)")
     # Low-precision logits tie exactly (a bfloat16 logit of 16-32 has steps of 0.125); where
     # auto's top two tie, its greedy pick is the lower token id, not the model's preference.
     top2 = auto.float().topk(2, -1).values
     ties = (top2[:, 0] == top2[:, 1]).sum().item()
-    print(f"  auto's top two tie exactly at {ties} of {len(auto)} positions; counting int8's pick as")
+    print(f"  auto's top two tie exactly at {ties} of {len(auto)} positions; counting {name}'s pick as")
     print(f"  agreeing where it ties auto's top logit: {tie_agreement(auto, int8):.2%}")
-    print(f"mean KL(auto || int8): {kl:.2e} nats")
+    print(f"mean KL(auto || {name}): {kl:.2e} nats")
     if args.dtype == "bfloat16" and CpuAttention(num_threads=1).bf16_dot:
         # How far two exact-enough bf16 runs already differ: auto again, with the kernel's bf16
         # dot products off (a different f32 accumulation order, nothing else).

@@ -1,9 +1,13 @@
-"""Weight-only int8 (``--quantization int8``) against bf16 on the CPU device, side by side in one
-process: each decoder linear of SmolLM2-135M and of Llama-3.2-1B alone (bf16 as the engine runs
-it, prepacked for oneDNN, against ``Int8Linear``) at 1 and 64 rows, with the weight bytes each
-reads per call and the bandwidth that makes; then decode end to end through ``LLM`` on SmolLM2
-(real weights) and on a Llama-3.2-1B-shaped model (random weights, written once to a temporary
-directory): one stream (ms per token after the prompt) and 64 streams (tokens/s).
+"""Weight-only int8 and int4 (``--quantization int8|int4``) against bf16 on the CPU device, side
+by side in one process: each decoder linear of SmolLM2-135M and of Llama-3.2-1B alone (bf16 as
+the engine runs it, prepacked for oneDNN, against ``Int8Linear`` and ``Int4Linear``) at 1 and 64
+rows, with the weight bytes each reads per call and the bandwidth that makes; then decode end to
+end through ``LLM`` on SmolLM2 (real weights) and on a Llama-3.2-1B-shaped model (random weights,
+written once to a temporary directory): one stream (ms per token after the prompt) and 64
+streams (tokens/s). A linear alone may stay in the last-level cache between calls (SmolLM2's
+all do, and the 1B shape's smaller ones: rates above the memory's). Last, the roofline of one
+stream: the weight bytes a token reads (the LM head stays bf16) over the measured read
+bandwidth, against the measured time.
 
     python benches/quant_linear.py [--threads 2] [--skip-1b] [--tokens 64]
 """
@@ -21,7 +25,7 @@ import torch
 from common import cpu_line
 from neo_rs import LLM, SamplingParams
 from neo_rs.model.packed import PackedLinear
-from neo_rs.model.quant import Int8Linear
+from neo_rs.model.quant import Int4Linear, Int8Linear
 from safetensors.torch import save_file
 from torch import nn
 
@@ -55,20 +59,33 @@ def median_ms(fn: nn.Module, x: torch.Tensor, reps: int = 30) -> float:
     return statistics.median(times)
 
 
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes of the weight a linear reads per call: its buffers (quantized) or its weight."""
+    tensors = list(module.buffers()) or [module.weight]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def linear_table(rows_list: list[int]) -> None:
-    head = f"{'shape':<14}{'linear':<14}{'rows':>5}{'bf16 ms':>10}{'int8 ms':>10}"
-    print(head + f"{'int8/bf16':>11}{'int8 GB/s':>11}")
+    """Each linear's time (ms) in bf16, int8 and int4, each quantized one's ratio to bf16, and
+    the weight bytes per second each reads (GB/s)."""
+    print(
+        f"{'shape':<14}{'linear':<14}{'rows':>5}" + "".join(f"{h:>10}" for h in ("bf16", "int8", "int4")),
+        end="",
+    )
+    print(f"{'int8/bf16':>11}{'int4/bf16':>11}" + "".join(f"{h:>10}" for h in ("GB/s bf16", "int8", "int4")))
     for name, shape in SHAPES.items():
         for lin, (k, n) in linears(shape).items():
             dense = nn.Linear(k, n, bias=False).to(torch.bfloat16)
             nn.init.normal_(dense.weight, std=0.02)
+            quantized = Int8Linear(dense), Int4Linear(dense)
             for rows in rows_list:
                 x = torch.randn(rows, k).to(torch.bfloat16)
-                bf16 = median_ms(PackedLinear(dense, rows), x)
-                int8 = median_ms(Int8Linear(dense), x)
-                gbs = (k * n + 2 * n) / (int8 / 1e3) / 1e9
+                ms = [median_ms(PackedLinear(dense, rows), x), *(median_ms(q, x) for q in quantized)]
+                nbytes = [weight_bytes(dense), *(weight_bytes(q) for q in quantized)]
+                rates = [b / (t / 1e3) / 1e9 for b, t in zip(nbytes, ms, strict=True)]
+                print(f"{name:<14}{lin:<14}{rows:>5}" + "".join(f"{t:>10.3f}" for t in ms), end="")
                 print(
-                    f"{name:<14}{lin:<14}{rows:>5}{bf16:>10.3f}{int8:>10.3f}{int8 / bf16:>10.2f}x{gbs:>11.1f}"
+                    f"{ms[1] / ms[0]:>10.2f}x{ms[2] / ms[0]:>10.2f}x" + "".join(f"{r:>10.1f}" for r in rates)
                 )
 
 
@@ -117,8 +134,28 @@ def random_llama(root: Path, shape: tuple[int, ...]) -> Path:
     return root
 
 
+def read_gbs() -> float:
+    """Memory read bandwidth (GB/s): a sum over 1 GiB of float32, far past the caches."""
+    x = torch.ones(1 << 28)
+    return x.numel() * 4 / (median_ms(lambda t: t.sum(), x, reps=5) / 1e3) / 1e9
+
+
+def token_bytes(shape: tuple[int, ...], method: str | None) -> float:
+    """Weight bytes one decode step reads: the decoder linears as ``method`` keeps them (int8: a
+    bf16 scale per row; int4: a bf16 scale and zero per group of 128, 64 where the width needs),
+    and the LM head in bf16."""
+    total = 0.0
+    for k, n in linears(shape).values():
+        group = next(g for g in (128, 64, 32) if k % g == 0)
+        per = {None: 2.0, "int8": 1 + 2 / k, "int4": 0.5 + 4 / group}[method]
+        total += k * n * per
+    hidden, vocab, layers = shape[0], shape[6], shape[5]
+    return layers * total + vocab * hidden * 2
+
+
 def decode(model: str, quantization: str | None, threads: int, tokens: int) -> tuple[float, float]:
-    """One stream's ms per output token after the first, and 64 streams' output tokens/s."""
+    """One stream's ms per output token after the first (median of three runs), and 64 streams'
+    output tokens/s."""
     llm = LLM(
         model,
         dtype="bfloat16",
@@ -135,9 +172,12 @@ def decode(model: str, quantization: str | None, threads: int, tokens: int) -> t
     t = time.perf_counter()
     llm.generate(prompts[:1], short, use_tqdm=False)
     first = time.perf_counter() - t
-    t = time.perf_counter()
-    llm.generate(prompts[:1], full, use_tqdm=False)
-    one = (time.perf_counter() - t - first) / (tokens - 2) * 1e3
+    runs = []
+    for _ in range(3):  # the median of three: one stream's figure moves most from run to run
+        t = time.perf_counter()
+        llm.generate(prompts[:1], full, use_tqdm=False)
+        runs.append((time.perf_counter() - t - first) / (tokens - 2) * 1e3)
+    one = statistics.median(runs)
     t = time.perf_counter()
     llm.generate(prompts, full, use_tqdm=False)
     many = len(prompts) * tokens / (time.perf_counter() - t)
@@ -159,15 +199,25 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_1b:
             models["llama-3.2-1b (random)"] = str(random_llama(Path(tmp), SHAPES["llama-3.2-1b"]))
-        print(f"\n{'model':<24}{'':<6}{'1 stream ms/token':>19}{'64 streams tok/s':>18}")
+        print(f"\n{'model':<24}{'':<10}{'1 stream ms/token':>19}{'64 streams tok/s':>18}")
+        one_stream = {}
         for name, path in models.items():
-            bf16, int8 = (
-                decode(path, None, args.threads, args.tokens),
-                decode(path, "int8", args.threads, args.tokens),
-            )
-            print(f"{name:<24}{'bf16':<6}{bf16[0]:>19.1f}{bf16[1]:>18.1f}")
-            print(f"{'':<24}{'int8':<6}{int8[0]:>19.1f}{int8[1]:>18.1f}")
-            print(f"{'':<24}{'ratio':<6}{bf16[0] / int8[0]:>18.2f}x{int8[1] / bf16[1]:>17.2f}x", flush=True)
+            bf16 = decode(path, None, args.threads, args.tokens)
+            one_stream[name, None] = bf16[0]
+            print(f"{name:<24}{'bf16':<10}{bf16[0]:>19.1f}{bf16[1]:>18.1f}")
+            for method in ("int8", "int4"):
+                q = decode(path, method, args.threads, args.tokens)
+                one_stream[name, method] = q[0]
+                print(f"{'':<24}{method:<10}{q[0]:>19.1f}{q[1]:>18.1f}")
+                ratio = f"{method}/bf16"
+                print(f"{'':<24}{ratio:<10}{bf16[0] / q[0]:>18.2f}x{q[1] / bf16[1]:>17.2f}x", flush=True)
+    gbs = read_gbs()
+    print(f"\nroofline of one stream, memory read {gbs:.1f} GB/s")
+    print(f"{'model':<24}{'':<6}{'MB/token':>10}{'floor ms':>10}{'measured':>10}{'/floor':>8}")
+    for (name, method), ms in one_stream.items():
+        mb = token_bytes(SHAPES[name.split()[0]], method) / 1e6
+        floor = mb / 1e3 / gbs * 1e3
+        print(f"{name:<24}{method or 'bf16':<6}{mb:>10.0f}{floor:>10.1f}{ms:>10.1f}{ms / floor:>7.2f}x")
 
 
 if __name__ == "__main__":

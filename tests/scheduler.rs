@@ -246,6 +246,7 @@ impl FakeKv {
                 prop_assert_eq!(held, Some(req.token_ids[pos]), "request {} reads wrong KV at {}", sr.id, pos);
             }
             for pos in sr.num_computed_tokens..sr.num_computed_tokens + sr.num_new_tokens {
+                prop_assert!(!table[pos / bs].is_null(), "request {} writes a released block at {}", sr.id, pos);
                 self.slots.insert((sr.device, table[pos / bs].0, pos % bs), req.token_ids[pos]);
             }
         }

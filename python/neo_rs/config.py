@@ -68,8 +68,8 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 OFFLOAD_MODES = ("neo", "none", "all")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 CPU_KV_DTYPES = ("auto", "int8")
-# --quantization (vLLM's names) of an unquantized checkpoint, quantized at load (``model/quant.py``).
-QUANTIZATIONS = ("int8",)
+# --quantization of an unquantized checkpoint: weight-only, quantized at load (``model/quant.py``).
+QUANTIZATIONS = ("int8", "int4")
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,

@@ -144,6 +144,7 @@ impl ModelInputs {
             m.input_ids.extend(req.token_ids[range.clone()].iter().map(|&t| i64::from(t)));
             for pos in range.clone() {
                 m.positions.push(pos as i64);
+                debug_assert!(!table[pos / bs].is_null(), "request {} writes a released block", s.id);
                 let slot = if s.attends_on_cpu() { -1 } else { (table[pos / bs].0 as usize * bs + pos % bs) as i64 };
                 m.slot_mapping.push(slot);
             }

@@ -1,7 +1,8 @@
-"""Weight-only int8 linears (``--quantization int8``): the kernel against its dequantized weight,
-the engine against the same model with every int8 weight dequantized into a float checkpoint (our
-own dequantize-then-float path, token for token, in every offload mode), the bytes it keeps, and
-the refusals: an unknown method, a checkpoint's ``quantization_config``."""
+"""Weight-only int8 and int4 linears (``--quantization int8|int4``): each kernel against its
+dequantized weight, the engine against the same model with every quantized weight dequantized
+into a float checkpoint (our own dequantize-then-float path, token for token, in every offload
+mode), the bytes each keeps, and the refusals: an unknown method, widths int4's kernel cannot
+take, a checkpoint's ``quantization_config``."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from conftest import assert_all_blocks_free
 from neo_rs import LLM, InvalidArgumentError, SamplingParams
 from neo_rs.errors import ModelLoadError
-from neo_rs.model.quant import Int8Linear, quantize_int8
+from neo_rs.model.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -47,15 +48,53 @@ def test_quantize_rounds_half_to_even_and_clamps() -> None:
     assert scale.item() == 1.0 and q.tolist() == [[127, 0, 2, -2, -127]]
 
 
-def dequantized_checkpoint(src: Path, dst: Path) -> Path:
-    """``src`` with each decoder linear's weight replaced by its int8 round trip: what the
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_int4_linear_multiplies_by_its_dequantized_weight(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(192, 48, bias=True).to(dtype)  # 192 columns: groups of 64
+    with torch.no_grad():
+        linear.weight[5, 64:128] = 0.25  # a constant group: scale 0, its value kept
+    q4 = Int4Linear(linear)
+    assert q4.group == 64 and q4.scales_zeros.shape == (3, 48, 2) and q4.scales_zeros.dtype == dtype
+    q, scale, zero = quantize_int4(linear.weight, 64)
+    x = torch.randn(2, 5, 192).to(dtype)
+    want = torch.nn.functional.linear(x.float(), q4.dequantized(q).float(), linear.bias.float())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(q4(x).float(), want, atol=tol, rtol=tol)
+    # The rounding: within half a step of the float weight, every group (before the scales are
+    # rounded to the model dtype).
+    w = linear.weight.detach().float().reshape(48, 3, 64)
+    back = (q.float().reshape(48, 3, 64) - 8) * scale[..., None] + zero[..., None]
+    assert ((back - w).abs() <= scale[..., None] / 2 + 1e-6).all()
+    assert scale[5, 1] == 0 and (back[5, 1] == 0.25).all()
+
+
+def test_int4_refuses_widths_its_kernel_cannot_take() -> None:
+    with pytest.raises(ModelLoadError, match="input widths in multiples of 32"):
+        Int4Linear(nn.Linear(48, 32))
+    with pytest.raises(ModelLoadError, match="output widths in multiples of 16; a linear has 24"):
+        Int4Linear(nn.Linear(64, 24))
+
+
+def round_trip(w: torch.Tensor, method: str) -> torch.Tensor:
+    """``w`` as ``method`` keeps it, dequantized (float32)."""
+    if method == "int8":
+        q, scale = quantize_int8(w)
+        return q.float() * scale[:, None]
+    group = Int4Linear(nn.Linear(w.shape[1], w.shape[0])).group
+    q, scale, zero = quantize_int4(w, group)
+    groups = (q.float().reshape(w.shape[0], -1, group) - 8) * scale[..., None] + zero[..., None]
+    return groups.reshape(w.shape)
+
+
+def dequantized_checkpoint(src: Path, dst: Path, method: str) -> Path:
+    """``src`` with each decoder linear's weight replaced by its ``method`` round trip: what the
     quantized engine computes with, as a float checkpoint."""
     shutil.copytree(src, dst)
     weights = load_file(dst / "model.safetensors")
     for name, w in weights.items():
         if ".layers." in name and name.endswith("_proj.weight"):
-            q, scale = quantize_int8(w)
-            weights[name] = (q.float() * scale[:, None]).to(w.dtype)
+            weights[name] = round_trip(w, method).to(w.dtype)
     save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
     return dst
 
@@ -67,10 +106,14 @@ MODES = {
 }
 
 
+@pytest.mark.parametrize("method", ["int8", "int4"])
 @pytest.mark.parametrize("offload", list(MODES))
-def test_int8_engine_matches_its_dequantized_checkpoint(checkpoints, tmp_path: Path, offload: str) -> None:
+def test_engine_matches_its_dequantized_checkpoint(
+    checkpoints, tmp_path: Path, offload: str, method: str
+) -> None:
     path = checkpoints["qwen3"]  # q/k norms and biases around the quantized projections
-    reference = dequantized_checkpoint(path, tmp_path / "dequantized")
+    reference = dequantized_checkpoint(path, tmp_path / "dequantized", method)
+    kind = Int8Linear if method == "int8" else Int4Linear
 
     def tokens(model: Path, **kw: object) -> list[list[int]]:
         with LLM(str(model), dtype="float32", **MODES[offload], **kw) as llm:
@@ -78,13 +121,13 @@ def test_int8_engine_matches_its_dequantized_checkpoint(checkpoints, tmp_path: P
             assert_all_blocks_free(llm.engine)
             if kw:
                 layer = llm.engine.runner.model.decoder_layers[0]
-                assert isinstance(layer.qkv_proj, Int8Linear) and isinstance(layer.mlp.down_proj, Int8Linear)
+                assert isinstance(layer.qkv_proj, kind) and isinstance(layer.mlp.down_proj, kind)
             return [o.outputs[0].token_ids for o in outs]
 
-    assert tokens(path, quantization="int8") == tokens(reference)
+    assert tokens(path, quantization=method) == tokens(reference)
 
 
-def test_int8_keeps_half_the_bytes_of_the_quantized_linears(checkpoints, monkeypatch) -> None:
+def test_the_quantized_linears_keep_their_share_of_the_bytes(checkpoints, monkeypatch) -> None:
     monkeypatch.setenv("NEO_RS_PACK_LINEARS", "0")  # oneDNN's packed bf16 weights are not in state_dict
 
     def bytes_of(llm: LLM) -> tuple[int, int]:
@@ -97,13 +140,17 @@ def test_int8_keeps_half_the_bytes_of_the_quantized_linears(checkpoints, monkeyp
         dense = bytes_of(llm)
     with LLM(str(checkpoints["llama3"]), dtype="bfloat16", num_gpu_blocks=16, quantization="int8") as llm:
         int8 = bytes_of(llm)
-    # int8 rows plus a bf16 scale each, against bf16 rows; the norms stay as they were.
+    with LLM(str(checkpoints["llama3"]), dtype="bfloat16", num_gpu_blocks=16, quantization="int4") as llm:
+        int4 = bytes_of(llm)
+    # int8 rows plus a bf16 scale each, int4 ones plus a bf16 scale and zero per group of 64,
+    # against bf16 rows; the norms stay as they were.
     assert int8[0] <= 0.55 * dense[0], (int8, dense)
-    assert int8[1] < dense[1]
+    assert int4[0] <= 0.35 * dense[0], (int4, dense)
+    assert int4[1] < int8[1] < dense[1]
 
 
 def test_bad_quantization_is_refused(checkpoints, tmp_path: Path) -> None:
-    with pytest.raises(InvalidArgumentError, match="quantization must be one of int8"):
+    with pytest.raises(InvalidArgumentError, match="quantization must be one of int8, int4"):
         LLM(str(checkpoints["llama"]), quantization="int3")
     gptq = tmp_path / "gptq"
     shutil.copytree(checkpoints["llama"], gptq)

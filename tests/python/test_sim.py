@@ -160,6 +160,35 @@ def test_int8_host_kv_is_read_at_its_width() -> None:
     assert slope(int8) == pytest.approx(slope(auto) * ratio)
 
 
+def test_quantized_weights_free_their_bytes_for_kv_and_are_read_at_their_width() -> None:
+    # Llama-2-7B on a T4: fp16 weights leave 16 GB less room than int4 ones take; the decoder
+    # weights only (the embeddings and the LM head stay fp16).
+    from neo_rs.sim.profiles import WEIGHT_BITS
+
+    base = CostModel(GPUS["T4"], HOSTS["g4dn.4xlarge"], MODELS["llama-2-7b"])
+    m = MODELS["llama-2-7b"]
+    layer_bytes = m.num_layers * m.layer_params()
+    for weights, bits in WEIGHT_BITS.items():
+        q = dataclasses.replace(base, model=dataclasses.replace(m, weight_bits=bits))
+        saved = base.rank_model.weight_bytes() - q.rank_model.weight_bytes()
+        assert saved == pytest.approx(layer_bytes * (2 - bits / 8), rel=1e-6), weights
+        blocks = saved / base.block_bytes()
+        assert q.num_gpu_blocks() - base.num_gpu_blocks() == pytest.approx(blocks, abs=1), weights
+        assert q.num_cpu_blocks() == base.num_cpu_blocks()
+        # One decode row is bound by reading the layer's weights: their share of the time.
+        ratio = (q.linear_ms(1) - 7 * q.eff.kernel_launch_ms) / (
+            base.linear_ms(1) - 7 * base.eff.kernel_launch_ms
+        )
+        assert ratio == pytest.approx(bits / 16, rel=1e-6), weights
+
+
+def test_cli_takes_quantized_weights(capsys) -> None:  # noqa: ANN001
+    args = ["--gpu", "T4", "--host", "g4dn.4xlarge", "--model", "llama-2-7b", "--num-requests", "100"]
+    sim_main([*args, "--modes", "neo,none", "--weights", "int4"])
+    out = capsys.readouterr().out
+    assert "llama-2-7b (int4 weights): device KV" in out and "neo vs none:" in out
+
+
 def test_tensor_parallel_profiles_price_one_rank_with_the_engines_shapes() -> None:
     from neo_rs.config import ModelConfig
     from neo_rs.parallel.shards import TpShard

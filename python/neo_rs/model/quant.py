@@ -1,9 +1,16 @@
-"""Weight-only int8 linears (``--quantization int8``, vLLM's name): each decoder linear's weight
-quantized at load to int8 per output channel (symmetric, ``scale = max|row| / 127``), kept so
-in memory, and multiplied by torch's ``_weight_int8pack_mm`` (CPU and CUDA kernels): activations
-stay in the model dtype and the weight is read at half of bf16's bytes, which is what bounds
-decode at small batches. The embeddings and the LM head stay unquantized, as vLLM keeps them,
-and so do an MoE layer's experts (not yet quantized; the log says so)."""
+"""Weight-only quantized linears, each decoder linear's weight quantized at load and kept so in
+memory; activations stay in the model dtype and the weight is read at a fraction of bf16's
+bytes, which is what bounds decode at small batches:
+
+- ``--quantization int8``: int8 per output channel (symmetric, ``scale = max|row| / 127``),
+  multiplied by torch's ``_weight_int8pack_mm`` (CPU and CUDA kernels);
+- ``--quantization int4``: 4 bits per weight in groups of 128 input columns (64 or 32 where the
+  input width needs), asymmetric (a scale and a zero per group, round to nearest), multiplied
+  by torch's tinygemm kernels (``_weight_int4pack_mm_for_cpu``; on CUDA ``_weight_int4pack_mm``,
+  bfloat16 only).
+
+The embeddings and the LM head stay unquantized, as vLLM keeps them, and so do an MoE layer's
+experts (not yet quantized; the log says so)."""
 
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ import torch
 from torch import nn
 
 from neo_rs.config import QUANTIZATIONS
+from neo_rs.errors import ModelLoadError
 from neo_rs.model.moe import SparseMoe
 
 log = logging.getLogger(__name__)
@@ -54,6 +62,89 @@ class Int8Linear(nn.Module):
         return self.weight.to(self.scales.dtype) * self.scales[:, None]
 
 
+# int4 group sizes, largest first: the first that divides a linear's input width is its own.
+INT4_GROUPS = (128, 64, 32)
+# tinygemm's packing takes output widths in multiples of 16; on CUDA, tiles of this many 16-wide
+# slices of the input width (2: input widths in multiples of 32, as every group size is).
+_INT4_ROWS, _CUDA_INNER_K_TILES = 16, 2
+
+
+def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``w`` ``[out, in]`` as 4-bit values ``q`` in 0..15 (int32, one per weight) and float32
+    ``scale`` and ``zero`` ``[out, in / group]``, tinygemm's convention: ``w ≈ (q - 8) * scale
+    + zero``. The group's minimum maps to 0 and its maximum to 15; a constant group gets scale 0."""
+    out, cols = w.shape
+    g = w.detach().float().reshape(out, cols // group, group)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    scale = (hi - lo) / 15
+    steps = (g - lo[..., None]) / scale.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
+    q = torch.round(steps).clamp_(0, 15).to(torch.int32).reshape(out, cols)
+    return q, scale, lo + 8 * scale
+
+
+def int4_group(linear: nn.Linear) -> int:
+    """The group size for ``linear``, or ``ModelLoadError`` naming the width the kernel cannot take."""
+    if linear.out_features % _INT4_ROWS:
+        raise ModelLoadError(
+            f"--quantization int4 needs output widths in multiples of {_INT4_ROWS}; a linear has "
+            f"{linear.out_features}"
+        )
+    group = next((g for g in INT4_GROUPS if linear.in_features % g == 0), None)
+    if group is None:
+        raise ModelLoadError(
+            f"--quantization int4 needs input widths in multiples of {INT4_GROUPS[-1]} (its group "
+            f"size); a linear has {linear.in_features}"
+        )
+    return group
+
+
+class Int4Linear(nn.Module):
+    """An ``nn.Linear`` whose weight is held as tinygemm's packed int4, with a scale and a zero
+    per group and output row (``[in / group, out, 2]``, the model dtype); the output is in the
+    input's dtype."""
+
+    packed: torch.Tensor
+    scales_zeros: torch.Tensor
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.group = int4_group(linear)
+        device, dtype = linear.weight.device, linear.weight.dtype
+        if device.type == "cuda" and dtype != torch.bfloat16:
+            raise ModelLoadError(f"--quantization int4 on CUDA needs --dtype bfloat16, got {dtype}")
+        q, scale, zero = quantize_int4(linear.weight, self.group)
+        sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+        self.register_buffer("scales_zeros", sz.to(device, dtype))
+        q = q.to(device)
+        if device.type == "cuda":
+            pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+            self.register_buffer("packed", torch._convert_weight_to_int4pack(pairs, _CUDA_INNER_K_TILES))
+            self._mm = torch._weight_int4pack_mm
+        else:
+            self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1))
+            self._mm = torch._weight_int4pack_mm_for_cpu
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        y = self._mm(rows, self.packed, self.group, self.scales_zeros)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized(self, q: torch.Tensor) -> torch.Tensor:
+        """The weight the kernel multiplies by, given the values ``q`` it packed (tests), in the
+        scales' dtype."""
+        scale, zero = self.scales_zeros.float().unbind(-1)  # [in / group, out] each
+        q = q.float().reshape(self.out_features, -1, self.group)
+        w = (q - 8) * scale.t()[..., None] + zero.t()[..., None]
+        return w.reshape(self.out_features, self.in_features).to(self.scales_zeros.dtype)
+
+
+_LINEARS = {"int8": Int8Linear, "int4": Int4Linear}
+
+
 def quantize_linears(model: nn.Module, method: str) -> int:
     """Replace each decoder layer's linears (attention and dense MLP) by ``method``'s; returns how
     many. The embeddings, the LM head and MoE layers (router and experts) are left as they are."""
@@ -66,7 +157,7 @@ def quantize_linears(model: nn.Module, method: str) -> int:
                 continue
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
-                    setattr(parent, name, Int8Linear(child))
+                    setattr(parent, name, _LINEARS[method](child))
                     count += 1
     if sparse:
         log.warning("%d MoE layers keep their experts unquantized (%s covers dense linears)", sparse, method)

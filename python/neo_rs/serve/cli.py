@@ -69,7 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--quantization",
         choices=list(QUANTIZATIONS),
-        help="keep the decoder's linear weights quantized (int8: weight-only, per channel, at load)",
+        help="keep the decoder's linear weights quantized, weight-only, at load (int8: per output "
+        "channel; int4: groups of 128 input columns)",
     )
     p.add_argument(
         "--enable-prefix-caching",

@@ -20,7 +20,7 @@ from neo_rs.bench.arrivals import arrival_times
 from neo_rs.config import ModelConfig, resolve_dtype
 from neo_rs.sim.calibrate import fit, model_profile
 from neo_rs.sim.cost import CostModel, Efficiency
-from neo_rs.sim.profiles import GPUS, HOSTS, MODELS, load_profiles
+from neo_rs.sim.profiles import GPUS, HOSTS, MODELS, WEIGHT_BITS, load_profiles
 from neo_rs.sim.simulate import capacity_at_slo, simulate, verdict
 from neo_rs.worker.profiler import PerfTables
 
@@ -76,6 +76,11 @@ def main(argv: list[str] | None = None) -> None:
         choices=["auto", "int8"],
         help="host pool storage (int8: half the bytes)",
     )
+    ap.add_argument(
+        "--weights",
+        choices=list(WEIGHT_BITS),
+        help="the decoder layers' weights quantized (--quantization): fewer bytes on the GPU and per step",
+    )
     ap.add_argument("--efficiency", type=Path, help="efficiency factors (JSON, as --calibrate prints)")
     ap.add_argument(
         "--slo-ms-per-token",
@@ -102,14 +107,17 @@ def main(argv: list[str] | None = None) -> None:
         if name not in table:
             ap.error(f"unknown {kind} {name!r} (known: {', '.join(table)})")
     eff = Efficiency(**json.loads(args.efficiency.read_text())) if args.efficiency else Efficiency()
-    cost = CostModel(
-        GPUS[args.gpu], HOSTS[args.host], MODELS[args.model], eff, cpu_kv_int8=args.cpu_kv_dtype == "int8"
-    )
+    model = MODELS[args.model]
+    if args.weights:
+        model = dataclasses.replace(model, weight_bits=WEIGHT_BITS[args.weights])
+    cost = CostModel(GPUS[args.gpu], HOSTS[args.host], model, eff, cpu_kv_int8=args.cpu_kv_dtype == "int8")
     reqs = workloads.make(args.workload, args.num_requests, args.input_len, args.output_len, args.seed)
     arrivals = arrival_times(len(reqs), args.rate, 1.0, args.seed)
+    weights = f" ({args.weights} weights)" if args.weights else ""
     print(
-        f"{args.gpu} + {args.host} + {args.model}: device KV {cost.num_gpu_blocks() * cost.block_size} "
-        f"tokens, host KV {cost.num_cpu_blocks() * cost.block_size} tokens; "
+        f"{args.gpu} + {args.host} + {args.model}{weights}: "
+        f"device KV {cost.num_gpu_blocks() * cost.block_size} tokens, "
+        f"host KV {cost.num_cpu_blocks() * cost.block_size} tokens; "
         f"{len(reqs)} requests at {args.rate} req/s"
     )
     if args.slo_ms_per_token:

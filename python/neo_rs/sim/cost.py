@@ -80,7 +80,7 @@ class CostModel:
     def linear_ms(self, tokens: float) -> float:
         m, e = self.rank_model, self.eff
         flops = 2 * tokens * m.active_layer_params()
-        weights = m.read_layer_params(tokens) * m.dtype_bytes
+        weights = m.read_layer_params(tokens) * m.layer_weight_bytes()
         compute = flops / (self.rank_gpu.tflops * 1e12 * e.gemm)
         memory = weights / (self.rank_gpu.mem_gbps * 1e9 * e.gpu_mem)
         return max(compute, memory) * 1e3 + 7 * e.kernel_launch_ms + 2 * self.all_reduce_ms(tokens)

@@ -63,6 +63,9 @@ class ModelProfile:
     # of them per token (0: a dense MLP of ``ffn`` columns).
     experts: int = 0
     experts_per_token: int = 0
+    # Bits the decoder layers' weights take each (``--weights``; None: the model dtype's); the
+    # embeddings and the LM head stay in the dtype.
+    weight_bits: float | None = None
 
     def _attn_params(self) -> int:
         qkv = self.hidden * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
@@ -89,8 +92,13 @@ class ModelProfile:
         touched = self.experts * (1 - (1 - self.experts_per_token / self.experts) ** tokens)
         return self._attn_params() + touched * 3 * self.hidden * self.ffn + self.experts * self.hidden
 
+    def layer_weight_bytes(self) -> float:
+        """Bytes per decoder-layer weight."""
+        return self.dtype_bytes if self.weight_bits is None else self.weight_bits / 8
+
     def weight_bytes(self) -> int:
-        return (self.num_layers * self.layer_params() + 2 * self.vocab * self.hidden) * self.dtype_bytes
+        layers = self.num_layers * self.layer_params() * self.layer_weight_bytes()
+        return int(layers + 2 * self.vocab * self.hidden * self.dtype_bytes)
 
     def kv_bytes_per_token_layer(self) -> int:
         return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
@@ -101,6 +109,10 @@ class ModelProfile:
         heads, kv_heads, ffn, vocab = shapes
         return dataclasses.replace(self, num_heads=heads, num_kv_heads=kv_heads, ffn=ffn, vocab=vocab)
 
+
+# --weights: bits per decoder-layer weight, scales included (int8 and fp8: one per output row,
+# next to nothing; int4: a 16-bit scale and zero per group of 128 weights).
+WEIGHT_BITS = {"int8": 8.0, "fp8": 8.0, "int4": 4.0 + 32 / 128}
 
 GPUS = {
     g.name: g

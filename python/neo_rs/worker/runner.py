@@ -110,7 +110,7 @@ class ModelRunner:
         cfg_all, cfg = cfg, self.model.config  # the whole model's shapes, this rank's
         if args.quantization is not None:
             count = quantize_linears(self.model, args.quantization)
-            log.info("quantized %d linears to %s (weight-only, per output channel)", count, args.quantization)
+            log.info("quantized %d linears to %s (weight-only)", count, args.quantization)
             if device.type == "cuda":
                 # The float weights' memory back to the driver, where the pools' sizing sees it.
                 runtime().empty_cache()
