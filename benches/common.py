@@ -8,20 +8,22 @@ from pathlib import Path
 
 import torch
 
+# The shape of the benchmarks' small random models (~20M parameters).
+SMALL = dict(
+    vocab_size=32000,
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+)
+
 
 def make_model(root: Path) -> Path:
     """A random Llama (vocab 32000, hidden 256, 4 layers, 8 heads / 2 KV heads, FFN 688)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-    )
+    cfg = LlamaConfig(**SMALL, max_position_embeddings=2048)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     path = root / "llama-20m"

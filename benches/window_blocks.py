@@ -4,9 +4,9 @@ both pools after any step, and the decode rate of each.
 
     python benches/window_blocks.py [--window 256] [--requests 8] [--max-tokens 1024]
 
-A random Mistral (hidden 256, 4 layers, 8 heads / 2 KV heads) written twice, once without its
-window. Under the window a request holds about ``window / block_size`` blocks however long it
-runs; with global attention it holds its whole length."""
+A random Mistral (``common.SMALL``: hidden 256, 4 layers, 8 heads / 2 KV heads) written twice,
+once without its window. Under the window a request holds about ``window / block_size`` blocks
+however long it runs; with global attention it holds its whole length."""
 
 from __future__ import annotations
 
@@ -18,22 +18,13 @@ import time
 from pathlib import Path
 
 import torch
-from common import cpu_line, prompts, save_word_tokenizer, warm_up_and_queue
+from common import SMALL, cpu_line, prompts, save_word_tokenizer, warm_up_and_queue
 
 
 def make_pair(root: Path, window: int) -> tuple[Path, Path]:
     from transformers import MistralConfig, MistralForCausalLM
 
-    cfg = MistralConfig(
-        vocab_size=32000,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        sliding_window=window,
-    )
+    cfg = MistralConfig(**SMALL, max_position_embeddings=4096, sliding_window=window)
     torch.manual_seed(0)
     sliding = root / "mistral-sliding"
     MistralForCausalLM(cfg).save_pretrained(sliding)
