@@ -66,10 +66,10 @@ def main() -> None:
     t4_slo, slo = (1000.0, 300.0) if args.equal_latency else (None, None)
     start = time.perf_counter()
     what = "sustained rate at the same latency" if args.equal_latency else "throughput, all queued at once"
-    print(f"| setting | paper (neo vs GPU-only) | simulator (neo / none, {what}; host KV auto / int8) |")
-    print("|---|---|---|")
     if w:
         print(f"(decoder weights {w}: {WEIGHT_BITS[w]:g} bits each; the paper's figures are fp16)\n")
+    print(f"| setting | paper (neo vs GPU-only) | simulator (neo / none, {what}; host KV auto / int8) |")
+    print("|---|---|---|")
     g = gain("T4", "g4dn.4xlarge", "llama-2-7b", workloads.osc(n, 0), t4_slo, w)
     print(f"| T4 + Llama-2-7B, summarization-like | up to 7.5x | {g} |")
     outs = (50, 100, 200, 300, 400)
