@@ -10,7 +10,7 @@ use super::*;
 
 mod prefills;
 
-use prefills::{add_prefill, Tentative};
+use prefills::Tentative;
 
 /// Swap CPU requests in only while the device pool stays below this share of its blocks.
 const SWAP_IN_WATERMARK: f64 = 0.95;
@@ -96,7 +96,7 @@ impl Scheduler {
         }
         let mut b0 = gpu;
         for p in &prefills {
-            add_prefill(&mut b0, p, 1);
+            self.add_prefill(&mut b0, p, 1);
         }
         // Step 4: CPU decodes into sub-batch 1 or 0 while both invariants hold.
         let mut b1 = Load::default();
@@ -112,7 +112,7 @@ impl Scheduler {
         let mut trimmed_any = false;
         while let Some(p) = prefills.last().filter(|_| !keep_host_bound) {
             let mut trimmed = b0;
-            add_prefill(&mut trimmed, p, -1);
+            self.add_prefill(&mut trimmed, p, -1);
             if !p.droppable()
                 || trimmed.tokens < MIN_LINEAR_TOKENS
                 || b1.reqs == 0
@@ -142,7 +142,7 @@ impl Scheduler {
         }
         let mut g = gpu;
         for p in &g_prefills {
-            add_prefill(&mut g, p, 1);
+            self.add_prefill(&mut g, p, 1);
         }
         let forced = self.config.force_pipeline && !cpu_reqs.is_empty();
         // With no request on the CPU tier yet, the estimates have no CPU decode to judge, and
@@ -194,10 +194,11 @@ impl Scheduler {
                 u8::from(place.placed.is_empty() || r[1] > r[0])
             };
             let target = if sub == 1 { &mut *b1 } else { &mut *b0 };
-            add_cpu_decode(target, ctx, 1);
+            let window = self.config.sliding_window;
+            add_cpu_decode(target, ctx, window, 1);
             if !self.config.force_pipeline && self.min_remains(b0, b1) < 0.0 {
                 let target = if sub == 1 { &mut *b1 } else { &mut *b0 };
-                add_cpu_decode(target, ctx, -1);
+                add_cpu_decode(target, ctx, window, -1);
                 place.fail_ctx = ctx;
                 continue;
             }
@@ -214,7 +215,7 @@ impl Scheduler {
         for s in scheduled {
             let b = &mut loads[usize::from(s.sub_batch)];
             if s.attends_on_cpu() {
-                add_cpu_rows(b, s.num_computed_tokens, s.num_new_tokens, 1);
+                add_cpu_rows(b, s.num_computed_tokens, s.num_new_tokens, self.config.sliding_window, 1);
             } else {
                 if s.device == Device::Cpu {
                     b.host_kv_tokens += s.num_new_tokens;
@@ -244,10 +245,20 @@ impl Scheduler {
         load.tokens += n;
         if n == 1 {
             load.decode_seqs += 1;
-            load.decode_ctx += computed + 1;
+            load.decode_ctx += self.attended(computed + 1);
         } else {
-            load.prefill_ms += self.predictor.prefill_attn_ms(computed, n);
+            load.prefill_ms += self.prefill_attn_ms(computed, n);
         }
+    }
+
+    /// The context a row at `ctx` tokens reads: at most the window, when every layer slides.
+    pub(super) fn attended(&self, ctx: usize) -> usize {
+        self.config.sliding_window.map_or(ctx, |w| ctx.min(w))
+    }
+
+    /// A prefill chunk's attention, its earlier context read only as far as the window reaches.
+    pub(super) fn prefill_attn_ms(&self, computed: usize, n: usize) -> f64 {
+        self.predictor.prefill_attn_ms(self.attended(computed), n)
     }
 
     /// Device attention of a sub-batch: its prefill chunks, and its GPU decodes as one kernel.
@@ -371,18 +382,22 @@ impl Scheduler {
 }
 
 /// Add (`sign` 1) or take back (-1) one CPU decode of context `ctx`.
-fn add_cpu_decode(b: &mut Load, ctx: usize, sign: isize) {
-    add_cpu_rows(b, ctx - 1, 1, sign);
+fn add_cpu_decode(b: &mut Load, ctx: usize, window: Option<usize>, sign: isize) {
+    add_cpu_rows(b, ctx - 1, 1, window, sign);
 }
 
 /// Add (`sign` 1) or take back (-1) one request's `n` rows attending on the CPU after its
-/// first `computed` tokens: each costs the kernel a decode over its own context.
-fn add_cpu_rows(b: &mut Load, computed: usize, n: usize, sign: isize) {
+/// first `computed` tokens: each costs the kernel a decode over its own context, or over the
+/// `window` once the context is longer.
+fn add_cpu_rows(b: &mut Load, computed: usize, n: usize, window: Option<usize>, sign: isize) {
     let step = |x: &mut usize, by: usize| *x = x.wrapping_add_signed(sign * by as isize);
+    // Rows at contexts computed + 1 ..= computed + n; those past the window read the window.
+    let below = window.map_or(n, |w| n.min(w.saturating_sub(computed)));
+    let ctx = below * computed + below * (below + 1) / 2 + (n - below) * window.unwrap_or(0);
     step(&mut b.reqs, 1);
     step(&mut b.tokens, n);
     step(&mut b.cpu_seqs, n);
-    step(&mut b.cpu_ctx, n * computed + n * (n + 1) / 2);
+    step(&mut b.cpu_ctx, ctx);
 }
 
 #[cfg(test)]
@@ -390,6 +405,10 @@ mod tests {
     use super::*;
 
     fn scheduler(kv_bytes_per_token: usize) -> Scheduler {
+        windowed(kv_bytes_per_token, None)
+    }
+
+    fn windowed(kv_bytes_per_token: usize, sliding_window: Option<usize>) -> Scheduler {
         Scheduler::new(SchedulerConfig {
             max_num_seqs: 256,
             max_num_batched_tokens: 4096,
@@ -403,9 +422,26 @@ mod tests {
             force_pipeline: false,
             enable_prefix_caching: false,
             num_cpu_prefix_blocks: 0,
-            sliding_window: None,
+            sliding_window,
         })
         .unwrap()
+    }
+
+    #[test]
+    fn a_window_on_every_layer_caps_the_context_each_row_is_priced_for() {
+        let s = windowed(0, Some(256));
+        // Rows at contexts 250 ..= 260: seven read their context, four the window.
+        let mut b = Load::default();
+        add_cpu_rows(&mut b, 249, 11, Some(256), 1);
+        assert_eq!(b.cpu_ctx, (250..=256).sum::<usize>() + 4 * 256);
+        add_cpu_rows(&mut b, 249, 11, Some(256), -1);
+        assert_eq!(b.cpu_ctx, 0);
+        let mut g = Load::default();
+        s.add_gpu_work(&mut g, 4000, 1);
+        assert_eq!(g.decode_ctx, 256);
+        assert!(s.predictor.prefill_attn_ms(4000, 8) > s.predictor.prefill_attn_ms(256, 8));
+        assert_eq!(s.prefill_attn_ms(4000, 8), s.predictor.prefill_attn_ms(256, 8));
+        assert_eq!(scheduler(0).prefill_attn_ms(4000, 8), s.predictor.prefill_attn_ms(4000, 8));
     }
 
     #[test]
@@ -429,10 +465,10 @@ mod tests {
                 s.add_gpu_work(&mut g, 500, 1);
             }
             let mut b0 = g;
-            add_prefill(&mut b0, &host_prompt, 1);
+            s.add_prefill(&mut b0, &host_prompt, 1);
             let mut b1 = Load::default();
             for _ in 0..100 {
-                add_cpu_decode(&mut b1, 100, 1);
+                add_cpu_decode(&mut b1, 100, None, 1);
             }
             assert_eq!(s.pipeline_pays(&g, &b0, &b1), pays, "{kv_bytes_per_token} B/token");
             let copy = s.host_kv_ms(&b0);

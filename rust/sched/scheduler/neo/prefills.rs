@@ -63,7 +63,7 @@ impl Scheduler {
                 let n = req.num_pending_tokens() - place.blocks.len() * self.config.block_size;
                 let host_blocks = place.blocks_taken(self.cpu.blocks_for(req.num_tokens()));
                 let fits = n <= budget && host_blocks + swap_reserve <= free_cpu;
-                let attn_ms = self.predictor.prefill_attn_ms(req.num_computed_tokens, n);
+                let attn_ms = self.prefill_attn_ms(req.num_computed_tokens, n);
                 let t = Tentative {
                     id,
                     n,
@@ -90,7 +90,7 @@ impl Scheduler {
             let (t, host_blocks) = if !host_bound && whole + max_headroom.min(on_device) <= free_gpu {
                 // Priced with a layer's share of copying its host-tier blocks in.
                 let copied = hit.host_kept().len() * self.config.block_size * self.config.kv_bytes_per_token;
-                let attn_ms = self.predictor.prefill_attn_ms(computed, n_dev) + self.predictor.transfer_ms(copied);
+                let attn_ms = self.prefill_attn_ms(computed, n_dev) + self.predictor.transfer_ms(copied);
                 let host_hit = !hit.host_kept().is_empty();
                 let dev = Tentative {
                     id,
@@ -124,7 +124,7 @@ impl Scheduler {
             }
             // Once one prefill overflows to the host, later ones follow (FCFS fairness).
             host_bound |= t.droppable();
-            add_prefill(&mut load, &t, 1);
+            self.add_prefill(&mut load, &t, 1);
             budget -= t.n;
             seats -= 1;
             out.push(t);
@@ -140,7 +140,7 @@ impl Scheduler {
     fn in_place_pays(&self, load: &Load, dev: &Tentative, place: &Tentative, free_gpu: usize) -> bool {
         let with = |t: &Tentative| {
             let mut b = *load;
-            add_prefill(&mut b, t, 1);
+            self.add_prefill(&mut b, t, 1);
             self.sequential_ms(&b)
         };
         let total = self.gpu.num_total_blocks();
@@ -176,17 +176,17 @@ impl Scheduler {
             step.push(self.scheduled(p.id, p.n));
         }
     }
-}
 
-/// Add (`sign` 1) or take back (-1) one tentative prefill.
-pub(super) fn add_prefill(b: &mut Load, p: &Tentative, sign: isize) {
-    if p.in_place() {
-        add_cpu_rows(b, p.target - p.n, p.n, sign);
-        return;
+    /// Add (`sign` 1) or take back (-1) one tentative prefill.
+    pub(super) fn add_prefill(&self, b: &mut Load, p: &Tentative, sign: isize) {
+        if p.in_place() {
+            add_cpu_rows(b, p.target - p.n, p.n, self.config.sliding_window, sign);
+            return;
+        }
+        let step = |x: &mut usize, by: usize| *x = x.wrapping_add_signed(sign * by as isize);
+        step(&mut b.reqs, 1);
+        step(&mut b.tokens, p.n);
+        step(&mut b.host_kv_tokens, if p.to_host { p.n } else { 0 });
+        b.prefill_ms += sign as f64 * p.attn_ms;
     }
-    let step = |x: &mut usize, by: usize| *x = x.wrapping_add_signed(sign * by as isize);
-    step(&mut b.reqs, 1);
-    step(&mut b.tokens, p.n);
-    step(&mut b.host_kv_tokens, if p.to_host { p.n } else { 0 });
-    b.prefill_ms += sign as f64 * p.attn_ms;
 }
