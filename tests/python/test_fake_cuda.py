@@ -26,7 +26,7 @@ from neo_rs import LLMEngine, SamplingParams
 from neo_rs.config import EngineArgs
 from neo_rs.cuda_runtime import use_runtime
 from neo_rs.engine.async_engine import AsyncEngine
-from neo_rs.errors import EngineStepError
+from neo_rs.errors import EngineStepError, ModelLoadError
 from neo_rs.kv.transfer import HostTransfer
 from neo_rs.sample.structured import StructuredOutputsParams
 from server_util import free_port
@@ -170,6 +170,14 @@ def test_quantized_weights(monkeypatch, checkpoints, method: str, kernel: str) -
         assert "pipelined" in run(engine, checks)
         assert checks.ops[f"aten.{kernel}.default"], checks.ops
         engine.shutdown()
+
+
+def test_int4_weights_need_an_ampere_gpu(monkeypatch, checkpoints) -> None:
+    with (
+        fake_gpu(monkeypatch, capability=(7, 5)),
+        pytest.raises(ModelLoadError, match="needs sm_80 or newer"),
+    ):
+        engine_on(str(checkpoints["qwen3"]), dtype="float16", quantization="int4")
 
 
 def test_swaps_chunked_prefill_and_int8_host_kv(monkeypatch) -> None:

@@ -67,6 +67,18 @@ INT4_GROUPS = (128, 64, 32)
 # tinygemm's packing takes output widths in multiples of 16; on CUDA, tiles of this many 16-wide
 # slices of the input width (2: input widths in multiples of 32, as every group size is).
 _INT4_ROWS, _CUDA_INNER_K_TILES = 16, 2
+# tinygemm's CUDA kernel needs Ampere's tensor cores.
+INT4_CUDA_CAPABILITY = (8, 0)
+
+
+def check_cuda_capability(method: str, capability: tuple[int, int]) -> None:
+    """``ModelLoadError`` before loading anything where ``method``'s CUDA kernel cannot run."""
+    if method == "int4" and capability < INT4_CUDA_CAPABILITY:
+        need, have = "".join(map(str, INT4_CUDA_CAPABILITY)), "".join(map(str, capability))
+        raise ModelLoadError(
+            f"--quantization int4 on CUDA needs sm_{need} or newer (torch's tinygemm kernel); "
+            f"this GPU is sm_{have}"
+        )
 
 
 def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -27,7 +27,7 @@ from neo_rs.kv.transfer import HostTransfer, Staged
 from neo_rs.model.decoder import Rope
 from neo_rs.model.loader import empty_model, load_model
 from neo_rs.model.packed import pack_linears, packing_applies
-from neo_rs.model.quant import quantize_linears
+from neo_rs.model.quant import check_cuda_capability, quantize_linears
 from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel, rank_device
 from neo_rs.timing import HostWaits, MeasuredTimes, StageClock
 from neo_rs.worker.graphs import DecodeGraphs
@@ -106,6 +106,8 @@ class ModelRunner:
         """Under tensor parallelism, rank ``tp.rank``'s runner: its shard of the model, and pools
         of its KV heads (as many blocks on every rank)."""
         self.device, self.tp, self.quantization = device, tp, args.quantization
+        if args.quantization is not None and device.type == "cuda":
+            check_cuda_capability(args.quantization, runtime().capability(device))
         self.model = load_model(model_dir, cfg, dtype, device, max_model_len, tp)
         cfg_all, cfg = cfg, self.model.config  # the whole model's shapes, this rank's
         if args.quantization is not None:
