@@ -25,7 +25,7 @@ import torch
 from common import cpu_line
 from neo_rs import LLM, SamplingParams
 from neo_rs.model.packed import PackedLinear
-from neo_rs.model.quant import Int4Linear, Int8Linear
+from neo_rs.model.quant import Int4Linear, Int8Linear, int4_group_size
 from safetensors.torch import save_file
 from torch import nn
 
@@ -146,7 +146,7 @@ def token_bytes(shape: tuple[int, ...], method: str | None) -> float:
     and the LM head in bf16."""
     total = 0.0
     for k, n in linears(shape).values():
-        group = next(g for g in (128, 64, 32) if k % g == 0)
+        group = int4_group_size(k) or 1  # the shapes here all have one
         per = {None: 2.0, "int8": 1 + 2 / k, "int4": 0.5 + 4 / group}[method]
         total += k * n * per
     hidden, vocab, layers = shape[0], shape[6], shape[5]

@@ -15,7 +15,7 @@ import torch
 from conftest import assert_all_blocks_free
 from neo_rs import LLM, InvalidArgumentError, SamplingParams
 from neo_rs.errors import ModelLoadError
-from neo_rs.model.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
+from neo_rs.model.quant import Int4Linear, Int8Linear, int4_group_size, quantize_int4, quantize_int8
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -81,7 +81,8 @@ def round_trip(w: torch.Tensor, method: str) -> torch.Tensor:
     if method == "int8":
         q, scale = quantize_int8(w)
         return q.float() * scale[:, None]
-    group = Int4Linear(nn.Linear(w.shape[1], w.shape[0])).group
+    group = int4_group_size(w.shape[1])
+    assert group is not None
     q, scale, zero = quantize_int4(w, group)
     groups = (q.float().reshape(w.shape[0], -1, group) - 8) * scale[..., None] + zero[..., None]
     return groups.reshape(w.shape)

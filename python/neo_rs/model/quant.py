@@ -94,6 +94,11 @@ def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     return q, scale, lo + 8 * scale
 
 
+def int4_group_size(in_features: int) -> int | None:
+    """The group size of a linear with ``in_features`` input columns (None: no group divides it)."""
+    return next((g for g in INT4_GROUPS if in_features % g == 0), None)
+
+
 def int4_group(linear: nn.Linear) -> int:
     """The group size for ``linear``, or ``ModelLoadError`` naming the width the kernel cannot take."""
     if linear.out_features % _INT4_ROWS:
@@ -101,7 +106,7 @@ def int4_group(linear: nn.Linear) -> int:
             f"--quantization int4 needs output widths in multiples of {_INT4_ROWS}; a linear has "
             f"{linear.out_features}"
         )
-    group = next((g for g in INT4_GROUPS if linear.in_features % g == 0), None)
+    group = int4_group_size(linear.in_features)
     if group is None:
         raise ModelLoadError(
             f"--quantization int4 needs input widths in multiples of {INT4_GROUPS[-1]} (its group "

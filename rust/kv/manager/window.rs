@@ -28,13 +28,15 @@ impl KvManager {
     }
 
     /// Release the request's blocks behind the window now that it has computed `num_computed`
-    /// tokens (cached ones stay cached, as any released block).
+    /// tokens (cached ones stay cached, as any released block). Earlier releases left a prefix
+    /// of `NULL`s: only the blocks after it are visited (every step, for every request).
     pub fn release_behind_window(&mut self, id: RequestId, num_computed: usize) {
         let behind = self.blocks_behind_window(num_computed);
         let Some(table) = self.tables.get_mut(&id) else { return };
         let end = behind.min(table.len());
+        let live = table[..end].iter().rev().take_while(|b| !b.is_null()).count();
         let released: Vec<BlockId> =
-            table[..end].iter_mut().filter(|b| !b.is_null()).map(|b| std::mem::replace(b, BlockId::NULL)).collect();
+            table[end - live..end].iter_mut().map(|b| std::mem::replace(b, BlockId::NULL)).collect();
         self.release_blocks(&released);
     }
 
