@@ -382,3 +382,47 @@ proptest! {
         run(&w)?;
     }
 }
+
+/// Found by the NEO property test: a prompt placed in place over its host blocks took the host
+/// room, then a device prefill pinned host-tier blocks to copy in, and the first prompt's
+/// blocks were no longer there at commit.
+#[test]
+fn a_device_prefill_does_not_pin_the_host_room_of_an_earlier_in_place_one() {
+    let job = |arrival_step, family, shared, prompt_len, max_tokens| Job {
+        arrival_step,
+        family,
+        shared,
+        prompt_len,
+        max_tokens,
+        abort_at_step: None,
+        stop_after: None,
+    };
+    let w = Workload {
+        config: SchedulerConfig {
+            max_num_seqs: 2,
+            max_num_batched_tokens: 35,
+            max_model_len: 64,
+            block_size: 2,
+            num_gpu_blocks: 21,
+            num_cpu_blocks: 22,
+            offload: OffloadMode::Neo,
+            transfer_bytes_per_decode: 4096,
+            kv_bytes_per_token: 16 << 20,
+            force_pipeline: false,
+            enable_prefix_caching: true,
+            num_cpu_prefix_blocks: 22,
+            sliding_window: None,
+        },
+        jobs: vec![
+            job(15, 1, 8, 8, 16),
+            job(22, 2, 0, 1, 5),
+            job(23, 0, 2, 12, 12),
+            job(27, 2, 4, 38, 1),
+            job(12, 2, 4, 4, 14),
+            job(22, 0, 0, 14, 1),
+            job(27, 1, 8, 9, 1),
+        ],
+        failed_steps: vec![],
+    };
+    run(&w).unwrap();
+}

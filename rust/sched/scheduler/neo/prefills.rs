@@ -76,7 +76,13 @@ impl Scheduler {
                 fits.then_some((t, host_blocks))
             };
             // Once host-bound, no later prompt goes to the device: no device lookup for it.
-            let hit = if host_bound { PrefixHit::default() } else { self.prefix_hit(req) };
+            let mut hit = if host_bound { PrefixHit::default() } else { self.prefix_hit(req) };
+            if hit.host_kept().len() > free_cpu {
+                // Its host-tier blocks are pinned while copied in, and the prefills placed above
+                // took the host room for that: they are recomputed instead.
+                hit.drop_host();
+                self.gpu.skip_behind_window(&mut hit);
+            }
             let computed = req.num_computed_tokens + hit.num_blocks() * self.config.block_size;
             let n_dev = (req.num_tokens() - computed).min(budget);
             // Device blocks it takes up: new ones, and cached ones no request holds.
@@ -118,7 +124,7 @@ impl Scheduler {
             } else {
                 // Its host-tier blocks are pinned while copied: no room for others this plan
                 // (counted twice when two prefills pin one block: a safe overestimate).
-                free_cpu = free_cpu.saturating_sub(t.hit.host_kept().len());
+                free_cpu -= t.hit.host_kept().len();
                 free_gpu -= blocks;
                 on_device += 1;
             }
