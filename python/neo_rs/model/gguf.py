@@ -2,7 +2,8 @@
 Hugging Face checkpoint directory under the cache dir: ``config.json`` from the metadata, the
 tokenizer and chat template through transformers' GGUF tokenizer conversion, and the weights
 dequantized into the model dtype with llama.cpp's Q/K row permutation undone and its stacked
-expert tensors split per expert. Llama 3.1's per-frequency rope factors (``rope_freqs.weight``)
+expert tensors split per expert; config.json names the file, whose 4-bit blocks the engine may
+keep instead (``gguf_blocks.py``). Llama 3.1's per-frequency rope factors (``rope_freqs.weight``)
 become the ``llama3`` rope parameters that reproduce them, Phi-3's long and short factors its
 ``longrope`` parameters. Gemma's norms come back as HF keeps them (llama.cpp stores ``1 + w``), and
 what llama.cpp hardcodes for Gemma (its layer pattern, attention scale, local RoPE base) is
@@ -29,7 +30,7 @@ from neo_rs.errors import ModelLoadError
 log = logging.getLogger(__name__)
 
 # Bump when the conversion's output changes, so stale cached directories are not reused.
-CONVERTER_VERSION = 3
+CONVERTER_VERSION = 4
 # GGUF architecture -> transformers' model_type.
 GGUF_MODEL_TYPES = {
     "llama": "llama",
@@ -292,15 +293,26 @@ def dequantize(tensor: Any) -> torch.Tensor:
     return torch.from_numpy(np.array(arr, dtype=np.float32, copy=not arr.flags.writeable))
 
 
+def architecture(reader: Any) -> str:
+    return _field(reader, "general.architecture", "GGUF")
+
+
+def weight_tensors(reader: Any) -> Iterator[tuple[Any, str, str | None]]:
+    """(GGUF tensor, its HF name, its llama.cpp layer kind or None; see ``hf_name``) of every
+    weight: the rope tensors are config.json's rope parameters instead (``hf_config``)."""
+    arch = architecture(reader)
+    for tensor in reader.tensors:
+        if tensor.name not in _ROPE_TENSORS:
+            yield (tensor, *hf_name(tensor.name, arch))
+
+
 def iter_weights(reader: Any, cfg: dict[str, Any], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, weight in ``dtype``) for every tensor, one at a time (peak: one float32 copy)."""
-    arch = _field(reader, "general.architecture", "GGUF")
+    arch = architecture(reader)
     permuted = cfg["model_type"] in PERMUTED_QK
     heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
-    for tensor in tqdm(reader.tensors, desc="Dequantizing GGUF tensors", unit="tensor", leave=False):
-        if tensor.name in _ROPE_TENSORS:  # in config.json's rope parameters (hf_config)
-            continue
-        name, kind = hf_name(tensor.name, arch)
+    tensors = tqdm(list(weight_tensors(reader)), desc="Dequantizing GGUF tensors", unit="tensor", leave=False)
+    for tensor, name, kind in tensors:
         w = dequantize(tensor)
         if permuted and kind in heads and name.endswith(".weight"):
             w = unpermute_qk(w, heads[kind])
@@ -335,6 +347,9 @@ def convert(path: str | Path, out_dir: Path, dtype: torch.dtype | None) -> None:
     if dtype is None:
         dtype = DTYPES[cfg["torch_dtype"]]
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+    # The weights here are dequantized; the engine may keep the file's blocks instead
+    # (``--quantization gguf``, ``gguf_blocks.py``).
+    cfg["quantization_config"] = {"quant_method": "gguf", "file": str(path.resolve())}
     out_dir.mkdir(parents=True, exist_ok=True)
     save_tokenizer(path, out_dir)
     weight_map: dict[str, str] = {}

@@ -125,7 +125,7 @@ def _column(
     ]
 
 
-def _targets(cfg: ModelConfig, local: ModelConfig, shard: TpShard, name: str) -> list[_Placement]:
+def placements(cfg: ModelConfig, local: ModelConfig, shard: TpShard, name: str) -> list[_Placement]:
     """Where HF parameter ``name`` goes on rank ``shard`` (whose shapes are ``local``); empty for
     names we do not use."""
     d = cfg.head_dim
@@ -216,7 +216,7 @@ def load_model(
     for path in tqdm(files, desc="Loading safetensors shards", unit="shard", disable=len(files) < 2):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                for place in _targets(cfg, local, tp.shard, name):
+                for place in placements(cfg, local, tp.shard, name):
                     if place.ours not in params:
                         raise ModelLoadError(
                             f"{path.name}: unexpected parameter {name!r} for {cfg.architecture}"

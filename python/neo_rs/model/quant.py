@@ -15,11 +15,11 @@ experts (not yet quantized; the log says so)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
-from neo_rs.config import QUANTIZATIONS
 from neo_rs.errors import ModelLoadError
 from neo_rs.model.moe import SparseMoe
 
@@ -66,19 +66,27 @@ class Int8Linear(nn.Module):
 INT4_GROUPS = (128, 64, 32)
 # tinygemm's packing takes output widths in multiples of 16; on CUDA, tiles of this many 16-wide
 # slices of the input width (2: input widths in multiples of 32, as every group size is).
-_INT4_ROWS, _CUDA_INNER_K_TILES = 16, 2
-# tinygemm's CUDA kernel needs Ampere's tensor cores.
+INT4_ROWS, _CUDA_INNER_K_TILES = 16, 2
+# tinygemm's CUDA kernel needs Ampere's tensor cores, and takes bfloat16 only.
 INT4_CUDA_CAPABILITY = (8, 0)
 
 
-def check_cuda_capability(method: str, capability: tuple[int, int]) -> None:
-    """``ModelLoadError`` before loading anything where ``method``'s CUDA kernel cannot run."""
-    if method == "int4" and capability < INT4_CUDA_CAPABILITY:
+def cuda_refusal(method: str, capability: tuple[int, int], dtype: torch.dtype) -> str | None:
+    """Why ``method``'s CUDA kernel cannot run on this GPU in ``dtype``, or None where it can
+    (asked before loading anything)."""
+    if method not in ("int4", "gguf"):  # gguf keeps its blocks as int4
+        return None
+    if capability < INT4_CUDA_CAPABILITY:
         need, have = "".join(map(str, INT4_CUDA_CAPABILITY)), "".join(map(str, capability))
-        raise ModelLoadError(
-            f"--quantization int4 on CUDA needs sm_{need} or newer (torch's tinygemm kernel); "
+        return (
+            f"--quantization {method} on CUDA needs sm_{need} or newer (torch's tinygemm kernel); "
             f"this GPU is sm_{have}"
         )
+    if dtype != torch.bfloat16:
+        return (
+            f"--quantization {method} on CUDA needs --dtype bfloat16 (torch's tinygemm kernel), got {dtype}"
+        )
+    return None
 
 
 def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -101,9 +109,9 @@ def int4_group_size(in_features: int) -> int | None:
 
 def int4_group(linear: nn.Linear) -> int:
     """The group size for ``linear``, or ``ModelLoadError`` naming the width the kernel cannot take."""
-    if linear.out_features % _INT4_ROWS:
+    if linear.out_features % INT4_ROWS:
         raise ModelLoadError(
-            f"--quantization int4 needs output widths in multiples of {_INT4_ROWS}; a linear has "
+            f"--quantization int4 needs output widths in multiples of {INT4_ROWS}; a linear has "
             f"{linear.out_features}"
         )
     group = int4_group_size(linear.in_features)
@@ -118,22 +126,26 @@ def int4_group(linear: nn.Linear) -> int:
 class Int4Linear(nn.Module):
     """An ``nn.Linear`` whose weight is held as tinygemm's packed int4, with a scale and a zero
     per group and output row (``[in / group, out, 2]``, the model dtype); the output is in the
-    input's dtype."""
+    input's dtype. ``blocks``: ``(q, scale, zero, group)`` already quantized (a GGUF's, see
+    ``gguf_blocks.py``), else ``linear``'s weight is quantized."""
 
     packed: torch.Tensor
     scales_zeros: torch.Tensor
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(
+        self, linear: nn.Linear, blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.group = int4_group(linear)
         device, dtype = linear.weight.device, linear.weight.dtype
-        if device.type == "cuda" and dtype != torch.bfloat16:
-            raise ModelLoadError(f"--quantization int4 on CUDA needs --dtype bfloat16, got {dtype}")
-        q, scale, zero = quantize_int4(linear.weight, self.group)
+        if blocks is None:
+            self.group = int4_group(linear)
+            q, scale, zero = quantize_int4(linear.weight, self.group)
+        else:
+            q, scale, zero, self.group = blocks
         sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
         self.register_buffer("scales_zeros", sz.to(device, dtype))
-        q = q.to(device)
+        q = q.to(device, torch.int32)
         if device.type == "cuda":
             pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
             self.register_buffer("packed", torch._convert_weight_to_int4pack(pairs, _CUDA_INNER_K_TILES))
@@ -162,20 +174,27 @@ class Int4Linear(nn.Module):
 _LINEARS = {"int8": Int8Linear, "int4": Int4Linear}
 
 
-def quantize_linears(model: nn.Module, method: str) -> int:
-    """Replace each decoder layer's linears (attention and dense MLP) by ``method``'s; returns how
-    many. The embeddings, the LM head and MoE layers (router and experts) are left as they are."""
-    assert method in QUANTIZATIONS, method
-    count, sparse = 0, 0
-    for layer in getattr(model, "decoder_layers", []):
-        for parent in (layer, layer.mlp):
+def decoder_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.Linear]]:
+    """(qualified name, parent, attribute, linear) of each decoder layer's linear a quantization
+    replaces: attention and dense MLP; not the embeddings, the LM head or an MoE layer (router
+    and experts)."""
+    for i, layer in enumerate(getattr(model, "decoder_layers", [])):
+        for parent, prefix in ((layer, f"layers.{i}."), (layer.mlp, f"layers.{i}.mlp.")):
             if isinstance(parent, SparseMoe):
-                sparse += 1
                 continue
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
-                    setattr(parent, name, _LINEARS[method](child))
-                    count += 1
+                    yield prefix + name, parent, name, child
+
+
+def quantize_linears(model: nn.Module, method: str) -> int:
+    """Replace each decoder linear (``decoder_linears``) by ``method``'s; returns how many."""
+    assert method in _LINEARS, method
+    count = 0
+    for _, parent, name, linear in decoder_linears(model):
+        setattr(parent, name, _LINEARS[method](linear))
+        count += 1
+    sparse = sum(isinstance(layer.mlp, SparseMoe) for layer in getattr(model, "decoder_layers", []))
     if sparse:
         log.warning("%d MoE layers keep their experts unquantized (%s covers dense linears)", sparse, method)
     return count

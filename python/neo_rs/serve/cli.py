@@ -17,7 +17,7 @@ from typing import NoReturn
 
 from aiohttp import web
 
-from neo_rs.config import CPU_KV_DTYPES, OFFLOAD_MODES, QUANTIZATIONS, EngineArgs
+from neo_rs.config import CPU_KV_DTYPES, NO_QUANTIZATION, OFFLOAD_MODES, QUANTIZATIONS, EngineArgs
 from neo_rs.engine.async_engine import AsyncEngine
 from neo_rs.model.registry import DEFAULT_MODEL, DEMO_MODEL, served_name
 from neo_rs.serve.app import ServerState, create_app
@@ -68,9 +68,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--offload", default="none", choices=list(OFFLOAD_MODES))
     p.add_argument(
         "--quantization",
-        choices=list(QUANTIZATIONS),
-        help="keep the decoder's linear weights quantized, weight-only, at load (int8: per output "
-        "channel; int4: groups of 128 input columns)",
+        choices=[*QUANTIZATIONS, NO_QUANTIZATION],
+        help="keep the decoder's linear weights quantized, weight-only (int8: per output channel; "
+        "int4: groups of 128 input columns; gguf: a .gguf model's 4-bit blocks, its default; none: "
+        "every weight in --dtype)",
     )
     p.add_argument(
         "--enable-prefix-caching",

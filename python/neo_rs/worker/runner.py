@@ -20,14 +20,15 @@ from neo_rs.attention.layer import Attention, PendingCpuAttention
 from neo_rs.attention.metadata import AttentionBatch
 from neo_rs.config import EngineArgs, ModelConfig, emulate_async_copies, openmp_team
 from neo_rs.cuda_runtime import runtime
-from neo_rs.errors import InvalidArgumentError
+from neo_rs.errors import InvalidArgumentError, ModelLoadError
 from neo_rs.kv.layer_copies import LayerCopies
 from neo_rs.kv.pools import KvLayout, KvPool, block_pairs
 from neo_rs.kv.transfer import HostTransfer, Staged
 from neo_rs.model.decoder import Rope
+from neo_rs.model.gguf_blocks import keep_blocks
 from neo_rs.model.loader import empty_model, load_model
 from neo_rs.model.packed import pack_linears, packing_applies
-from neo_rs.model.quant import check_cuda_capability, quantize_linears
+from neo_rs.model.quant import cuda_refusal, quantize_linears
 from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel, rank_device
 from neo_rs.timing import HostWaits, MeasuredTimes, StageClock
 from neo_rs.worker.graphs import DecodeGraphs
@@ -105,17 +106,22 @@ class ModelRunner:
     ) -> None:
         """Under tensor parallelism, rank ``tp.rank``'s runner: its shard of the model, and pools
         of its KV heads (as many blocks on every rank)."""
-        self.device, self.tp, self.quantization = device, tp, args.quantization
-        if args.quantization is not None and device.type == "cuda":
-            check_cuda_capability(args.quantization, runtime().capability(device))
+        self.device, self.tp = device, tp
+        self.quantization = quantization = self._quantization(args, cfg, dtype)
         self.model = load_model(model_dir, cfg, dtype, device, max_model_len, tp)
         cfg_all, cfg = cfg, self.model.config  # the whole model's shapes, this rank's
-        if args.quantization is not None:
-            count = quantize_linears(self.model, args.quantization)
-            log.info("quantized %d linears to %s (weight-only)", count, args.quantization)
-            if device.type == "cuda":
-                # The float weights' memory back to the driver, where the pools' sizing sees it.
-                runtime().empty_cache()
+        if quantization is not None:
+            if quantization == "gguf":
+                assert cfg_all.gguf_file is not None
+                kept, left = keep_blocks(self.model, cfg_all.gguf_file, cfg_all, tp.shard)
+                log.info("kept %d linears as the GGUF's 4-bit blocks, %d others in %s", kept, left, dtype)
+            else:
+                count = quantize_linears(self.model, quantization)
+                log.info("quantized %d linears to %s (weight-only)", count, quantization)
+        if device.type == "cuda":
+            # What loading freed (float weights quantized, the rotary tables' first allocation)
+            # back to the driver, where the pools' sizing sees it; torch's cache keeps it else.
+            runtime().empty_cache()
         if packing_applies(device, dtype):
             log.info("prepacked %d bf16 linears for oneDNN", pack_linears(self.model, args.max_num_seqs))
         self.layout = KvLayout(cfg.num_layers, cfg.num_kv_heads, args.block_size, cfg.head_dim, dtype)
@@ -186,6 +192,21 @@ class ModelRunner:
         # before the next plan).
         self._swapped_out: Staged | None = None
         self._landing: list[Staged] = []
+
+    def _quantization(self, args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype) -> str | None:
+        """The method the weights are kept in (``EngineArgs.quantization_for``), told before
+        loading anything where its CUDA kernel cannot run: a ``ModelLoadError`` if asked for,
+        floats and a warning if inferred from the checkpoint."""
+        method = args.quantization_for(cfg)
+        if method is None or self.device.type != "cuda":
+            return method
+        refusal = cuda_refusal(method, runtime().capability(self.device), dtype)
+        if refusal is None:
+            return method
+        if args.quantization is not None:
+            raise ModelLoadError(refusal)
+        log.warning("%s: the weights are loaded in %s instead", refusal, dtype)
+        return None
 
     def _device_blocks(self, args: EngineArgs, max_model_len: int) -> int:
         per_block = self.layout.bytes_per_block()

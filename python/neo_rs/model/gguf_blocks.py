@@ -1,0 +1,126 @@
+"""GGUF's 4-bit block types kept quantized (``--quantization gguf``, inferred for a ``.gguf``
+model): Q4_0, Q4_1 and Q4_K store each block of 32 weights of a row as 4-bit values ``q`` with
+one scale and one offset (Q4_K's come from its super-block's 6-bit sub-scales), which is exactly
+``Int4Linear``'s form in groups of 32, ``w = (q - 8) * scale + zero``. So the decoder linears
+whose every part the file stores so are rebuilt from the file's blocks, with no requantization
+(the scales in the model dtype); the others keep the weights the conversion dequantized.
+
+The converted checkpoint is loaded first (``gguf.py``), then each kept linear is replaced by
+the file's blocks, placed as the loader places its float weight (fused parts, tensor-parallel
+shards), and its float weight freed."""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from neo_rs.config import ModelConfig
+from neo_rs.model.gguf import (
+    GGUF_MODEL_TYPES,
+    PERMUTED_QK,
+    architecture,
+    open_gguf,
+    unpermute_qk,
+    weight_tensors,
+)
+from neo_rs.model.loader import placements
+from neo_rs.model.quant import INT4_ROWS, Int4Linear, decoder_linears
+from neo_rs.parallel.shards import TpShard
+
+log = logging.getLogger(__name__)
+
+GROUP = 32
+KEPT_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+
+
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The fp16 field at byte ``at`` of each block, as float32 ``[n, 1]``."""
+    return blocks[:, at : at + 2].copy().view(np.float16).astype(np.float32)
+
+
+def int4_blocks(tensor: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_0, Q4_1 or Q4_K tensor of ``[rows, cols]`` as ``(q, scale, zero)``: ``q`` the 4-bit
+    values (uint8 ``[rows, cols]``), ``scale`` and ``zero`` float32 ``[rows, cols / 32]``, such
+    that ``(q - 8) * scale + zero`` is what ``gguf`` dequantizes (exactly, in float32)."""
+    from gguf.quants import Q4_K
+
+    kind = tensor.tensor_type.name
+    rows = int(tensor.shape[-1])  # gguf lists the shape innermost first
+    raw = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1)
+    if kind == "Q4_K":
+        # Super-blocks of 256: d, dmin, 12 bytes of 6-bit sub-scales and mins, then 128 bytes in
+        # which each 32 bytes hold two sub-blocks (low nibbles first).
+        blocks = raw.reshape(-1, 144)
+        sc, mn = Q4_K.get_scale_min(blocks[:, 4:16])
+        scale = _f16(blocks, 0) * sc.astype(np.float32)
+        low = _f16(blocks, 2) * mn.astype(np.float32)  # w = q * scale - low
+        qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        zero = 8 * scale - low
+    else:
+        # Blocks of 32: d (and Q4_1's m), then 16 bytes, element j in the low nibble of byte j and
+        # element j + 16 in its high nibble.
+        size = 18 if kind == "Q4_0" else 20
+        blocks = raw.reshape(-1, size)
+        scale = _f16(blocks, 0)
+        zero = np.zeros_like(scale) if kind == "Q4_0" else _f16(blocks, 2) + 8 * scale
+        qs = blocks[:, size - 16 :].reshape(-1, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)
+    q = torch.from_numpy((qs & 0x0F).reshape(rows, -1))
+    groups = q.shape[1] // GROUP
+    return q, torch.from_numpy(scale.reshape(rows, groups)), torch.from_numpy(zero.reshape(rows, groups))
+
+
+def _place(dst: torch.Tensor, src: torch.Tensor, rows: Any, src_index: Any, per_col: int) -> None:
+    """Copy ``src[src_index]`` into ``dst[rows]``, column slices of the source taken in units of
+    ``per_col`` columns (1 for the values, the group for the scales)."""
+    if src_index is not None and len(src_index) > 1:
+        cols = src_index[1]
+        src_index = (src_index[0], slice(cols.start // per_col, cols.stop // per_col))
+    part = src if src_index is None else src[src_index]
+    (dst if rows is None else dst[rows]).copy_(part)
+
+
+def keep_blocks(model: nn.Module, path: str | Path, cfg: ModelConfig, shard: TpShard) -> tuple[int, int]:
+    """Replace each decoder linear of ``model`` (rank ``shard``'s) whose every part GGUF ``path``
+    stores in a kept type by an ``Int4Linear`` of those blocks; returns (kept, left as floats)."""
+    reader = open_gguf(path)
+    permuted = GGUF_MODEL_TYPES[architecture(reader)] in PERMUTED_QK
+    heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
+    local = shard.local_config(cfg)
+    # Our linear -> (where a GGUF tensor goes in it, the tensor, its llama.cpp kind).
+    parts: dict[str, list[tuple[Any, Any, str]]] = defaultdict(list)
+    for tensor, name, kind in weight_tensors(reader):
+        if kind is not None and name.endswith(".weight"):
+            for place in placements(cfg, local, shard, name):
+                parts[place.ours.removesuffix(".weight")].append((place, tensor, kind))
+    kept = left = 0
+    for qualified, parent, attr, linear in decoder_linears(model):
+        found = parts.get(qualified, [])
+        # A rank's columns of a row-parallel linear must start on a block.
+        columns_split = any(
+            p.src is not None and len(p.src) > 1 and p.src[1].start % GROUP for p, _, _ in found
+        )
+        kinds = {t.tensor_type.name for _, t, _ in found}
+        if not found or columns_split or not kinds <= set(KEPT_TYPES) or linear.out_features % INT4_ROWS:
+            left += 1
+            continue
+        q = torch.empty(linear.out_features, linear.in_features, dtype=torch.uint8)
+        scale = torch.empty(linear.out_features, linear.in_features // GROUP)
+        zero = torch.empty_like(scale)
+        read: dict[str, tuple[torch.Tensor, ...]] = {}  # Phi-3's fused tensors fill three parts
+        for place, tensor, kind in found:
+            if tensor.name not in read:
+                read[tensor.name] = int4_blocks(tensor)
+                if permuted and kind in heads:  # rows: each row's groups move with it
+                    read[tensor.name] = tuple(unpermute_qk(b, heads[kind]) for b in read[tensor.name])
+            blocks = read[tensor.name]
+            for dst, src, per_col in zip((q, scale, zero), blocks, (1, GROUP, GROUP), strict=True):
+                _place(dst, src, place.rows, place.src, per_col)
+        setattr(parent, attr, Int4Linear(linear, blocks=(q, scale, zero, GROUP)))
+        kept += 1
+    return kept, left
