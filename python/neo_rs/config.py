@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from neo_rs.errors import InvalidArgumentError, ModelLoadError
+from neo_rs.int4_checkpoint import Int4Checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +70,11 @@ OFFLOAD_MODES = ("neo", "none", "all")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 CPU_KV_DTYPES = ("auto", "int8")
 # --quantization: int8 and int4 quantize an unquantized checkpoint's weights at load
-# (``model/quant.py``); gguf keeps a GGUF's 4-bit blocks (``model/gguf_blocks.py``), and a .gguf
-# model infers it. "none" loads every weight in the model dtype, whatever the checkpoint.
-QUANTIZATIONS = ("int8", "int4", "gguf")
+# (``model/quant.py``); the others keep a checkpoint's own 4-bit weights, and are inferred from
+# it: gguf a GGUF's blocks (``model/gguf_blocks.py``), gptq and awq their packed tensors
+# (``model/gptq_awq.py``). "none" loads every weight in the model dtype, whatever the checkpoint.
+CHECKPOINT_QUANTIZATIONS = ("gguf", "gptq", "awq")
+QUANTIZATIONS = ("int8", "int4", *CHECKPOINT_QUANTIZATIONS)
 NO_QUANTIZATION = "none"
 DTYPES = {
     "float32": torch.float32,
@@ -241,6 +244,7 @@ class ModelConfig:
     local_rope: RopeConfig | None = None  # the sliding layers' RoPE where it differs (Gemma 3)
     final_softcap: float | None = None  # soft-capping of the logits (Gemma 2)
     gguf_file: str | None = None  # the GGUF file the checkpoint was converted from (``gguf.py``)
+    int4_checkpoint: Int4Checkpoint | None = None  # its linears as GPTQ or AWQ tensors
 
     @staticmethod
     def from_dir(model_dir: str | Path) -> ModelConfig:
@@ -265,11 +269,13 @@ class ModelConfig:
         family = ARCHITECTURES[arch]
         quant = cfg.get("quantization_config")
         method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        if quant is not None and method != "gguf":
+        if quant is not None and (not isinstance(quant, dict) or method not in CHECKPOINT_QUANTIZATIONS):
             raise ModelLoadError(
-                f"{where}: quantization_config {method!r} is not supported yet; load an unquantized "
-                "checkpoint, optionally with --quantization int8 or int4"
+                f"{where}: quantization_config {method!r} is not supported yet (we load "
+                f"{', '.join(CHECKPOINT_QUANTIZATIONS)}); load an unquantized checkpoint, optionally "
+                "with --quantization int8 or int4"
             )
+        int4 = Int4Checkpoint.from_hf(quant, where) if quant is not None and method != "gguf" else None
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
@@ -315,7 +321,8 @@ class ModelConfig:
                 gemma=family.gemma,
                 local_rope=local_rope,
                 final_softcap=_positive(cfg.get("final_logit_softcapping")),
-                gguf_file=quant["file"] if isinstance(quant, dict) and method == "gguf" else None,
+                gguf_file=quant["file"] if quant is not None and method == "gguf" else None,
+                int4_checkpoint=int4,
             )
         except KeyError as e:
             raise ModelLoadError(f"{where}: missing field {e.args[0]!r}") from e
@@ -522,7 +529,7 @@ class EngineArgs:
     cuda_graphs: bool = False
     enforce_eager: bool = False
     # Weights kept quantized: one of QUANTIZATIONS, "none", or None (inferred from the checkpoint:
-    # a .gguf model's blocks are kept, see ``quantization_for``).
+    # a GGUF's blocks, GPTQ or AWQ tensors are kept, see ``quantization_for``).
     quantization: str | None = None
 
     @property
@@ -532,11 +539,18 @@ class EngineArgs:
 
     def quantization_for(self, cfg: ModelConfig) -> str | None:
         """The method the weights are kept in: the one asked for, else the checkpoint's own (a
-        GGUF's blocks); None: the model dtype."""
-        if self.quantization == "gguf" and cfg.gguf_file is None:
-            raise InvalidArgumentError("quantization 'gguf' needs a .gguf model")
+        GGUF's blocks, GPTQ or AWQ tensors); None: the model dtype."""
+        own = "gguf" if cfg.gguf_file is not None else cfg.int4_checkpoint and cfg.int4_checkpoint.method
+        asked = self.quantization
+        if asked in CHECKPOINT_QUANTIZATIONS and asked != own:
+            source = {"gguf": "a .gguf model", "gptq": "a GPTQ checkpoint", "awq": "an AWQ checkpoint"}
+            raise InvalidArgumentError(f"quantization {asked!r} needs {source[asked]}")
+        if cfg.int4_checkpoint is not None and asked in ("int8", "int4"):
+            raise InvalidArgumentError(
+                f"the checkpoint is {own}-quantized: quantization must be {own!r}, 'none' or unset"
+            )
         if self.quantization is None:
-            return "gguf" if cfg.gguf_file is not None else None
+            return own or None
         return None if self.quantization == NO_QUANTIZATION else self.quantization
 
     def validate(self) -> None:

@@ -33,6 +33,7 @@ from neo_rs.sample.structured import StructuredOutputsParams
 from neo_rs.worker import runner as runner_module
 from server_util import free_port
 from test_gguf import write_gguf
+from test_gptq_awq import write_packed
 from test_prefix_cache import PROMPTS
 
 # The host waits for the device once an iteration: to read the sampled tokens (docs/gpu.md).
@@ -229,6 +230,23 @@ def test_a_gguf_keeps_its_blocks_from_sm80_and_floats_before(monkeypatch, tmp_pa
         engine.shutdown()
         with pytest.raises(ModelLoadError, match="needs sm_80 or newer"):
             engine_on(str(path), dtype="float16", quantization="gguf")
+
+
+def test_a_gptq_checkpoint_keeps_its_int4_from_sm80_and_is_dequantized_before(
+    monkeypatch, checkpoints, tmp_path: Path
+) -> None:
+    path, _ = write_packed(checkpoints["qwen2"], tmp_path, "gptq", 32)
+    with fake_gpu(monkeypatch) as checks:
+        engine = engine_on(str(path), offload="neo", num_gpu_blocks=10, neo_force_pipeline=True)
+        assert isinstance(engine.runner.model.decoder_layers[0].qkv_proj, Int4Linear)
+        queue(engine)
+        assert "pipelined" in run(engine, checks)
+        assert checks.ops["aten._weight_int4pack_mm.default"], checks.ops
+        engine.shutdown()
+    with fake_gpu(monkeypatch, capability=(7, 5)):
+        engine = engine_on(str(path), dtype="float16", num_gpu_blocks=10)
+        assert type(engine.runner.model.decoder_layers[0].qkv_proj) is torch.nn.Linear
+        engine.shutdown()
 
 
 def test_swaps_chunked_prefill_and_int8_host_kv(monkeypatch) -> None:

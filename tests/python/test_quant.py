@@ -2,7 +2,7 @@
 dequantized weight, the engine against the same model with every quantized weight dequantized
 into a float checkpoint (our own dequantize-then-float path, token for token, in every offload
 mode), the bytes each keeps, and the refusals: an unknown method, widths int4's kernel cannot
-take, a checkpoint's ``quantization_config``."""
+take, a ``quantization_config`` we do not load."""
 
 from __future__ import annotations
 
@@ -153,10 +153,10 @@ def test_the_quantized_linears_keep_their_share_of_the_bytes(checkpoints, monkey
 def test_bad_quantization_is_refused(checkpoints, tmp_path: Path) -> None:
     with pytest.raises(InvalidArgumentError, match="quantization must be one of int8, int4"):
         LLM(str(checkpoints["llama"]), quantization="int3")
-    gptq = tmp_path / "gptq"
-    shutil.copytree(checkpoints["llama"], gptq)
-    cfg = json.loads((gptq / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
-    (gptq / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match="quantization_config 'gptq' is not supported"):
-        LLM(str(gptq))
+    fp8 = tmp_path / "fp8"
+    shutil.copytree(checkpoints["llama"], fp8)
+    cfg = json.loads((fp8 / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized"}
+    (fp8 / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="quantization_config 'compressed-tensors' is not supported"):
+        LLM(str(fp8))

@@ -12,7 +12,6 @@ shards), and its float weight freed."""
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +28,8 @@ from neo_rs.model.gguf import (
     unpermute_qk,
     weight_tensors,
 )
-from neo_rs.model.loader import placements
-from neo_rs.model.quant import INT4_ROWS, Int4Linear, decoder_linears
+from neo_rs.model.prequantized import Blocks, build_linears, linear_parts
+from neo_rs.model.quant import decoder_linears
 from neo_rs.parallel.shards import TpShard
 
 log = logging.getLogger(__name__)
@@ -44,7 +43,7 @@ def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
     return blocks[:, at : at + 2].copy().view(np.float16).astype(np.float32)
 
 
-def int4_blocks(tensor: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def int4_blocks(tensor: Any) -> Blocks:
     """A Q4_0, Q4_1 or Q4_K tensor of ``[rows, cols]`` as ``(q, scale, zero)``: ``q`` the 4-bit
     values (uint8 ``[rows, cols]``), ``scale`` and ``zero`` float32 ``[rows, cols / 32]``, such
     that ``(q - 8) * scale + zero`` is what ``gguf`` dequantizes (exactly, in float32)."""
@@ -75,52 +74,27 @@ def int4_blocks(tensor: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return q, torch.from_numpy(scale.reshape(rows, groups)), torch.from_numpy(zero.reshape(rows, groups))
 
 
-def _place(dst: torch.Tensor, src: torch.Tensor, rows: Any, src_index: Any, per_col: int) -> None:
-    """Copy ``src[src_index]`` into ``dst[rows]``, column slices of the source taken in units of
-    ``per_col`` columns (1 for the values, the group for the scales)."""
-    if src_index is not None and len(src_index) > 1:
-        cols = src_index[1]
-        src_index = (src_index[0], slice(cols.start // per_col, cols.stop // per_col))
-    part = src if src_index is None else src[src_index]
-    (dst if rows is None else dst[rows]).copy_(part)
-
-
 def keep_blocks(model: nn.Module, path: str | Path, cfg: ModelConfig, shard: TpShard) -> tuple[int, int]:
     """Replace each decoder linear of ``model`` (rank ``shard``'s) whose every part GGUF ``path``
     stores in a kept type by an ``Int4Linear`` of those blocks; returns (kept, left as floats)."""
     reader = open_gguf(path)
     permuted = GGUF_MODEL_TYPES[architecture(reader)] in PERMUTED_QK
     heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
-    local = shard.local_config(cfg)
-    # Our linear -> (where a GGUF tensor goes in it, the tensor, its llama.cpp kind).
-    parts: dict[str, list[tuple[Any, Any, str]]] = defaultdict(list)
+    tensors = {}
     for tensor, name, kind in weight_tensors(reader):
         if kind is not None and name.endswith(".weight"):
-            for place in placements(cfg, local, shard, name):
-                parts[place.ours.removesuffix(".weight")].append((place, tensor, kind))
-    kept = left = 0
-    for qualified, parent, attr, linear in decoder_linears(model):
-        found = parts.get(qualified, [])
-        # A rank's columns of a row-parallel linear must start on a block.
-        columns_split = any(
-            p.src is not None and len(p.src) > 1 and p.src[1].start % GROUP for p, _, _ in found
-        )
-        kinds = {t.tensor_type.name for _, t, _ in found}
-        if not found or columns_split or not kinds <= set(KEPT_TYPES) or linear.out_features % INT4_ROWS:
-            left += 1
-            continue
-        q = torch.empty(linear.out_features, linear.in_features, dtype=torch.uint8)
-        scale = torch.empty(linear.out_features, linear.in_features // GROUP)
-        zero = torch.empty_like(scale)
-        read: dict[str, tuple[torch.Tensor, ...]] = {}  # Phi-3's fused tensors fill three parts
-        for place, tensor, kind in found:
-            if tensor.name not in read:
-                read[tensor.name] = int4_blocks(tensor)
-                if permuted and kind in heads:  # rows: each row's groups move with it
-                    read[tensor.name] = tuple(unpermute_qk(b, heads[kind]) for b in read[tensor.name])
-            blocks = read[tensor.name]
-            for dst, src, per_col in zip((q, scale, zero), blocks, (1, GROUP, GROUP), strict=True):
-                _place(dst, src, place.rows, place.src, per_col)
-        setattr(parent, attr, Int4Linear(linear, blocks=(q, scale, zero, GROUP)))
-        kept += 1
-    return kept, left
+            tensors[tensor.name] = name, tensor, kind
+
+    def read(key: str) -> Blocks | None:
+        _, tensor, kind = tensors[key]
+        if tensor.tensor_type.name not in KEPT_TYPES:
+            return None
+        blocks = int4_blocks(tensor)
+        if permuted and kind in heads:  # rows: each row's groups move with it
+            q, scale, zero = (unpermute_qk(b, heads[kind]) for b in blocks)
+            return q, scale, zero
+        return blocks
+
+    parts = linear_parts(cfg, shard, ((name, key) for key, (name, _, _) in tensors.items()))
+    kept, _, _ = build_linears(model, parts, read, keep=True)
+    return kept, len(list(decoder_linears(model)))  # the float ones left

@@ -17,6 +17,7 @@ from tqdm import tqdm
 from neo_rs.config import ModelConfig, MoeConfig
 from neo_rs.errors import ModelLoadError
 from neo_rs.model.decoder import CausalLM
+from neo_rs.model.quant import decoder_linears
 from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel
 from neo_rs.parallel.shards import TpShard
 
@@ -42,6 +43,8 @@ _NORMS = (
     "pre_feedforward_layernorm",
     "post_feedforward_layernorm",
 )
+# The tensors of a GPTQ or AWQ checkpoint's packed linear (read by ``gptq_awq.py``).
+PACKED_TENSORS = (".qweight", ".qzeros", ".scales", ".g_idx")
 # An expert's matrices: Mixtral's w1/w3/w2, Qwen3-MoE's gate/up/down.
 _EXPERT = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)$")
 _EXPERT_PART = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1}
@@ -68,7 +71,7 @@ def shard_files(model_dir: Path) -> list[Path]:
 
 
 @dataclass(frozen=True)
-class _Placement:
+class Placement:
     """Where (part of) a checkpoint tensor goes: our parameter, the part of it (None: all of it;
     an expert's matrix in a stacked one is indexed by the expert first), and the rows and columns
     of the checkpoint tensor this rank reads (None: all of it); ``zero``: this rank fills its copy
@@ -115,25 +118,25 @@ def _moe(cfg: ModelConfig) -> MoeConfig:
 
 def _column(
     ours: str, parts: list[tuple[int, int, range, int]], which: list[int], expert: tuple[int, ...] = ()
-) -> list[_Placement]:
+) -> list[Placement]:
     """Placements of a column-parallel checkpoint tensor holding parts ``which`` of ``ours`` (of
     its matrix ``expert`` when it stacks experts)."""
     fused = len(which) > 1
     return [
-        _Placement(ours, (*expert, slice(at, at + n)), (_span(src, 1, offset if fused else 0),))
+        Placement(ours, (*expert, slice(at, at + n)), (_span(src, 1, offset if fused else 0),))
         for at, n, src, offset in (parts[p] for p in which)
     ]
 
 
-def placements(cfg: ModelConfig, local: ModelConfig, shard: TpShard, name: str) -> list[_Placement]:
+def placements(cfg: ModelConfig, local: ModelConfig, shard: TpShard, name: str) -> list[Placement]:
     """Where HF parameter ``name`` goes on rank ``shard`` (whose shapes are ``local``); empty for
     names we do not use."""
     d = cfg.head_dim
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         vocab = shard.vocab(cfg)
-        return [_Placement(name.removeprefix("model."), (slice(0, len(vocab)),), (_span(vocab),))]
+        return [Placement(name.removeprefix("model."), (slice(0, len(vocab)),), (_span(vocab),))]
     if name == "model.norm.weight":
-        return [_Placement("norm.weight")]
+        return [Placement("norm.weight")]
     m = _LAYER.match(name)
     if not m:
         return []
@@ -141,26 +144,26 @@ def placements(cfg: ModelConfig, local: ModelConfig, shard: TpShard, name: str) 
     module, _, kind = rest.rpartition(".")
     prefix = f"layers.{layer}."
     if module in _NORMS:
-        return [_Placement(prefix + rest)]
+        return [Placement(prefix + rest)]
     if module in ("self_attn.q_norm", "self_attn.k_norm"):  # per head (replicated) or whole (TP 1)
-        return [_Placement(prefix + rest.removeprefix("self_attn."))]
+        return [Placement(prefix + rest.removeprefix("self_attn."))]
     if module in _COLUMN:
         ours, which = _COLUMN[module]
         return _column(f"{prefix}{ours}.{kind}", _parts(cfg, local, shard, ours), which)
     if module in _ROW:
         if kind == "bias":  # summed over ranks by the all-reduce: rank 0 adds it
-            return [_Placement(f"{prefix}{_ROW[module]}.bias", zero=shard.rank != 0)]
+            return [Placement(f"{prefix}{_ROW[module]}.bias", zero=shard.rank != 0)]
         cols = _span(shard.heads(cfg), d) if module == "self_attn.o_proj" else _span(shard.ffn(cfg))
-        return [_Placement(f"{prefix}{_ROW[module]}.{kind}", None, (slice(None), cols))]
+        return [Placement(f"{prefix}{_ROW[module]}.{kind}", None, (slice(None), cols))]
     if module in ("block_sparse_moe.gate", "mlp.gate"):  # the router, replicated
-        return [_Placement(f"{prefix}mlp.router.{kind}")]
+        return [Placement(f"{prefix}mlp.router.{kind}")]
     e = _EXPERT.match(module)
     if e:
         expert, matrix = int(e.group(1)), e.group(2)
         if matrix in _EXPERT_PART:
             parts = _parts(cfg, local, shard, "expert")
             return _column(f"{prefix}mlp.w_gate_up", parts, [_EXPERT_PART[matrix]], (expert,))
-        return [_Placement(f"{prefix}mlp.w_down", (expert,), (slice(None), _span(shard.moe_ffn(cfg))))]
+        return [Placement(f"{prefix}mlp.w_down", (expert,), (slice(None), _span(shard.moe_ffn(cfg))))]
     return []
 
 
@@ -205,17 +208,21 @@ def load_model(
     tp: TensorParallel = SINGLE_PROCESS,
 ) -> CausalLM:
     """The model of checkpoint ``model_dir``, or under tensor parallelism rank ``tp.rank``'s shard
-    of it: each tensor is read through a safetensors slice, so no rank holds the whole model."""
+    of it: each tensor is read through a safetensors slice, so no rank holds the whole model.
+    A GPTQ or AWQ checkpoint's packed linears are left unfilled, for ``gptq_awq.py``."""
     model_dir = Path(model_dir)
     files = shard_files(model_dir)
     local = tp.shard.local_config(cfg)
     model = empty_model(cfg, dtype, device, max_positions, tp)
     params = dict(model.named_parameters())
+    packed = cfg.int4_checkpoint is not None
     # Elements written per parameter, to name anything the checkpoint did not provide.
     filled = {name: 0 for name in params}
     for path in tqdm(files, desc="Loading safetensors shards", unit="shard", disable=len(files) < 2):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if packed and name.endswith(PACKED_TENSORS):
+                    continue
                 for place in placements(cfg, local, tp.shard, name):
                     if place.ours not in params:
                         raise ModelLoadError(
@@ -244,7 +251,8 @@ def load_model(
     if filled["lm_head.weight"] == 0 and cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
         filled["lm_head.weight"] = model.lm_head.weight.numel()
-    missing = [n for n, p in params.items() if filled[n] != p.numel()]
+    linears = {f"{name}.weight" for name, *_ in decoder_linears(model)} if packed else set()
+    missing = [n for n, p in params.items() if filled[n] != p.numel() and n not in linears]
     if missing:
         raise ModelLoadError(
             f"{model_dir}: the checkpoint lacks {', '.join(missing[:5])}" + (" …" if len(missing) > 5 else "")

@@ -74,7 +74,7 @@ INT4_CUDA_CAPABILITY = (8, 0)
 def cuda_refusal(method: str, capability: tuple[int, int], dtype: torch.dtype) -> str | None:
     """Why ``method``'s CUDA kernel cannot run on this GPU in ``dtype``, or None where it can
     (asked before loading anything)."""
-    if method not in ("int4", "gguf"):  # gguf keeps its blocks as int4
+    if method == "int8":  # every other method keeps int4 weights
         return None
     if capability < INT4_CUDA_CAPABILITY:
         need, have = "".join(map(str, INT4_CUDA_CAPABILITY)), "".join(map(str, capability))

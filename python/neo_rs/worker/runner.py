@@ -26,7 +26,8 @@ from neo_rs.kv.pools import KvLayout, KvPool, block_pairs
 from neo_rs.kv.transfer import HostTransfer, Staged
 from neo_rs.model.decoder import Rope
 from neo_rs.model.gguf_blocks import keep_blocks
-from neo_rs.model.loader import empty_model, load_model
+from neo_rs.model.gptq_awq import load_packed_linears
+from neo_rs.model.loader import empty_model, load_model, shard_files
 from neo_rs.model.packed import pack_linears, packing_applies
 from neo_rs.model.quant import cuda_refusal, quantize_linears
 from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel, rank_device
@@ -110,7 +111,12 @@ class ModelRunner:
         self.quantization = quantization = self._quantization(args, cfg, dtype)
         self.model = load_model(model_dir, cfg, dtype, device, max_model_len, tp)
         cfg_all, cfg = cfg, self.model.config  # the whole model's shapes, this rank's
-        if quantization is not None:
+        if cfg_all.int4_checkpoint is not None:  # kept, or dequantized (--quantization none)
+            kept, floats = load_packed_linears(
+                self.model, shard_files(model_dir), cfg_all, tp.shard, keep=quantization is not None
+            )
+            log.info("%d linears kept as the checkpoint's int4, %d dequantized to %s", kept, floats, dtype)
+        elif quantization is not None:
             if quantization == "gguf":
                 assert cfg_all.gguf_file is not None
                 kept, left = keep_blocks(self.model, cfg_all.gguf_file, cfg_all, tp.shard)

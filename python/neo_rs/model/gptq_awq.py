@@ -1,0 +1,111 @@
+"""GPTQ and AWQ checkpoints (4 bits, their ``quantization_config``): each linear's packed tensors
+read as ``Blocks`` and kept as an ``Int4Linear`` (``--quantization gptq|awq``, inferred from the
+checkpoint), or dequantized into the model dtype (``--quantization none``, or where the kernel
+cannot run). The loader skips these tensors (``load_model``); this fills the linears after it.
+
+- GPTQ: ``qweight`` int32 ``[in / 8, out]``, input row ``8i + k`` in bits ``4k..4k+3`` of word
+  row ``i``; ``qzeros`` int32 ``[groups, out / 8]``, output column ``8j + k`` in nibble ``k``
+  (the original format stores each zero less one, ``gptq_v2`` as it is); ``scales``
+  ``[groups, out]``; ``g_idx`` ``[in]``, each input column's group (contiguous groups only:
+  act-order is refused with the config).
+- AWQ (GEMM): ``qweight`` int32 ``[in, out / 8]`` and ``qzeros`` ``[groups, out / 8]``, output
+  columns 0, 2, 4, 6, 1, 3, 5, 7 of a word in its nibbles 0..7; ``scales`` ``[groups, out]``.
+
+Both mean ``w = (q - zero) * scale``, which is ``Int4Linear``'s ``(q - 8) * scale + zero'``
+with ``zero' = (8 - zero) * scale``. Larger groups (-1: a whole row) become the kernel's largest
+that divides them (128, 64 or 32 columns), their scale and zero repeated."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from neo_rs.config import ModelConfig
+from neo_rs.errors import ModelLoadError
+from neo_rs.int4_checkpoint import Int4Checkpoint
+from neo_rs.model.loader import PACKED_TENSORS
+from neo_rs.model.prequantized import Blocks, build_linears, linear_parts
+from neo_rs.model.quant import INT4_GROUPS, decoder_linears
+from neo_rs.parallel.shards import TpShard
+
+log = logging.getLogger(__name__)
+
+_GPTQ_SHIFTS = torch.arange(8, dtype=torch.int32) * 4
+# AWQ: output column k of a word sits in its nibble [0, 4, 1, 5, 2, 6, 3, 7][k].
+_AWQ_SHIFTS = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7], dtype=torch.int32) * 4
+
+
+def unpack(words: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
+    """int32 ``[..., n]`` -> uint8 ``[..., 8 n]``: value ``k`` of word ``j`` (bits ``shifts[k]``
+    up) at ``8 j + k``."""
+    return ((words[..., None] >> shifts) & 15).reshape(*words.shape[:-1], -1).to(torch.uint8)
+
+
+def kernel_group(group: int, where: str) -> int:
+    """The largest group size of the int4 kernel that divides a checkpoint's ``group``."""
+    fits = [g for g in INT4_GROUPS if group % g == 0]
+    if not fits:
+        raise ModelLoadError(f"{where}: groups of {group} columns split into none the int4 kernel takes")
+    return fits[0]
+
+
+def blocks_of(tensors: dict[str, torch.Tensor], spec: Int4Checkpoint, where: str) -> Blocks:
+    """One linear's packed tensors (by suffix: qweight, qzeros, scales, g_idx) as ``Blocks`` in
+    the kernel's groups (``kernel_group``)."""
+    qweight, qzeros, scales = tensors["qweight"], tensors["qzeros"], tensors["scales"].float()
+    if spec.method == "gptq":
+        q = unpack(qweight.t(), _GPTQ_SHIFTS)  # [out, in]
+        zeros = unpack(qzeros, _GPTQ_SHIFTS).float() + float(spec.zeros_minus_one)
+    else:
+        q = unpack(qweight, _AWQ_SHIFTS).t()
+        zeros = unpack(qzeros, _AWQ_SHIFTS).float()
+    out, cols = q.shape
+    group = cols if spec.group_size == -1 else spec.group_size
+    if scales.shape != (cols // group, out) or zeros.shape != scales.shape:
+        raise ModelLoadError(
+            f"{where}: scales {tuple(scales.shape)} and zeros {tuple(zeros.shape)} do not fit a "
+            f"[{out}, {cols}] weight in groups of {group}"
+        )
+    g_idx = tensors.get("g_idx")
+    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(cols) // group):
+        raise ModelLoadError(f"{where}: g_idx is not in order (act-order GPTQ is not supported yet)")
+    repeat = group // kernel_group(group, where)
+    scale = scales.t().repeat_interleave(repeat, dim=1).contiguous()
+    zero = ((8 - zeros) * scales).t().repeat_interleave(repeat, dim=1).contiguous()
+    return q.contiguous(), scale, zero
+
+
+def load_packed_linears(
+    model: nn.Module, files: list[Path], cfg: ModelConfig, shard: TpShard, keep: bool
+) -> tuple[int, int]:
+    """Fill each decoder linear of ``model`` (rank ``shard``'s) from the packed tensors in
+    ``files``: kept as int4 where ``keep``, else dequantized. Returns (kept, dequantized);
+    ``ModelLoadError`` names a linear the checkpoint has neither packed nor float."""
+    spec = cfg.int4_checkpoint
+    assert spec is not None
+    where: dict[str, Path] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            where.update(dict.fromkeys(f.keys(), path))  # noqa: SIM118 (safe_open is not a mapping)
+    modules = sorted(name.removesuffix(".qweight") for name in where if name.endswith(".qweight"))
+
+    def read(module: str) -> Blocks:
+        tensors = {}
+        for suffix in PACKED_TENSORS:
+            name = module + suffix
+            if name in where:
+                with safe_open(str(where[name]), framework="pt", device="cpu") as f:
+                    tensors[suffix[1:]] = f.get_tensor(name)
+        return blocks_of(tensors, spec, module)
+
+    parts = linear_parts(cfg, shard, ((module + ".weight", module) for module in modules))
+    kept, dequantized, built = build_linears(model, parts, read, keep)
+    floats = linear_parts(cfg, shard, ((n, n) for n in where if n.endswith(".weight")))
+    missing = [name for name, *_ in decoder_linears(model) if name not in built and name not in floats]
+    if missing:
+        raise ModelLoadError(f"the checkpoint lacks packed or float weights for {', '.join(missing[:3])}")
+    return kept, dequantized

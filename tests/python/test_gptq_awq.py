@@ -1,0 +1,178 @@
+"""GPTQ and AWQ checkpoints (4 bits), written here from integer weights packed by the formats'
+own rules (restated below, independently of ``model/gptq_awq.py``): each packed linear reads
+back as exactly ``(q - zero) * scale``; placed on each tensor-parallel rank as the float weight
+would be; the engine keeps them as int4 (inferred from ``quantization_config``) and generates
+token for token as the float checkpoint of those weights, in every offload mode, and as that
+checkpoint dequantized with ``--quantization none``; fields we cannot load are named."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_all_blocks_free
+from neo_rs import LLM, InvalidArgumentError, SamplingParams
+from neo_rs.config import ModelConfig
+from neo_rs.errors import ModelLoadError
+from neo_rs.int4_checkpoint import Int4Checkpoint
+from neo_rs.model.gptq_awq import blocks_of, load_packed_linears
+from neo_rs.model.loader import load_model, shard_files
+from neo_rs.model.prequantized import dequantize
+from neo_rs.model.quant import Int4Linear
+from neo_rs.parallel.group import TensorParallel
+from neo_rs.parallel.shards import TpShard
+from safetensors.torch import load_file, save_file
+from test_quant import MODES
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+PROMPTS = [[256, 72, 105], list(range(10, 47)), [7], [5, 9, 200, 31] * 4]
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # nibble i of an AWQ word holds column 8j + AWQ_ORDER[i]
+
+
+def _words(nibbles: np.ndarray) -> torch.Tensor:
+    """uint ``[..., 8 n]`` values 0..15 -> int32 ``[..., n]``, value ``k`` of each 8 in bits 4k."""
+    v = nibbles.astype(np.uint64).reshape(*nibbles.shape[:-1], -1, 8)
+    word = sum(v[..., k] << np.uint64(4 * k) for k in range(8))
+    return torch.from_numpy(np.ascontiguousarray(word.astype(np.uint32)).view(np.int32))
+
+
+def pack(q: np.ndarray, zeros: np.ndarray, scales: np.ndarray, method: str, v1: bool = True) -> dict:
+    """``q`` [out, in], ``zeros`` and ``scales`` [out, groups] as a linear's packed tensors."""
+    group = q.shape[1] // zeros.shape[1]
+    tensors = {"scales": torch.from_numpy(np.ascontiguousarray(scales.T.astype(np.float16)))}
+    if method == "gptq":
+        tensors["qweight"] = _words(q).t().contiguous()
+        tensors["qzeros"] = _words(zeros.T - int(v1))
+        tensors["g_idx"] = torch.arange(q.shape[1], dtype=torch.int32) // group
+    else:
+        order = [8 * j + k for j in range(q.shape[0] // 8) for k in AWQ_ORDER]
+        tensors["qweight"] = _words(q.T[:, order])
+        tensors["qzeros"] = _words(zeros.T[:, order])
+    return tensors
+
+
+def quantize(w: torch.Tensor, group: int, rng: np.random.Generator, v1: bool) -> tuple[np.ndarray, ...]:
+    """Round-to-nearest 4 bits with an integer zero per group, some at the ends of its range:
+    1..15 in GPTQ's original format (a zero of 0, stored less one, would read back as 16)."""
+    out, cols = w.shape
+    g = w.float().numpy().reshape(out, cols // group, group)
+    lo, hi = g.min(-1), g.max(-1)
+    scales = ((hi - lo) / 15).astype(np.float16).astype(np.float32)
+    zeros = np.clip(np.round(-lo / scales), int(v1), 15).astype(np.int64)
+    ends = rng.random(zeros.shape)
+    zeros[ends < 0.05], zeros[ends > 0.95] = int(v1), 15
+    q = np.clip(np.round(g / scales[..., None]) + zeros[..., None], 0, 15).astype(np.int64)
+    return q.reshape(out, cols), zeros, scales
+
+
+def write_packed(src: Path, root: Path, method: str, group: int, v1: bool = True) -> tuple[Path, Path]:
+    """``src`` with its decoder linears packed (``method``), and the float checkpoint of exactly
+    the weights they pack."""
+    rng = np.random.default_rng(0)
+    packed_dir, float_dir = root / f"{method}-{group}-{v1}", root / f"{method}-{group}-{v1}-float"
+    for d in (packed_dir, float_dir):
+        shutil.copytree(src, d)
+    weights = load_file(src / "model.safetensors")
+    packed, floats = {}, {}
+    for name, w in weights.items():
+        if ".layers." in name and name.endswith("_proj.weight"):
+            q, zeros, scales = quantize(w, w.shape[1] if group == -1 else group, rng, v1)
+            module = name.removesuffix(".weight")
+            for suffix, t in pack(q, zeros, scales, method, v1).items():
+                packed[f"{module}.{suffix}"] = t
+            per_col = np.repeat(scales, q.shape[1] // scales.shape[1], 1)
+            zero_col = np.repeat(zeros, q.shape[1] // zeros.shape[1], 1)
+            floats[name] = torch.from_numpy(((q - zero_col) * per_col).astype(np.float32))
+        else:
+            packed[name] = floats[name] = w
+    save_file(packed, packed_dir / "model.safetensors", metadata={"format": "pt"})
+    save_file(floats, float_dir / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((packed_dir / "config.json").read_text())
+    quant = {"quant_method": method, "bits": 4, "group_size": group}
+    quant |= {"desc_act": False, "sym": False, "checkpoint_format": "gptq" if v1 else "gptq_v2"}
+    if method == "awq":
+        quant = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
+    cfg["quantization_config"] = quant
+    (packed_dir / "config.json").write_text(json.dumps(cfg))
+    return packed_dir, float_dir
+
+
+@pytest.mark.parametrize(
+    ("method", "group", "v1"),
+    [("gptq", 32, True), ("gptq", 64, False), ("gptq", -1, True), ("awq", 32, False), ("awq", 256, False)],
+)
+def test_packed_tensors_read_back_as_their_weights(method: str, group: int, v1: bool) -> None:
+    rng = np.random.default_rng(1)
+    w = torch.randn(48, 512)
+    q, zeros, scales = quantize(w, 512 if group == -1 else group, rng, v1)
+    spec = Int4Checkpoint(method, group, zeros_minus_one=v1)
+    blocks = blocks_of(pack(q, zeros, scales, method, v1), spec, "test")
+    assert blocks[0].dtype == torch.uint8 and torch.equal(blocks[0].long(), torch.from_numpy(q))
+    reps = q.shape[1] // zeros.shape[1]
+    want = (q - np.repeat(zeros, reps, 1)) * np.repeat(scales, reps, 1)
+    assert torch.equal(dequantize(blocks), torch.from_numpy(want.astype(np.float32)))
+    assert blocks[1].shape[1] == 512 // (128 if group in (-1, 256) else group)  # the kernel's groups
+
+
+@pytest.mark.parametrize(("method", "rank"), [("gptq", 0), ("awq", 1)])
+def test_each_rank_places_the_packed_weights_as_the_float_ones(checkpoints, tmp_path, method, rank) -> None:
+    packed, floats = write_packed(checkpoints["qwen2"], tmp_path, method, 32)
+    cfg, shard = ModelConfig.from_dir(packed), TpShard(rank, 2)
+    tp = TensorParallel(shard)
+    model = load_model(packed, cfg, torch.float32, torch.device("cpu"), 64, tp)
+    assert load_packed_linears(model, shard_files(packed), cfg, shard, keep=True) == (8, 0)
+    reference = load_model(floats, ModelConfig.from_dir(floats), torch.float32, torch.device("cpu"), 64, tp)
+    for name in [
+        f"layers.{i}.{m}"
+        for i in range(2)
+        for m in ("qkv_proj", "o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    ]:
+        linear, want = model.get_submodule(name), reference.get_submodule(name)
+        assert isinstance(linear, Int4Linear), name
+        got = linear(torch.eye(linear.in_features)) - (0 if want.bias is None else want.bias)
+        torch.testing.assert_close(got.t(), want.weight, rtol=1e-6, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("offload", list(MODES))
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_engine_generates_like_the_float_checkpoint_of_its_weights(
+    checkpoints, tmp_path, method, offload
+) -> None:
+    packed, floats = write_packed(checkpoints["qwen2"], tmp_path, method, 32)
+
+    def tokens(model: Path, **kw: object) -> tuple[list[list[int]], int]:
+        with LLM(str(model), dtype="float32", **MODES[offload], **kw) as llm:
+            outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+            assert_all_blocks_free(llm.engine)
+            kept = sum(isinstance(m, Int4Linear) for m in llm.engine.runner.model.modules())
+            return [o.outputs[0].token_ids for o in outs], kept
+
+    want, _ = tokens(floats)
+    assert tokens(packed) == (want, 8)  # inferred from quantization_config: 2 layers of 4 linears
+    assert tokens(packed, quantization="none") == (want, 0)  # dequantized at load
+
+
+def test_what_we_cannot_load_is_named(checkpoints, tmp_path) -> None:
+    packed, _ = write_packed(checkpoints["llama"], tmp_path, "gptq", 32)
+    base = json.loads((packed / "config.json").read_text())
+    for field, value, match in [
+        ("bits", 8, "bits 8: only 4-bit"),
+        ("desc_act", True, "desc_act True: act-order"),
+        ("group_size", 48, "group_size 48: takes multiples of 32"),
+        ("checkpoint_format", "marlin", "checkpoint_format 'marlin'"),
+    ]:
+        cfg = {**base, "quantization_config": {**base["quantization_config"], field: value}}
+        (packed / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ModelLoadError, match=match):
+            LLM(str(packed), num_gpu_blocks=8)
+    (packed / "config.json").write_text(json.dumps(base))
+    with pytest.raises(InvalidArgumentError, match="the checkpoint is gptq-quantized"):
+        LLM(str(packed), quantization="int8")
+    with pytest.raises(InvalidArgumentError, match="quantization 'awq' needs an AWQ checkpoint"):
+        LLM(str(packed), quantization="awq")
+    with pytest.raises(InvalidArgumentError, match="quantization 'gptq' needs a GPTQ checkpoint"):
+        LLM(str(checkpoints["llama"]), quantization="gptq")
