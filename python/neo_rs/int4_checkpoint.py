@@ -32,8 +32,6 @@ class Int4Checkpoint:
         group = int(quant.get("group_size", 128))
         if group != -1 and (group <= 0 or group % 32):
             raise refuse("group_size", "takes multiples of 32 or -1")
-        if method == "gptq" and quant.get("desc_act"):
-            raise refuse("desc_act", "act-order GPTQ checkpoints are not supported yet")
         fmt = quant.get("checkpoint_format", "gptq")
         if method == "gptq" and fmt not in ("gptq", "gptq_v2"):
             raise refuse("checkpoint_format", "gptq or gptq_v2 only")

@@ -52,8 +52,8 @@ def test_blocks_are_what_gguf_dequantizes(files, kind: str) -> None:
     ]
     assert tensors
     for t in tensors:
-        q, scale, zero = int4_blocks(t)
-        assert q.dtype == torch.uint8 and int(q.max()) <= 15
+        q, scale, zero, order = int4_blocks(t)
+        assert q.dtype == torch.uint8 and int(q.max()) <= 15 and order is None
         w = ((q.float() - 8).reshape(*scale.shape, 32) * scale[..., None] + zero[..., None]).reshape(q.shape)
         assert torch.equal(w, dequantize(t)), t.name
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -21,7 +22,6 @@ from neo_rs.errors import ModelLoadError
 from neo_rs.int4_checkpoint import Int4Checkpoint
 from neo_rs.model.gptq_awq import blocks_of, load_packed_linears
 from neo_rs.model.loader import load_model, shard_files
-from neo_rs.model.prequantized import dequantize
 from neo_rs.model.quant import Int4Linear
 from neo_rs.parallel.group import TensorParallel
 from neo_rs.parallel.shards import TpShard
@@ -40,60 +40,88 @@ def _words(nibbles: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(word.astype(np.uint32)).view(np.int32))
 
 
-def pack(q: np.ndarray, zeros: np.ndarray, scales: np.ndarray, method: str, v1: bool = True) -> dict:
-    """``q`` [out, in], ``zeros`` and ``scales`` [out, groups] as a linear's packed tensors."""
-    group = q.shape[1] // zeros.shape[1]
-    tensors = {"scales": torch.from_numpy(np.ascontiguousarray(scales.T.astype(np.float16)))}
-    if method == "gptq":
-        tensors["qweight"] = _words(q).t().contiguous()
-        tensors["qzeros"] = _words(zeros.T - int(v1))
-        tensors["g_idx"] = torch.arange(q.shape[1], dtype=torch.int32) // group
-    else:
-        order = [8 * j + k for j in range(q.shape[0] // 8) for k in AWQ_ORDER]
-        tensors["qweight"] = _words(q.T[:, order])
-        tensors["qzeros"] = _words(zeros.T[:, order])
-    return tensors
+class Packed(NamedTuple):
+    """A linear quantized: ``q`` [out, in], ``zeros`` and ``scales`` [out, groups], ``g_idx`` [in]
+    (each input column's group)."""
+
+    q: np.ndarray
+    zeros: np.ndarray
+    scales: np.ndarray
+    g_idx: np.ndarray
+
+    def weight(self) -> torch.Tensor:
+        """What it stands for: ``(q - zero) * scale``, each column with its group's."""
+        w = (self.q - self.zeros[:, self.g_idx]) * self.scales[:, self.g_idx]
+        return torch.from_numpy(w.astype(np.float32))
+
+    def tensors(self, method: str, v1: bool = True) -> dict[str, torch.Tensor]:
+        """As the format stores it."""
+        q, zeros = self.q, self.zeros
+        tensors = {"scales": torch.from_numpy(np.ascontiguousarray(self.scales.T.astype(np.float16)))}
+        if method == "gptq":
+            tensors["qweight"] = _words(q).t().contiguous()
+            tensors["qzeros"] = _words(zeros.T - int(v1))
+            tensors["g_idx"] = torch.from_numpy(self.g_idx.astype(np.int32))
+        else:
+            order = [8 * j + k for j in range(q.shape[0] // 8) for k in AWQ_ORDER]
+            tensors["qweight"] = _words(q.T[:, order])
+            tensors["qzeros"] = _words(zeros.T[:, order])
+        return tensors
 
 
-def quantize(w: torch.Tensor, group: int, rng: np.random.Generator, v1: bool) -> tuple[np.ndarray, ...]:
-    """Round-to-nearest 4 bits with an integer zero per group, some at the ends of its range:
-    1..15 in GPTQ's original format (a zero of 0, stored less one, would read back as 16)."""
+def quantize(
+    w: torch.Tensor, group: int, rng: np.random.Generator, v1: bool, order: np.ndarray | None = None
+) -> Packed:
+    """Round-to-nearest 4 bits with an integer zero per group, some at the ends of its range
+    (1..15 in GPTQ's original format: a zero of 0, stored less one, would read back as 16); the
+    groups run over the columns in ``order`` (act-order), else in turn."""
     out, cols = w.shape
-    g = w.float().numpy().reshape(out, cols // group, group)
+    order = np.arange(cols) if order is None else order
+    g = w.float().numpy()[:, order].reshape(out, cols // group, group)
     lo, hi = g.min(-1), g.max(-1)
     scales = ((hi - lo) / 15).astype(np.float16).astype(np.float32)
     zeros = np.clip(np.round(-lo / scales), int(v1), 15).astype(np.int64)
     ends = rng.random(zeros.shape)
     zeros[ends < 0.05], zeros[ends > 0.95] = int(v1), 15
-    q = np.clip(np.round(g / scales[..., None]) + zeros[..., None], 0, 15).astype(np.int64)
-    return q.reshape(out, cols), zeros, scales
+    in_order = np.clip(np.round(g / scales[..., None]) + zeros[..., None], 0, 15).astype(np.int64)
+    q, g_idx = np.empty((out, cols), np.int64), np.empty(cols, np.int64)
+    q[:, order], g_idx[order] = in_order.reshape(out, cols), np.arange(cols) // group
+    return Packed(q, zeros, scales, g_idx)
 
 
-def write_packed(src: Path, root: Path, method: str, group: int, v1: bool = True) -> tuple[Path, Path]:
+def write_packed(
+    src: Path, root: Path, method: str, group: int, v1: bool = True, act_order: str | None = None
+) -> tuple[Path, Path]:
     """``src`` with its decoder linears packed (``method``), and the float checkpoint of exactly
-    the weights they pack."""
+    the weights they pack. ``act_order``: "shared", one column order per input (as GPTQ's, from
+    the input's statistics), or "own", one per linear (a fused linear's parts then differ)."""
     rng = np.random.default_rng(0)
-    packed_dir, float_dir = root / f"{method}-{group}-{v1}", root / f"{method}-{group}-{v1}-float"
+    tag = f"{method}-{group}-{v1}-{act_order}"
+    packed_dir, float_dir = root / tag, root / f"{tag}-float"
     for d in (packed_dir, float_dir):
         shutil.copytree(src, d)
     weights = load_file(src / "model.safetensors")
     packed, floats = {}, {}
+    shared: dict[int, np.ndarray] = {}
     for name, w in weights.items():
         if ".layers." in name and name.endswith("_proj.weight"):
-            q, zeros, scales = quantize(w, w.shape[1] if group == -1 else group, rng, v1)
+            cols = w.shape[1]
+            order = None
+            if act_order is not None:
+                own = rng.permutation(cols)
+                order = shared.setdefault(cols, own) if act_order == "shared" else own
+            linear = quantize(w, cols if group == -1 else group, rng, v1, order)
             module = name.removesuffix(".weight")
-            for suffix, t in pack(q, zeros, scales, method, v1).items():
+            for suffix, t in linear.tensors(method, v1).items():
                 packed[f"{module}.{suffix}"] = t
-            per_col = np.repeat(scales, q.shape[1] // scales.shape[1], 1)
-            zero_col = np.repeat(zeros, q.shape[1] // zeros.shape[1], 1)
-            floats[name] = torch.from_numpy(((q - zero_col) * per_col).astype(np.float32))
+            floats[name] = linear.weight()
         else:
             packed[name] = floats[name] = w
     save_file(packed, packed_dir / "model.safetensors", metadata={"format": "pt"})
     save_file(floats, float_dir / "model.safetensors", metadata={"format": "pt"})
     cfg = json.loads((packed_dir / "config.json").read_text())
-    quant = {"quant_method": method, "bits": 4, "group_size": group}
-    quant |= {"desc_act": False, "sym": False, "checkpoint_format": "gptq" if v1 else "gptq_v2"}
+    quant = {"quant_method": method, "bits": 4, "group_size": group, "desc_act": act_order is not None}
+    quant |= {"sym": False, "checkpoint_format": "gptq" if v1 else "gptq_v2"}
     if method == "awq":
         quant = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
     cfg["quantization_config"] = quant
@@ -102,47 +130,68 @@ def write_packed(src: Path, root: Path, method: str, group: int, v1: bool = True
 
 
 @pytest.mark.parametrize(
-    ("method", "group", "v1"),
-    [("gptq", 32, True), ("gptq", 64, False), ("gptq", -1, True), ("awq", 32, False), ("awq", 256, False)],
+    ("method", "group", "v1", "act_order"),
+    [
+        ("gptq", 32, True, False),
+        ("gptq", 64, False, False),
+        ("gptq", -1, True, False),
+        ("gptq", 128, True, True),
+        ("awq", 32, False, False),
+        ("awq", 256, False, False),
+    ],
 )
-def test_packed_tensors_read_back_as_their_weights(method: str, group: int, v1: bool) -> None:
+def test_packed_tensors_read_back_as_their_weights(
+    method: str, group: int, v1: bool, act_order: bool
+) -> None:
     rng = np.random.default_rng(1)
     w = torch.randn(48, 512)
-    q, zeros, scales = quantize(w, 512 if group == -1 else group, rng, v1)
+    order = rng.permutation(512) if act_order else None
+    linear = quantize(w, 512 if group == -1 else group, rng, v1, order)
     spec = Int4Checkpoint(method, group, zeros_minus_one=v1)
-    blocks = blocks_of(pack(q, zeros, scales, method, v1), spec, "test")
-    assert blocks[0].dtype == torch.uint8 and torch.equal(blocks[0].long(), torch.from_numpy(q))
-    reps = q.shape[1] // zeros.shape[1]
-    want = (q - np.repeat(zeros, reps, 1)) * np.repeat(scales, reps, 1)
-    assert torch.equal(dequantize(blocks), torch.from_numpy(want.astype(np.float32)))
-    assert blocks[1].shape[1] == 512 // (128 if group in (-1, 256) else group)  # the kernel's groups
+    blocks = blocks_of(linear.tensors(method, v1), spec, "test")
+    assert blocks.q.dtype == torch.uint8 and torch.equal(blocks.dequantized(), linear.weight())
+    assert blocks.group == (128 if group in (-1, 256) else group)  # the kernel's largest that divides
+    assert (blocks.order is not None) == act_order
 
 
-@pytest.mark.parametrize(("method", "rank"), [("gptq", 0), ("awq", 1)])
-def test_each_rank_places_the_packed_weights_as_the_float_ones(checkpoints, tmp_path, method, rank) -> None:
-    packed, floats = write_packed(checkpoints["qwen2"], tmp_path, method, 32)
+@pytest.mark.parametrize(
+    ("method", "rank", "act_order"), [("gptq", 0, None), ("awq", 1, None), ("gptq", 1, "shared")]
+)
+def test_each_rank_places_the_packed_weights_as_the_float_ones(
+    checkpoints, tmp_path, method: str, rank: int, act_order: str | None
+) -> None:
+    packed, floats = write_packed(checkpoints["qwen2"], tmp_path, method, 32, act_order=act_order)
     cfg, shard = ModelConfig.from_dir(packed), TpShard(rank, 2)
     tp = TensorParallel(shard)
     model = load_model(packed, cfg, torch.float32, torch.device("cpu"), 64, tp)
-    assert load_packed_linears(model, shard_files(packed), cfg, shard, keep=True) == (8, 0)
+    # Under act-order a rank's share of O's and down's scattered groups is dequantized.
+    row_parallel = ("o_proj", "mlp.down_proj")
+    built = load_packed_linears(model, shard_files(packed), cfg, shard, keep=True)
+    assert built == ((4, 4) if act_order else (8, 0))
     reference = load_model(floats, ModelConfig.from_dir(floats), torch.float32, torch.device("cpu"), 64, tp)
     for name in [
-        f"layers.{i}.{m}"
-        for i in range(2)
-        for m in ("qkv_proj", "o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+        f"layers.{i}.{m}" for i in range(2) for m in ("qkv_proj", "mlp.gate_up_proj", *row_parallel)
     ]:
         linear, want = model.get_submodule(name), reference.get_submodule(name)
-        assert isinstance(linear, Int4Linear), name
+        kept = not (act_order and name.endswith(row_parallel))
+        assert isinstance(linear, Int4Linear) == kept, name
         got = linear(torch.eye(linear.in_features)) - (0 if want.bias is None else want.bias)
         torch.testing.assert_close(got.t(), want.weight, rtol=1e-6, atol=1e-6, msg=name)
 
 
+# Act-order with one column order per input (GPTQ's: from the input's statistics) keeps every
+# linear; with one per linear, a fused linear's parts differ and it is dequantized instead.
+KINDS = {"gptq": ("gptq", None, 8), "awq": ("awq", None, 8), "act-order": ("gptq", "shared", 8)}
+KINDS["act-order-own"] = ("gptq", "own", 4)
+
+
 @pytest.mark.parametrize("offload", list(MODES))
-@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_engine_generates_like_the_float_checkpoint_of_its_weights(
-    checkpoints, tmp_path, method, offload
+    checkpoints, tmp_path, kind: str, offload: str
 ) -> None:
-    packed, floats = write_packed(checkpoints["qwen2"], tmp_path, method, 32)
+    method, act_order, kept = KINDS[kind]
+    packed, floats = write_packed(checkpoints["qwen2"], tmp_path, method, 32, act_order=act_order)
 
     def tokens(model: Path, **kw: object) -> tuple[list[list[int]], int]:
         with LLM(str(model), dtype="float32", **MODES[offload], **kw) as llm:
@@ -152,7 +201,7 @@ def test_engine_generates_like_the_float_checkpoint_of_its_weights(
             return [o.outputs[0].token_ids for o in outs], kept
 
     want, _ = tokens(floats)
-    assert tokens(packed) == (want, 8)  # inferred from quantization_config: 2 layers of 4 linears
+    assert tokens(packed) == (want, kept)  # inferred from quantization_config (2 layers of 4 linears)
     assert tokens(packed, quantization="none") == (want, 0)  # dequantized at load
 
 
@@ -161,7 +210,6 @@ def test_what_we_cannot_load_is_named(checkpoints, tmp_path) -> None:
     base = json.loads((packed / "config.json").read_text())
     for field, value, match in [
         ("bits", 8, "bits 8: only 4-bit"),
-        ("desc_act", True, "desc_act True: act-order"),
         ("group_size", 48, "group_size 48: takes multiples of 32"),
         ("checkpoint_format", "marlin", "checkpoint_format 'marlin'"),
     ]:

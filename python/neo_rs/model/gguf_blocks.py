@@ -28,8 +28,8 @@ from neo_rs.model.gguf import (
     unpermute_qk,
     weight_tensors,
 )
-from neo_rs.model.prequantized import Blocks, build_linears, linear_parts
-from neo_rs.model.quant import decoder_linears
+from neo_rs.model.prequantized import build_linears, linear_parts
+from neo_rs.model.quant import Int4Blocks, decoder_linears
 from neo_rs.parallel.shards import TpShard
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
     return blocks[:, at : at + 2].copy().view(np.float16).astype(np.float32)
 
 
-def int4_blocks(tensor: Any) -> Blocks:
+def int4_blocks(tensor: Any) -> Int4Blocks:
     """A Q4_0, Q4_1 or Q4_K tensor of ``[rows, cols]`` as ``(q, scale, zero)``: ``q`` the 4-bit
     values (uint8 ``[rows, cols]``), ``scale`` and ``zero`` float32 ``[rows, cols / 32]``, such
     that ``(q - 8) * scale + zero`` is what ``gguf`` dequantizes (exactly, in float32)."""
@@ -71,7 +71,9 @@ def int4_blocks(tensor: Any) -> Blocks:
         qs = blocks[:, size - 16 :].reshape(-1, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)
     q = torch.from_numpy((qs & 0x0F).reshape(rows, -1))
     groups = q.shape[1] // GROUP
-    return q, torch.from_numpy(scale.reshape(rows, groups)), torch.from_numpy(zero.reshape(rows, groups))
+    return Int4Blocks(
+        q, torch.from_numpy(scale.reshape(rows, groups)), torch.from_numpy(zero.reshape(rows, groups))
+    )
 
 
 def keep_blocks(model: nn.Module, path: str | Path, cfg: ModelConfig, shard: TpShard) -> tuple[int, int]:
@@ -85,14 +87,13 @@ def keep_blocks(model: nn.Module, path: str | Path, cfg: ModelConfig, shard: TpS
         if kind is not None and name.endswith(".weight"):
             tensors[tensor.name] = name, tensor, kind
 
-    def read(key: str) -> Blocks | None:
+    def read(key: str) -> Int4Blocks | None:
         _, tensor, kind = tensors[key]
         if tensor.tensor_type.name not in KEPT_TYPES:
             return None
         blocks = int4_blocks(tensor)
         if permuted and kind in heads:  # rows: each row's groups move with it
-            q, scale, zero = (unpermute_qk(b, heads[kind]) for b in blocks)
-            return q, scale, zero
+            return Int4Blocks(*(unpermute_qk(b, heads[kind]) for b in blocks[:3]))
         return blocks
 
     parts = linear_parts(cfg, shard, ((name, key) for key, (name, _, _) in tensors.items()))

@@ -6,8 +6,8 @@ cannot run). The loader skips these tensors (``load_model``); this fills the lin
 - GPTQ: ``qweight`` int32 ``[in / 8, out]``, input row ``8i + k`` in bits ``4k..4k+3`` of word
   row ``i``; ``qzeros`` int32 ``[groups, out / 8]``, output column ``8j + k`` in nibble ``k``
   (the original format stores each zero less one, ``gptq_v2`` as it is); ``scales``
-  ``[groups, out]``; ``g_idx`` ``[in]``, each input column's group (contiguous groups only:
-  act-order is refused with the config).
+  ``[groups, out]``; ``g_idx`` ``[in]``, each input column's group (act-order scatters them:
+  the columns are then sorted by group and the input gathered into that order, as vLLM does).
 - AWQ (GEMM): ``qweight`` int32 ``[in, out / 8]`` and ``qzeros`` ``[groups, out / 8]``, output
   columns 0, 2, 4, 6, 1, 3, 5, 7 of a word in its nibbles 0..7; ``scales`` ``[groups, out]``.
 
@@ -28,8 +28,8 @@ from neo_rs.config import ModelConfig
 from neo_rs.errors import ModelLoadError
 from neo_rs.int4_checkpoint import Int4Checkpoint
 from neo_rs.model.loader import PACKED_TENSORS
-from neo_rs.model.prequantized import Blocks, build_linears, linear_parts
-from neo_rs.model.quant import INT4_GROUPS, decoder_linears
+from neo_rs.model.prequantized import build_linears, linear_parts
+from neo_rs.model.quant import Int4Blocks, decoder_linears, int4_group_size
 from neo_rs.parallel.shards import TpShard
 
 log = logging.getLogger(__name__)
@@ -45,17 +45,9 @@ def unpack(words: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
     return ((words[..., None] >> shifts) & 15).reshape(*words.shape[:-1], -1).to(torch.uint8)
 
 
-def kernel_group(group: int, where: str) -> int:
-    """The largest group size of the int4 kernel that divides a checkpoint's ``group``."""
-    fits = [g for g in INT4_GROUPS if group % g == 0]
-    if not fits:
-        raise ModelLoadError(f"{where}: groups of {group} columns split into none the int4 kernel takes")
-    return fits[0]
-
-
-def blocks_of(tensors: dict[str, torch.Tensor], spec: Int4Checkpoint, where: str) -> Blocks:
-    """One linear's packed tensors (by suffix: qweight, qzeros, scales, g_idx) as ``Blocks`` in
-    the kernel's groups (``kernel_group``)."""
+def blocks_of(tensors: dict[str, torch.Tensor], spec: Int4Checkpoint, where: str) -> Int4Blocks:
+    """One linear's packed tensors (by suffix: qweight, qzeros, scales, g_idx) as ``Int4Blocks``
+    in the largest groups of the kernel that divide the checkpoint's (``int4_group_size``)."""
     qweight, qzeros, scales = tensors["qweight"], tensors["qzeros"], tensors["scales"].float()
     if spec.method == "gptq":
         q = unpack(qweight.t(), _GPTQ_SHIFTS)  # [out, in]
@@ -70,13 +62,27 @@ def blocks_of(tensors: dict[str, torch.Tensor], spec: Int4Checkpoint, where: str
             f"{where}: scales {tuple(scales.shape)} and zeros {tuple(zeros.shape)} do not fit a "
             f"[{out}, {cols}] weight in groups of {group}"
         )
-    g_idx = tensors.get("g_idx")
-    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(cols) // group):
-        raise ModelLoadError(f"{where}: g_idx is not in order (act-order GPTQ is not supported yet)")
-    repeat = group // kernel_group(group, where)
+    order = _act_order(tensors.get("g_idx"), cols, group, where)
+    if order is not None:
+        q = q[:, order]  # each group's columns together, as the kernel reads them
+    kernel_group = int4_group_size(group)
+    if kernel_group is None:
+        raise ModelLoadError(f"{where}: groups of {group} columns split into none the int4 kernel takes")
+    repeat = group // kernel_group
     scale = scales.t().repeat_interleave(repeat, dim=1).contiguous()
     zero = ((8 - zeros) * scales).t().repeat_interleave(repeat, dim=1).contiguous()
-    return q.contiguous(), scale, zero
+    return Int4Blocks(q.contiguous(), scale, zero, order)
+
+
+def _act_order(g_idx: torch.Tensor | None, cols: int, group: int, where: str) -> torch.Tensor | None:
+    """The input columns group by group where ``g_idx`` scatters them (act-order GPTQ), or None
+    where each group's columns are consecutive already."""
+    if g_idx is None or torch.equal(g_idx.long(), torch.arange(cols) // group):
+        return None
+    counts = torch.bincount(g_idx.long(), minlength=cols // group)
+    if g_idx.shape != (cols,) or len(counts) != cols // group or not bool((counts == group).all()):
+        raise ModelLoadError(f"{where}: g_idx does not give each of {cols // group} groups {group} columns")
+    return torch.argsort(g_idx.long(), stable=True)
 
 
 def load_packed_linears(
@@ -93,7 +99,7 @@ def load_packed_linears(
             where.update(dict.fromkeys(f.keys(), path))  # noqa: SIM118 (safe_open is not a mapping)
     modules = sorted(name.removesuffix(".qweight") for name in where if name.endswith(".qweight"))
 
-    def read(module: str) -> Blocks:
+    def read(module: str) -> Int4Blocks:
         tensors = {}
         for suffix in PACKED_TENSORS:
             name = module + suffix

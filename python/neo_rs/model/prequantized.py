@@ -1,7 +1,7 @@
 """Decoder linears built from a checkpoint's own 4-bit weights (a GGUF's blocks, GPTQ or AWQ
-tensors): each source tensor read as ``Blocks`` (``Int4Linear``'s form, ``w = (q - 8) * scale +
-zero`` per group of input columns) and placed as the loader places a float weight: the parts of
-a fused linear, a tensor-parallel rank's rows or columns, so no other placement logic exists."""
+tensors): each source tensor read as ``Int4Blocks`` and placed as the loader places a float
+weight (the parts of a fused linear, a tensor-parallel rank's rows or columns), so that no other
+placement logic exists."""
 
 from __future__ import annotations
 
@@ -14,11 +14,9 @@ from torch import nn
 
 from neo_rs.config import ModelConfig
 from neo_rs.model.loader import Placement, placements
-from neo_rs.model.quant import INT4_ROWS, Int4Linear, decoder_linears
+from neo_rs.model.quant import INT4_ROWS, Int4Blocks, Int4Linear, decoder_linears
 from neo_rs.parallel.shards import TpShard
 
-# q (uint8 [out, in], 0..15), scale and zero (float32 [out, in / group]).
-Blocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 Key = TypeVar("Key", bound=Hashable)
 Parts = dict[str, list[tuple[Placement, Key]]]
 
@@ -34,48 +32,49 @@ def linear_parts(cfg: ModelConfig, shard: TpShard, weights: Iterable[tuple[str, 
     return parts
 
 
-def dequantize(blocks: Blocks) -> torch.Tensor:
-    """The float32 weight ``blocks`` stand for."""
-    q, scale, zero = blocks
-    group = q.shape[1] // scale.shape[1]
-    w = (q.float() - 8).reshape(*scale.shape, group) * scale[..., None] + zero[..., None]
-    return w.reshape(q.shape)
-
-
 def build_linears(
-    model: nn.Module, parts: Parts[Key], read: Callable[[Key], Blocks | None], keep: bool
+    model: nn.Module, parts: Parts[Key], read: Callable[[Key], Int4Blocks | None], keep: bool
 ) -> tuple[int, int, set[str]]:
-    """Each decoder linear of ``model`` whose every part ``read`` gives blocks (of one group
-    size): an ``Int4Linear`` of them where ``keep`` and the kernel takes its shape (a rank's
-    columns starting on a group, rows in 16s), else their dequantized weight in its float
-    weight. Returns (kept, dequantized, the names of the linears built)."""
+    """Each decoder linear of ``model`` whose every part ``read`` gives blocks (of one group size
+    and column order): an ``Int4Linear`` of them where ``keep`` and the kernel takes its shape (a
+    rank's columns starting on a group and in order, rows in 16s), else their dequantized weight
+    in its float weight. Returns (kept, dequantized, the names of the linears built)."""
     kept = dequantized = 0
     built: set[str] = set()
     for qualified, parent, attr, linear in decoder_linears(model):
         found = parts.get(qualified, [])
-        read_once: dict[Any, Blocks | None] = {}  # a fused source (Phi-3's) fills several parts
+        read_once: dict[Any, Int4Blocks | None] = {}  # a fused source (Phi-3's) fills several parts
         for _, key in found:
             if key not in read_once:
                 read_once[key] = read(key)
-        if not found or any(b is None for b in read_once.values()):
+        blocks = [b for b in read_once.values() if b is not None]
+        if not found or len(blocks) < len(read_once):
             continue
-        first = _read(read_once, found[0][1])
-        group = first[0].shape[1] // first[1].shape[1]
-        columns_split = any(p.src and len(p.src) > 1 and p.src[1].start % group for p, _ in found)
-        if keep and not columns_split and linear.out_features % INT4_ROWS == 0:
+        first = blocks[0]
+        one_order = all(_same_order(b.order, first.order) for b in blocks)
+        # A row-parallel rank's share of the input columns, where it is not all of them.
+        split = [
+            p.src[1]
+            for p, key in found
+            if p.src
+            and len(p.src) > 1
+            and (p.src[1].start, p.src[1].stop) != (0, _read(read_once, key).q.shape[1])
+        ]
+        fits = all(c.start % first.group == 0 for c in split) and not (split and first.order is not None)
+        if keep and one_order and fits and linear.out_features % INT4_ROWS == 0:
             q = torch.empty(linear.out_features, linear.in_features, dtype=torch.uint8)
-            scale = torch.empty(linear.out_features, linear.in_features // group)
+            scale = torch.empty(linear.out_features, linear.in_features // first.group)
             zero = torch.empty_like(scale)
             for place, key in found:
-                for dst, src, per_col in zip(
-                    (q, scale, zero), _read(read_once, key), (1, group, group), strict=True
-                ):
-                    _place(dst, src, place, per_col)
-            setattr(parent, attr, Int4Linear(linear, blocks=(q, scale, zero, group)))
+                part = _read(read_once, key)
+                _place(q, part.q, place, 1)
+                _place(scale, part.scale, place, first.group)
+                _place(zero, part.zero, place, first.group)
+            setattr(parent, attr, Int4Linear(linear, Int4Blocks(q, scale, zero, first.order)))
             kept += 1
         else:
             for place, key in found:
-                w = dequantize(_read(read_once, key)).to(linear.weight.dtype)
+                w = _read(read_once, key).dequantized().to(linear.weight.dtype)
                 with torch.no_grad():
                     _place(linear.weight, w, place, 1)
             dequantized += 1
@@ -83,7 +82,11 @@ def build_linears(
     return kept, dequantized, built
 
 
-def _read(read_once: dict[Any, Blocks | None], key: Any) -> Blocks:
+def _same_order(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+
+def _read(read_once: dict[Any, Int4Blocks | None], key: Any) -> Int4Blocks:
     blocks = read_once[key]
     assert blocks is not None
     return blocks

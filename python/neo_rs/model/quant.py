@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -123,26 +124,51 @@ def int4_group(linear: nn.Linear) -> int:
     return group
 
 
+class Int4Blocks(NamedTuple):
+    """A weight in ``Int4Linear``'s form, ``w[:, order[j]] = (q[:, j] - 8) * scale + zero`` with
+    each scale and zero over a group of consecutive columns ``j``: ``q`` uint8 ``[out, in]``
+    (0..15), ``scale`` and ``zero`` float32 ``[out, in / group]``, ``order`` the input column
+    each of ``q``'s stands for (None: in order; act-order GPTQ's groups are scattered)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    order: torch.Tensor | None = None
+
+    @property
+    def group(self) -> int:
+        return self.q.shape[1] // self.scale.shape[1]
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight, its columns in input order."""
+        w = (self.q.float() - 8).reshape(*self.scale.shape, self.group) * self.scale[..., None]
+        w = (w + self.zero[..., None]).reshape(self.q.shape)
+        if self.order is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.order] = w
+        return out
+
+
 class Int4Linear(nn.Module):
     """An ``nn.Linear`` whose weight is held as tinygemm's packed int4, with a scale and a zero
     per group and output row (``[in / group, out, 2]``, the model dtype); the output is in the
-    input's dtype. ``blocks``: ``(q, scale, zero, group)`` already quantized (a GGUF's, see
-    ``gguf_blocks.py``), else ``linear``'s weight is quantized."""
+    input's dtype. ``blocks``: already quantized (a GGUF's, GPTQ's, AWQ's; the input is gathered
+    into their column order first, if any), else ``linear``'s weight is quantized."""
 
     packed: torch.Tensor
     scales_zeros: torch.Tensor
+    order: torch.Tensor | None
 
-    def __init__(
-        self, linear: nn.Linear, blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
-    ) -> None:
+    def __init__(self, linear: nn.Linear, blocks: Int4Blocks | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         device, dtype = linear.weight.device, linear.weight.dtype
         if blocks is None:
-            self.group = int4_group(linear)
-            q, scale, zero = quantize_int4(linear.weight, self.group)
-        else:
-            q, scale, zero, self.group = blocks
+            blocks = Int4Blocks(*quantize_int4(linear.weight, int4_group(linear)))
+        self.group = blocks.group
+        q, scale, zero, order = blocks
+        self.register_buffer("order", None if order is None else order.to(device))
         sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
         self.register_buffer("scales_zeros", sz.to(device, dtype))
         q = q.to(device, torch.int32)
@@ -157,6 +183,8 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        if self.order is not None:
+            rows = rows.index_select(1, self.order)
         y = self._mm(rows, self.packed, self.group, self.scales_zeros)
         if self.bias is not None:
             y = y + self.bias
