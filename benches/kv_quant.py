@@ -9,13 +9,14 @@ with the kernel's bf16 dot products off, two runs that differ only in f32 accumu
 Teacher forcing goes through the engine itself: the sampler is wrapped so that each sequence's
 next token is the text's, and each step's log-probabilities are recorded.
 
-With ``--weights [int8|int4|gguf]`` the same measure compares quantized weights
-(``--quantization``) with the model dtype's, the host KV as auto in both (targets: perplexity
-<= 1.01x for int8, <= 1.05x for int4; gguf: a GGUF's own 4-bit blocks kept, against the same
-file dequantized). Every other run loads the weights in the model dtype (``--quantization none``).
+With ``--weights [int8|int4|fp8|gguf]`` the same measure compares quantized weights
+(``--quantization``) with the model dtype's, the host KV as auto in both (targets: perplexity <=
+1.01x for int8 and fp8, <= 1.05x for int4; gguf: a GGUF's own 4-bit blocks kept, against the
+same file dequantized). Every other run loads the weights in the model dtype (``--quantization
+none``).
 
     python benches/kv_quant.py [--model smollm2-135m-instruct] [--dtype bfloat16] [--seqs 4]
-        [--weights [int8|int4|gguf]]
+        [--weights [int8|int4|fp8|gguf]]
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def main() -> None:
         "--weights",
         nargs="?",
         const="int8",
-        choices=["int8", "int4", "gguf"],
+        choices=["int8", "int4", "fp8", "gguf"],
         help="quantized weights (--quantization, default int8) against the model dtype's",
     )
     args = ap.parse_args()

@@ -1,15 +1,15 @@
-"""Weight-only int8 and int4 (``--quantization int8|int4``) against bf16 on the CPU device, side
-by side in one process: each decoder linear of SmolLM2-135M and of Llama-3.2-1B alone (bf16 as
-the engine runs it, prepacked for oneDNN, against ``Int8Linear`` and ``Int4Linear``) at 1 and 64
-rows, with the weight bytes each reads per call and the bandwidth that makes; then decode end to
-end through ``LLM`` on SmolLM2 (real weights) and on a Llama-3.2-1B-shaped model (random weights,
-written once to a temporary directory): one stream (ms per token after the prompt) and 64
-streams (tokens/s); SmolLM2 also with its GGUF's own Q4_1 blocks kept (``gguf``, its default,
-int4 in groups of 32), bf16 being that file dequantized. A linear alone may stay in the
-last-level cache between calls (SmolLM2's all do, and the 1B shape's smaller ones: rates above
-the memory's). Last, the roofline of one
-stream: the weight bytes a token reads (the LM head stays bf16) over the measured read
-bandwidth, against the measured time.
+"""Weight-only int8, int4 and FP8 (``--quantization int8|int4|fp8``) against bf16 on the CPU
+device, side by side in one process: each decoder linear of SmolLM2-135M and of Llama-3.2-1B
+alone (bf16 as the engine runs it, prepacked for oneDNN, against ``Int8Linear``, ``Int4Linear``
+and ``Fp8Linear``) at 1 and 64 rows, with the weight bytes each reads per call and the bandwidth
+that makes; then decode end to end through ``LLM`` on SmolLM2 (real weights) and on a
+Llama-3.2-1B-shaped model (random weights, written once to a temporary directory): one stream
+(ms per token after the prompt) and 64 streams (tokens/s); SmolLM2 also with its GGUF's own Q4_1
+blocks kept (``gguf``, its default, int4 in groups of 32), bf16 being that file dequantized. A
+linear alone may stay in the last-level cache between calls (SmolLM2's all do, and the 1B
+shape's smaller ones: rates above the memory's). Last, the roofline of one stream: the weight
+bytes a token reads (the LM head stays bf16) over the measured read bandwidth, against the
+measured time.
 
     python benches/quant_linear.py [--threads 2] [--skip-1b] [--tokens 64]
 """
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from common import cpu_line
 from neo_rs import LLM, SamplingParams
+from neo_rs.model.fp8 import Fp8Linear
 from neo_rs.model.packed import PackedLinear
 from neo_rs.model.quant import Int4Linear, Int8Linear, int4_group_size
 from safetensors.torch import save_file
@@ -70,25 +71,23 @@ def weight_bytes(module: nn.Module) -> int:
 def linear_table(rows_list: list[int]) -> None:
     """Each linear's time (ms) in bf16, int8 and int4, each quantized one's ratio to bf16, and
     the weight bytes per second each reads (GB/s)."""
+    methods = ("int8", "int4", "fp8")
+    print(f"{'shape':<14}{'linear':<14}{'rows':>5}" + "".join(f"{h:>10}" for h in ("bf16", *methods)), end="")
     print(
-        f"{'shape':<14}{'linear':<14}{'rows':>5}" + "".join(f"{h:>10}" for h in ("bf16", "int8", "int4")),
-        end="",
+        "".join(f"{m + '/bf16':>11}" for m in methods) + "".join(f"{h:>10}" for h in ("GB/s bf16", *methods))
     )
-    print(f"{'int8/bf16':>11}{'int4/bf16':>11}" + "".join(f"{h:>10}" for h in ("GB/s bf16", "int8", "int4")))
     for name, shape in SHAPES.items():
         for lin, (k, n) in linears(shape).items():
             dense = nn.Linear(k, n, bias=False).to(torch.bfloat16)
             nn.init.normal_(dense.weight, std=0.02)
-            quantized = Int8Linear(dense), Int4Linear(dense)
+            quantized = Int8Linear(dense), Int4Linear(dense), Fp8Linear(dense)
             for rows in rows_list:
                 x = torch.randn(rows, k).to(torch.bfloat16)
                 ms = [median_ms(PackedLinear(dense, rows), x), *(median_ms(q, x) for q in quantized)]
                 nbytes = [weight_bytes(dense), *(weight_bytes(q) for q in quantized)]
                 rates = [b / (t / 1e3) / 1e9 for b, t in zip(nbytes, ms, strict=True)]
                 print(f"{name:<14}{lin:<14}{rows:>5}" + "".join(f"{t:>10.3f}" for t in ms), end="")
-                print(
-                    f"{ms[1] / ms[0]:>10.2f}x{ms[2] / ms[0]:>10.2f}x" + "".join(f"{r:>10.1f}" for r in rates)
-                )
+                print("".join(f"{t / ms[0]:>10.2f}x" for t in ms[1:]) + "".join(f"{r:>10.1f}" for r in rates))
 
 
 def random_llama(root: Path, shape: tuple[int, ...]) -> Path:
@@ -149,7 +148,9 @@ def token_bytes(shape: tuple[int, ...], method: str | None) -> float:
     total = 0.0
     for k, n in linears(shape).values():
         group = int4_group_size(k) or 1  # the shapes here all have one
-        per = {None: 2.0, "int8": 1 + 2 / k, "int4": 0.5 + 4 / group, "gguf": 0.5 + 4 / 32}[method]
+        per = {None: 2.0, "int8": 1 + 2 / k, "fp8": 1 + 4 / k, "int4": 0.5 + 4 / group, "gguf": 0.5 + 4 / 32}[
+            method
+        ]
         total += k * n * per
     hidden, vocab, layers = shape[0], shape[6], shape[5]
     return layers * total + vocab * hidden * 2
@@ -208,7 +209,9 @@ def main() -> None:
             one_stream[name, None] = bf16[0]
             print(f"{name:<24}{'bf16':<10}{bf16[0]:>19.1f}{bf16[1]:>18.1f}")
             # SmolLM2's file is Q4_1: its own blocks, kept (the default), against our int4 groups.
-            for method in ("int8", "int4", "gguf") if path.endswith("instruct") else ("int8", "int4"):
+            for method in (
+                ("int8", "int4", "fp8", "gguf") if path.endswith("instruct") else ("int8", "int4", "fp8")
+            ):
                 q = decode(path, method, args.threads, args.tokens)
                 one_stream[name, method] = q[0]
                 print(f"{'':<24}{method:<10}{q[0]:>19.1f}{q[1]:>18.1f}")

@@ -69,12 +69,13 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 OFFLOAD_MODES = ("neo", "none", "all")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 CPU_KV_DTYPES = ("auto", "int8")
-# --quantization: int8 and int4 quantize an unquantized checkpoint's weights at load
-# (``model/quant.py``); the others keep a checkpoint's own 4-bit weights, and are inferred from
-# it: gguf a GGUF's blocks (``model/gguf_blocks.py``), gptq and awq their packed tensors
-# (``model/gptq_awq.py``). "none" loads every weight in the model dtype, whatever the checkpoint.
+# --quantization: int8, int4 and fp8 quantize an unquantized checkpoint's weights at load
+# (``model/quant.py``, ``model/fp8.py``); the others keep a checkpoint's own 4-bit weights, and
+# are inferred from it: gguf a GGUF's blocks (``model/gguf_blocks.py``), gptq and awq their packed
+# tensors (``model/gptq_awq.py``). "none" loads every weight in the model dtype, whatever the
+# checkpoint.
 CHECKPOINT_QUANTIZATIONS = ("gguf", "gptq", "awq")
-QUANTIZATIONS = ("int8", "int4", *CHECKPOINT_QUANTIZATIONS)
+QUANTIZATIONS = ("int8", "int4", "fp8", *CHECKPOINT_QUANTIZATIONS)
 NO_QUANTIZATION = "none"
 DTYPES = {
     "float32": torch.float32,
@@ -545,7 +546,7 @@ class EngineArgs:
         if asked in CHECKPOINT_QUANTIZATIONS and asked != own:
             source = {"gguf": "a .gguf model", "gptq": "a GPTQ checkpoint", "awq": "an AWQ checkpoint"}
             raise InvalidArgumentError(f"quantization {asked!r} needs {source[asked]}")
-        if cfg.int4_checkpoint is not None and asked in ("int8", "int4"):
+        if cfg.int4_checkpoint is not None and asked in ("int8", "int4", "fp8"):
             raise InvalidArgumentError(
                 f"the checkpoint is {own}-quantized: quantization must be {own!r}, 'none' or unset"
             )

@@ -153,13 +153,19 @@ def test_sliding_windows_and_soft_caps(monkeypatch, checkpoints, kind: str, back
 
 
 @pytest.mark.parametrize(
-    ("method", "kernel"), [("int8", "_weight_int8pack_mm"), ("int4", "_weight_int4pack_mm")]
+    ("method", "kernel", "capability"),
+    [
+        ("int8", "_weight_int8pack_mm.default", (9, 0)),
+        ("int4", "_weight_int4pack_mm.default", (9, 0)),
+        ("fp8", "_scaled_mm.default", (8, 9)),
+        ("fp8", "__lshift__.Scalar", (8, 0)),  # before Ada: weight-only, widened at each call
+    ],
 )
-def test_quantized_weights(monkeypatch, checkpoints, method: str, kernel: str) -> None:
-    """--quantization int8|int4 on CUDA: the weights quantized on the device at load, torch's
+def test_quantized_weights(monkeypatch, checkpoints, method: str, kernel: str, capability) -> None:
+    """--quantization int8|int4|fp8 on CUDA: the weights quantized on the device at load, torch's
     kernel in every linear, within the budget (Qwen3's widths are int4's: the demo model's FFN
     of 688 columns is no multiple of its groups)."""
-    with fake_gpu(monkeypatch) as checks:
+    with fake_gpu(monkeypatch, capability=capability) as checks:
         engine = engine_on(
             str(checkpoints["qwen3"]),
             offload="neo",
@@ -172,7 +178,10 @@ def test_quantized_weights(monkeypatch, checkpoints, method: str, kernel: str) -
         assert checks.runtime.cache_empties == 1
         queue(engine)
         assert "pipelined" in run(engine, checks)
-        assert checks.ops[f"aten.{kernel}.default"], checks.ops
+        assert checks.ops[f"aten.{kernel}"], checks.ops
+        assert method != "fp8" or kernel.startswith("_scaled_mm") == bool(
+            checks.ops["aten._scaled_mm.default"]
+        )
         engine.shutdown()
 
 

@@ -1,4 +1,4 @@
-"""Weight-only int8 and int4 linears (``--quantization int8|int4``): each kernel against its
+"""Weight-only int8, int4 and FP8 linears (``--quantization int8|int4|fp8``): each kernel against its
 dequantized weight, the engine against the same model with every quantized weight dequantized
 into a float checkpoint (our own dequantize-then-float path, token for token, in every offload
 mode), the bytes each keeps, and the refusals: an unknown method, widths int4's kernel cannot
@@ -15,6 +15,7 @@ import torch
 from conftest import assert_all_blocks_free
 from neo_rs import LLM, InvalidArgumentError, SamplingParams
 from neo_rs.errors import ModelLoadError
+from neo_rs.model.fp8 import FP8, Fp8Linear, quantize_fp8, widen
 from neo_rs.model.quant import Int4Linear, Int8Linear, int4_group_size, quantize_int4, quantize_int8
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -69,6 +70,32 @@ def test_int4_linear_multiplies_by_its_dequantized_weight(dtype: torch.dtype) ->
     assert scale[5, 1] == 0 and (back[5, 1] == 0.25).all()
 
 
+def test_fp8_widens_every_value_exactly_and_rounds_within_its_precision() -> None:
+    every = torch.arange(256, dtype=torch.uint8).view(FP8)
+    finite = every.float().isfinite()
+    assert torch.equal(widen(every).float()[finite] * 2**8, every.float()[finite])
+    torch.manual_seed(0)
+    w = torch.randn(40, 96) * torch.logspace(-3, 1, 96)  # columns across e4m3's range
+    w[3] = 0  # an all-zero row: scale 0, zeros out
+    q, scale = quantize_fp8(w)
+    assert q.dtype == FP8 and scale[3] == 0 and (q[3].float() == 0).all()
+    # Three mantissa bits: within 2^-4 of each weight, or of e4m3's smallest step for tiny ones.
+    back = q.float() * scale[:, None]
+    assert ((back - w).abs() <= torch.maximum(w.abs() / 16, scale[:, None] * 2**-9)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fp8_linear_multiplies_by_its_dequantized_weight(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 40, bias=True).to(dtype)
+    f8 = Fp8Linear(linear)
+    assert f8.weight.dtype == FP8 and not f8.scaled_mm  # weight-only on the CPU
+    x = torch.randn(2, 5, 96).to(dtype)
+    want = torch.nn.functional.linear(x.float(), f8.dequantized(), linear.bias.float())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(f8(x).float(), want, atol=tol, rtol=tol)
+
+
 def test_int4_refuses_widths_its_kernel_cannot_take() -> None:
     with pytest.raises(ModelLoadError, match="input widths in multiples of 32"):
         Int4Linear(nn.Linear(48, 32))
@@ -78,8 +105,8 @@ def test_int4_refuses_widths_its_kernel_cannot_take() -> None:
 
 def round_trip(w: torch.Tensor, method: str) -> torch.Tensor:
     """``w`` as ``method`` keeps it, dequantized (float32)."""
-    if method == "int8":
-        q, scale = quantize_int8(w)
+    if method in ("int8", "fp8"):
+        q, scale = (quantize_int8 if method == "int8" else quantize_fp8)(w)
         return q.float() * scale[:, None]
     group = int4_group_size(w.shape[1])
     assert group is not None
@@ -107,14 +134,14 @@ MODES = {
 }
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
 @pytest.mark.parametrize("offload", list(MODES))
 def test_engine_matches_its_dequantized_checkpoint(
     checkpoints, tmp_path: Path, offload: str, method: str
 ) -> None:
     path = checkpoints["qwen3"]  # q/k norms and biases around the quantized projections
     reference = dequantized_checkpoint(path, tmp_path / "dequantized", method)
-    kind = Int8Linear if method == "int8" else Int4Linear
+    kind = {"int8": Int8Linear, "int4": Int4Linear, "fp8": Fp8Linear}[method]
 
     def tokens(model: Path, **kw: object) -> list[list[int]]:
         with LLM(str(model), dtype="float32", **MODES[offload], **kw) as llm:
@@ -143,9 +170,12 @@ def test_the_quantized_linears_keep_their_share_of_the_bytes(checkpoints, monkey
         int8 = bytes_of(llm)
     with LLM(str(checkpoints["llama3"]), dtype="bfloat16", num_gpu_blocks=16, quantization="int4") as llm:
         int4 = bytes_of(llm)
+    with LLM(str(checkpoints["llama3"]), dtype="bfloat16", num_gpu_blocks=16, quantization="fp8") as llm:
+        fp8 = bytes_of(llm)
     # int8 rows plus a bf16 scale each, int4 ones plus a bf16 scale and zero per group of 64,
     # against bf16 rows; the norms stay as they were.
     assert int8[0] <= 0.55 * dense[0], (int8, dense)
+    assert fp8[0] <= 0.55 * dense[0], (fp8, dense)  # e4m3 rows plus a float32 scale each
     assert int4[0] <= 0.35 * dense[0], (int4, dense)
     assert int4[1] < int8[1] < dense[1]
 

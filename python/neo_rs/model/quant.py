@@ -15,13 +15,15 @@ experts (not yet quantized; the log says so)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from neo_rs.errors import ModelLoadError
+from neo_rs.model.fp8 import Fp8Linear
 from neo_rs.model.moe import SparseMoe
 
 log = logging.getLogger(__name__)
@@ -75,7 +77,7 @@ INT4_CUDA_CAPABILITY = (8, 0)
 def cuda_refusal(method: str, capability: tuple[int, int], dtype: torch.dtype) -> str | None:
     """Why ``method``'s CUDA kernel cannot run on this GPU in ``dtype``, or None where it can
     (asked before loading anything)."""
-    if method == "int8":  # every other method keeps int4 weights
+    if method in ("int8", "fp8"):  # every other method keeps int4 weights
         return None
     if capability < INT4_CUDA_CAPABILITY:
         need, have = "".join(map(str, INT4_CUDA_CAPABILITY)), "".join(map(str, capability))
@@ -199,7 +201,7 @@ class Int4Linear(nn.Module):
         return w.reshape(self.out_features, self.in_features).to(self.scales_zeros.dtype)
 
 
-_LINEARS = {"int8": Int8Linear, "int4": Int4Linear}
+_LINEARS: dict[str, Callable[[nn.Linear], nn.Module]] = {"int8": Int8Linear, "int4": Int4Linear}
 
 
 def decoder_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.Linear]]:
@@ -215,12 +217,13 @@ def decoder_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.
                     yield prefix + name, parent, name, child
 
 
-def quantize_linears(model: nn.Module, method: str) -> int:
-    """Replace each decoder linear (``decoder_linears``) by ``method``'s; returns how many."""
-    assert method in _LINEARS, method
+def quantize_linears(model: nn.Module, method: str, scaled_mm: bool = False) -> int:
+    """Replace each decoder linear (``decoder_linears``) by ``method``'s; returns how many.
+    ``scaled_mm``: FP8 multiplies in FP8 (``fp8.scaled_mm_runs``)."""
+    make = partial(Fp8Linear, scaled_mm=scaled_mm) if method == "fp8" else _LINEARS[method]
     count = 0
     for _, parent, name, linear in decoder_linears(model):
-        setattr(parent, name, _LINEARS[method](linear))
+        setattr(parent, name, make(linear))
         count += 1
     sparse = sum(isinstance(layer.mlp, SparseMoe) for layer in getattr(model, "decoder_layers", []))
     if sparse:

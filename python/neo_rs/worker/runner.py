@@ -25,6 +25,7 @@ from neo_rs.kv.layer_copies import LayerCopies
 from neo_rs.kv.pools import KvLayout, KvPool, block_pairs
 from neo_rs.kv.transfer import HostTransfer, Staged
 from neo_rs.model.decoder import Rope
+from neo_rs.model.fp8 import scaled_mm_runs
 from neo_rs.model.gguf_blocks import keep_blocks
 from neo_rs.model.gptq_awq import load_packed_linears
 from neo_rs.model.loader import empty_model, load_model, shard_files
@@ -122,7 +123,8 @@ class ModelRunner:
                 kept, left = keep_blocks(self.model, cfg_all.gguf_file, cfg_all, tp.shard)
                 log.info("kept %d linears as the GGUF's 4-bit blocks, %d others in %s", kept, left, dtype)
             else:
-                count = quantize_linears(self.model, quantization)
+                capability = runtime().capability(device) if device.type == "cuda" else None
+                count = quantize_linears(self.model, quantization, scaled_mm_runs(device, capability, dtype))
                 log.info("quantized %d linears to %s (weight-only)", count, quantization)
         if device.type == "cuda":
             # What loading freed (float weights quantized, the rotary tables' first allocation)

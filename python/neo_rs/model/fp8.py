@@ -1,0 +1,87 @@
+"""FP8 weights (``--quantization fp8``): each decoder linear's weight in e4m3 with a float32 scale
+per output channel (``scale = max|row| / 448``), quantized at load and kept so, half of bf16's
+bytes. Two ways to multiply, picked per GPU:
+
+- CUDA sm_89 and newer, bf16: ``torch._scaled_mm`` in FP8 on both sides, the activations scaled
+  per token at each call (vLLM's dynamic FP8);
+- elsewhere (the CPU, older GPUs, other dtypes) weight-only: the weight widened at each call and
+  multiplied in the model dtype. Widening shifts e4m3's sign, exponent and mantissa bits into
+  fp16's, which is exact (each value divided by 2^8, put back with the scale); torch's own
+  e4m3 cast runs element by element on the CPU, many times slower.
+
+The weight-only path reads half the bytes but widens them first: on the CPU it saves memory,
+not time (``benches/quant_linear.py``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+# torch's FP8 GEMM with a scale per row of each side (Ada and Hopper), bf16 out.
+SCALED_MM_CAPABILITY = (8, 9)
+_WIDENED = 2.0**8  # e4m3 bits read as fp16 are the value / 2^8
+
+
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` ``[out, in]`` as e4m3 rows and their float32 scales (``w ≈ q * scale[:, None]``); an
+    all-zero row gets scale 0."""
+    w = w.detach().float()
+    scale = w.abs().amax(dim=1) / FP8_MAX
+    q = (w / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).clamp_(-FP8_MAX, FP8_MAX)
+    return q.to(FP8), scale
+
+
+def widen(q: torch.Tensor) -> torch.Tensor:
+    """e4m3 ``q`` as fp16 holding each value / 2^8, exactly: e4m3's exponent (bias 7) lands in
+    fp16's (bias 15), its mantissa on top of fp16's; subnormals map to subnormals."""
+    bits = q.view(torch.uint8).to(torch.int16)
+    return ((bits & 0x80) << 8 | (bits & 0x7F) << 7).view(torch.float16)
+
+
+def scaled_mm_runs(device: torch.device, capability: tuple[int, int] | None, dtype: torch.dtype) -> bool:
+    """Whether ``torch._scaled_mm`` multiplies here: a CUDA GPU of sm_89 or newer, in bf16."""
+    return (
+        device.type == "cuda"
+        and capability is not None
+        and capability >= SCALED_MM_CAPABILITY
+        and (dtype == torch.bfloat16)
+    )
+
+
+class Fp8Linear(nn.Module):
+    """An ``nn.Linear`` whose weight is e4m3 with a float32 scale per output row; the output is in
+    the input's dtype. ``scaled_mm``: multiply in FP8 (``scaled_mm_runs``), else weight-only."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+
+    def __init__(self, linear: nn.Linear, scaled_mm: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        q, scale = quantize_fp8(linear.weight)
+        self.register_buffer("weight", q.to(linear.weight.device))
+        self.register_buffer("scale", scale.to(linear.weight.device))
+        self.bias = linear.bias
+        # _scaled_mm takes widths in multiples of 16.
+        self.scaled_mm = scaled_mm and self.in_features % 16 == 0 and self.out_features % 16 == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if self.scaled_mm:
+            per_token = rows.abs().amax(dim=1, keepdim=True).float().clamp_min(1e-12) / FP8_MAX
+            x8 = (rows / per_token).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+            y = torch._scaled_mm(
+                x8, self.weight.t(), scale_a=per_token, scale_b=self.scale[None, :], out_dtype=rows.dtype
+            )
+        else:
+            y = F.linear(rows, widen(self.weight).to(rows.dtype)) * (self.scale * _WIDENED).to(rows.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight it stands for (tests compare against it)."""
+        return self.weight.float() * self.scale[:, None]
