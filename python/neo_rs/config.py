@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from neo_rs.errors import InvalidArgumentError, ModelLoadError
-from neo_rs.int4_checkpoint import Int4Checkpoint
+from neo_rs.quantized_checkpoint import QUANT_METHODS, QuantizedCheckpoint
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +245,7 @@ class ModelConfig:
     local_rope: RopeConfig | None = None  # the sliding layers' RoPE where it differs (Gemma 3)
     final_softcap: float | None = None  # soft-capping of the logits (Gemma 2)
     gguf_file: str | None = None  # the GGUF file the checkpoint was converted from (``gguf.py``)
-    int4_checkpoint: Int4Checkpoint | None = None  # its linears as GPTQ or AWQ tensors
+    quantized_checkpoint: QuantizedCheckpoint | None = None  # its linears as GPTQ, AWQ or FP8 tensors
 
     @staticmethod
     def from_dir(model_dir: str | Path) -> ModelConfig:
@@ -270,13 +270,13 @@ class ModelConfig:
         family = ARCHITECTURES[arch]
         quant = cfg.get("quantization_config")
         method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        if quant is not None and (not isinstance(quant, dict) or method not in CHECKPOINT_QUANTIZATIONS):
+        if quant is not None and (not isinstance(quant, dict) or method not in ("gguf", *QUANT_METHODS)):
             raise ModelLoadError(
                 f"{where}: quantization_config {method!r} is not supported yet (we load "
-                f"{', '.join(CHECKPOINT_QUANTIZATIONS)}); load an unquantized checkpoint, optionally "
-                "with --quantization int8 or int4"
+                f"{', '.join(QUANT_METHODS)}); load an unquantized checkpoint, optionally with "
+                "--quantization int8, int4 or fp8"
             )
-        int4 = Int4Checkpoint.from_hf(quant, where) if quant is not None and method != "gguf" else None
+        packed = QuantizedCheckpoint.from_hf(quant, where) if quant is not None and method != "gguf" else None
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
@@ -323,7 +323,7 @@ class ModelConfig:
                 local_rope=local_rope,
                 final_softcap=_positive(cfg.get("final_logit_softcapping")),
                 gguf_file=quant["file"] if quant is not None and method == "gguf" else None,
-                int4_checkpoint=int4,
+                quantized_checkpoint=packed,
             )
         except KeyError as e:
             raise ModelLoadError(f"{where}: missing field {e.args[0]!r}") from e
@@ -540,13 +540,17 @@ class EngineArgs:
 
     def quantization_for(self, cfg: ModelConfig) -> str | None:
         """The method the weights are kept in: the one asked for, else the checkpoint's own (a
-        GGUF's blocks, GPTQ or AWQ tensors); None: the model dtype."""
-        own = "gguf" if cfg.gguf_file is not None else cfg.int4_checkpoint and cfg.int4_checkpoint.method
+        GGUF's blocks, GPTQ, AWQ or FP8 tensors); None: the model dtype."""
+        own = (
+            "gguf"
+            if cfg.gguf_file is not None
+            else cfg.quantized_checkpoint and cfg.quantized_checkpoint.method
+        )
         asked = self.quantization
         if asked in CHECKPOINT_QUANTIZATIONS and asked != own:
             source = {"gguf": "a .gguf model", "gptq": "a GPTQ checkpoint", "awq": "an AWQ checkpoint"}
             raise InvalidArgumentError(f"quantization {asked!r} needs {source[asked]}")
-        if cfg.int4_checkpoint is not None and asked in ("int8", "int4", "fp8"):
+        if cfg.quantized_checkpoint is not None and asked in ("int8", "int4", "fp8") and asked != own:
             raise InvalidArgumentError(
                 f"the checkpoint is {own}-quantized: quantization must be {own!r}, 'none' or unset"
             )

@@ -28,10 +28,12 @@ from neo_rs.cuda_runtime import use_runtime
 from neo_rs.engine.async_engine import AsyncEngine
 from neo_rs.errors import EngineStepError, ModelLoadError
 from neo_rs.kv.transfer import HostTransfer
+from neo_rs.model.fp8 import Fp8Linear
 from neo_rs.model.quant import Int4Linear
 from neo_rs.sample.structured import StructuredOutputsParams
 from neo_rs.worker import runner as runner_module
 from server_util import free_port
+from test_fp8_checkpoint import write_fp8
 from test_gguf import write_gguf
 from test_gptq_awq import write_packed
 from test_prefix_cache import PROMPTS
@@ -255,6 +257,17 @@ def test_a_gptq_checkpoint_keeps_its_int4_from_sm80_and_is_dequantized_before(
     with fake_gpu(monkeypatch, capability=(7, 5)):
         engine = engine_on(str(path), dtype="float16", num_gpu_blocks=10)
         assert type(engine.runner.model.decoder_layers[0].qkv_proj) is torch.nn.Linear
+        engine.shutdown()
+
+
+def test_an_fp8_checkpoint_multiplies_in_fp8_from_sm89(monkeypatch, checkpoints, tmp_path: Path) -> None:
+    path, _ = write_fp8(checkpoints["qwen2"], tmp_path, "compressed-tensors", "channel")
+    with fake_gpu(monkeypatch, capability=(8, 9)) as checks:
+        engine = engine_on(str(path), offload="neo", num_gpu_blocks=10, neo_force_pipeline=True)
+        assert isinstance(engine.runner.model.decoder_layers[0].qkv_proj, Fp8Linear)
+        queue(engine)
+        assert "pipelined" in run(engine, checks)
+        assert checks.ops["aten._scaled_mm.default"], checks.ops
         engine.shutdown()
 
 

@@ -19,12 +19,12 @@ from conftest import assert_all_blocks_free
 from neo_rs import LLM, InvalidArgumentError, SamplingParams
 from neo_rs.config import ModelConfig
 from neo_rs.errors import ModelLoadError
-from neo_rs.int4_checkpoint import Int4Checkpoint
 from neo_rs.model.gptq_awq import blocks_of, load_packed_linears
 from neo_rs.model.loader import load_model, shard_files
 from neo_rs.model.quant import Int4Linear
 from neo_rs.parallel.group import TensorParallel
 from neo_rs.parallel.shards import TpShard
+from neo_rs.quantized_checkpoint import QuantizedCheckpoint
 from safetensors.torch import load_file, save_file
 from test_quant import MODES
 
@@ -147,7 +147,7 @@ def test_packed_tensors_read_back_as_their_weights(
     w = torch.randn(48, 512)
     order = rng.permutation(512) if act_order else None
     linear = quantize(w, 512 if group == -1 else group, rng, v1, order)
-    spec = Int4Checkpoint(method, group, zeros_minus_one=v1)
+    spec = QuantizedCheckpoint(method, group, zeros_minus_one=v1)
     blocks = blocks_of(linear.tensors(method, v1), spec, "test")
     assert blocks.q.dtype == torch.uint8 and torch.equal(blocks.dequantized(), linear.weight())
     assert blocks.group == (128 if group in (-1, 256) else group)  # the kernel's largest that divides

@@ -183,10 +183,10 @@ def test_the_quantized_linears_keep_their_share_of_the_bytes(checkpoints, monkey
 def test_bad_quantization_is_refused(checkpoints, tmp_path: Path) -> None:
     with pytest.raises(InvalidArgumentError, match="quantization must be one of int8, int4"):
         LLM(str(checkpoints["llama"]), quantization="int3")
-    fp8 = tmp_path / "fp8"
-    shutil.copytree(checkpoints["llama"], fp8)
-    cfg = json.loads((fp8 / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized"}
-    (fp8 / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match="quantization_config 'compressed-tensors' is not supported"):
-        LLM(str(fp8))
+    bnb = tmp_path / "bnb"
+    shutil.copytree(checkpoints["llama"], bnb)
+    cfg = json.loads((bnb / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (bnb / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="quantization_config 'bitsandbytes' is not supported"):
+        LLM(str(bnb))

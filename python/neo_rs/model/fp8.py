@@ -1,6 +1,6 @@
 """FP8 weights (``--quantization fp8``): each decoder linear's weight in e4m3 with a float32 scale
-per output channel (``scale = max|row| / 448``), quantized at load and kept so, half of bf16's
-bytes. Two ways to multiply, picked per GPU:
+per output channel (``scale = max|row| / 448``), quantized at load, or an FP8 checkpoint's own
+(``fp8_checkpoint.py``), and kept so: half of bf16's bytes. Two ways to multiply, picked per GPU:
 
 - CUDA sm_89 and newer, bf16: ``torch._scaled_mm`` in FP8 on both sides, the activations scaled
   per token at each call (vLLM's dynamic FP8);
@@ -58,10 +58,16 @@ class Fp8Linear(nn.Module):
     weight: torch.Tensor
     scale: torch.Tensor
 
-    def __init__(self, linear: nn.Linear, scaled_mm: bool = False) -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        scaled_mm: bool = False,
+        weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        q, scale = quantize_fp8(linear.weight)
+        # ``weights``: a checkpoint's own e4m3 rows and scales (``fp8_checkpoint.py``).
+        q, scale = quantize_fp8(linear.weight) if weights is None else weights
         self.register_buffer("weight", q.to(linear.weight.device))
         self.register_buffer("scale", scale.to(linear.weight.device))
         self.bias = linear.bias

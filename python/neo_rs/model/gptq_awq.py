@@ -21,16 +21,15 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from neo_rs.config import ModelConfig
 from neo_rs.errors import ModelLoadError
-from neo_rs.int4_checkpoint import Int4Checkpoint
 from neo_rs.model.loader import PACKED_TENSORS
-from neo_rs.model.prequantized import build_linears, linear_parts
-from neo_rs.model.quant import Int4Blocks, decoder_linears, int4_group_size
+from neo_rs.model.prequantized import TensorIndex, build_linears, check_covered, linear_parts
+from neo_rs.model.quant import Int4Blocks, int4_group_size
 from neo_rs.parallel.shards import TpShard
+from neo_rs.quantized_checkpoint import QuantizedCheckpoint
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +44,7 @@ def unpack(words: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
     return ((words[..., None] >> shifts) & 15).reshape(*words.shape[:-1], -1).to(torch.uint8)
 
 
-def blocks_of(tensors: dict[str, torch.Tensor], spec: Int4Checkpoint, where: str) -> Int4Blocks:
+def blocks_of(tensors: dict[str, torch.Tensor], spec: QuantizedCheckpoint, where: str) -> Int4Blocks:
     """One linear's packed tensors (by suffix: qweight, qzeros, scales, g_idx) as ``Int4Blocks``
     in the largest groups of the kernel that divide the checkpoint's (``int4_group_size``)."""
     qweight, qzeros, scales = tensors["qweight"], tensors["qzeros"], tensors["scales"].float()
@@ -91,27 +90,16 @@ def load_packed_linears(
     """Fill each decoder linear of ``model`` (rank ``shard``'s) from the packed tensors in
     ``files``: kept as int4 where ``keep``, else dequantized. Returns (kept, dequantized);
     ``ModelLoadError`` names a linear the checkpoint has neither packed nor float."""
-    spec = cfg.int4_checkpoint
+    spec = cfg.quantized_checkpoint
     assert spec is not None
-    where: dict[str, Path] = {}
-    for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            where.update(dict.fromkeys(f.keys(), path))  # noqa: SIM118 (safe_open is not a mapping)
-    modules = sorted(name.removesuffix(".qweight") for name in where if name.endswith(".qweight"))
+    index = TensorIndex(files)
 
     def read(module: str) -> Int4Blocks:
-        tensors = {}
-        for suffix in PACKED_TENSORS:
-            name = module + suffix
-            if name in where:
-                with safe_open(str(where[name]), framework="pt", device="cpu") as f:
-                    tensors[suffix[1:]] = f.get_tensor(name)
+        tensors = {s[1:]: index.get(module + s) for s in PACKED_TENSORS if module + s in index}
         return blocks_of(tensors, spec, module)
 
+    modules = index.with_suffix(".qweight")
     parts = linear_parts(cfg, shard, ((module + ".weight", module) for module in modules))
     kept, dequantized, built = build_linears(model, parts, read, keep)
-    floats = linear_parts(cfg, shard, ((n, n) for n in where if n.endswith(".weight")))
-    missing = [name for name, *_ in decoder_linears(model) if name not in built and name not in floats]
-    if missing:
-        raise ModelLoadError(f"the checkpoint lacks packed or float weights for {', '.join(missing[:3])}")
+    check_covered(model, built, index, cfg, shard)
     return kept, dequantized

@@ -43,8 +43,10 @@ _NORMS = (
     "pre_feedforward_layernorm",
     "post_feedforward_layernorm",
 )
-# The tensors of a GPTQ or AWQ checkpoint's packed linear (read by ``gptq_awq.py``).
-PACKED_TENSORS = (".qweight", ".qzeros", ".scales", ".g_idx")
+# The tensors of a quantized checkpoint's linear, read by ``gptq_awq.py`` (GPTQ, AWQ) or
+# ``fp8_checkpoint.py`` (whose e4m3 weights are named ``weight``, told by their dtype).
+PACKED_TENSORS = (".qweight", ".qzeros", ".scales", ".g_idx", ".weight_scale", ".input_scale")
+FP8_DTYPE = "F8_E4M3"
 # An expert's matrices: Mixtral's w1/w3/w2, Qwen3-MoE's gate/up/down.
 _EXPERT = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)$")
 _EXPERT_PART = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1}
@@ -209,19 +211,20 @@ def load_model(
 ) -> CausalLM:
     """The model of checkpoint ``model_dir``, or under tensor parallelism rank ``tp.rank``'s shard
     of it: each tensor is read through a safetensors slice, so no rank holds the whole model.
-    A GPTQ or AWQ checkpoint's packed linears are left unfilled, for ``gptq_awq.py``."""
+    A quantized checkpoint's linears are left unfilled, for ``gptq_awq.py`` or
+    ``fp8_checkpoint.py``."""
     model_dir = Path(model_dir)
     files = shard_files(model_dir)
     local = tp.shard.local_config(cfg)
     model = empty_model(cfg, dtype, device, max_positions, tp)
     params = dict(model.named_parameters())
-    packed = cfg.int4_checkpoint is not None
+    packed = cfg.quantized_checkpoint is not None
     # Elements written per parameter, to name anything the checkpoint did not provide.
     filled = {name: 0 for name in params}
     for path in tqdm(files, desc="Loading safetensors shards", unit="shard", disable=len(files) < 2):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if packed and name.endswith(PACKED_TENSORS):
+                if packed and (name.endswith(PACKED_TENSORS) or f.get_slice(name).get_dtype() == FP8_DTYPE):
                     continue
                 for place in placements(cfg, local, tp.shard, name):
                     if place.ours not in params:

@@ -7,18 +7,53 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from neo_rs.config import ModelConfig
+from neo_rs.errors import ModelLoadError
 from neo_rs.model.loader import Placement, placements
 from neo_rs.model.quant import INT4_ROWS, Int4Blocks, Int4Linear, decoder_linears
 from neo_rs.parallel.shards import TpShard
 
 Key = TypeVar("Key", bound=Hashable)
 Parts = dict[str, list[tuple[Placement, Key]]]
+
+
+class TensorIndex:
+    """The tensors of a checkpoint's safetensors files, read one by one by name."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self.files: dict[str, Path] = {}
+        for path in files:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                self.files.update(dict.fromkeys(f.keys(), path))  # noqa: SIM118 (not a mapping)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def with_suffix(self, suffix: str) -> list[str]:
+        """The names ending in ``suffix``, without it."""
+        return sorted(n.removesuffix(suffix) for n in self.files if n.endswith(suffix))
+
+    def get(self, name: str) -> torch.Tensor:
+        with safe_open(str(self.files[name]), framework="pt", device="cpu") as f:
+            return f.get_tensor(name)
+
+
+def check_covered(
+    model: nn.Module, built: set[str], index: TensorIndex, cfg: ModelConfig, shard: TpShard
+) -> None:
+    """``ModelLoadError`` naming a decoder linear of ``model`` neither ``built`` from quantized
+    tensors nor given float weights by the checkpoint."""
+    floats = linear_parts(cfg, shard, ((n + ".weight", n) for n in index.with_suffix(".weight")))
+    missing = [name for name, *_ in decoder_linears(model) if name not in built and name not in floats]
+    if missing:
+        raise ModelLoadError(f"the checkpoint lacks quantized or float weights for {', '.join(missing[:3])}")
 
 
 def linear_parts(cfg: ModelConfig, shard: TpShard, weights: Iterable[tuple[str, Key]]) -> Parts[Key]:
@@ -67,16 +102,16 @@ def build_linears(
             zero = torch.empty_like(scale)
             for place, key in found:
                 part = _read(read_once, key)
-                _place(q, part.q, place, 1)
-                _place(scale, part.scale, place, first.group)
-                _place(zero, part.zero, place, first.group)
+                place_part(q, part.q, place, 1)
+                place_part(scale, part.scale, place, first.group)
+                place_part(zero, part.zero, place, first.group)
             setattr(parent, attr, Int4Linear(linear, Int4Blocks(q, scale, zero, first.order)))
             kept += 1
         else:
             for place, key in found:
                 w = _read(read_once, key).dequantized().to(linear.weight.dtype)
                 with torch.no_grad():
-                    _place(linear.weight, w, place, 1)
+                    place_part(linear.weight, w, place, 1)
             dequantized += 1
         built.add(qualified)
     return kept, dequantized, built
@@ -92,7 +127,7 @@ def _read(read_once: dict[Any, Int4Blocks | None], key: Any) -> Int4Blocks:
     return blocks
 
 
-def _place(dst: torch.Tensor, src: torch.Tensor, place: Placement, per_col: int) -> None:
+def place_part(dst: torch.Tensor, src: torch.Tensor, place: Placement, per_col: int) -> None:
     """Copy the part of ``src`` that ``place`` reads into the part of ``dst`` it fills, column
     slices of the source in units of ``per_col`` columns (1 for values, the group for scales)."""
     index = place.src

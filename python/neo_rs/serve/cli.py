@@ -70,8 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--quantization",
         choices=[*QUANTIZATIONS, NO_QUANTIZATION],
         help="keep the decoder's linear weights quantized, weight-only (int8: per output channel; "
-        "int4: groups of 128 input columns; fp8: e4m3 per output channel; gguf, gptq, awq: the "
-        "checkpoint's own 4-bit weights, inferred from it; none: every weight in --dtype)",
+        "int4: groups of 128 input columns; fp8: e4m3 per output channel, or an FP8 checkpoint's; "
+        "gguf, gptq, awq: the checkpoint's own 4-bit weights; a quantized checkpoint's method is "
+        "inferred; none: every weight in --dtype)",
     )
     p.add_argument(
         "--enable-prefix-caching",

@@ -24,8 +24,9 @@ from neo_rs.errors import InvalidArgumentError, ModelLoadError
 from neo_rs.kv.layer_copies import LayerCopies
 from neo_rs.kv.pools import KvLayout, KvPool, block_pairs
 from neo_rs.kv.transfer import HostTransfer, Staged
-from neo_rs.model.decoder import Rope
+from neo_rs.model.decoder import CausalLM, Rope
 from neo_rs.model.fp8 import scaled_mm_runs
+from neo_rs.model.fp8_checkpoint import load_fp8_linears
 from neo_rs.model.gguf_blocks import keep_blocks
 from neo_rs.model.gptq_awq import load_packed_linears
 from neo_rs.model.loader import empty_model, load_model, shard_files
@@ -110,26 +111,8 @@ class ModelRunner:
         of its KV heads (as many blocks on every rank)."""
         self.device, self.tp = device, tp
         self.quantization = quantization = self._quantization(args, cfg, dtype)
-        self.model = load_model(model_dir, cfg, dtype, device, max_model_len, tp)
+        self.model = self._load(model_dir, cfg, dtype, max_model_len, quantization)
         cfg_all, cfg = cfg, self.model.config  # the whole model's shapes, this rank's
-        if cfg_all.int4_checkpoint is not None:  # kept, or dequantized (--quantization none)
-            kept, floats = load_packed_linears(
-                self.model, shard_files(model_dir), cfg_all, tp.shard, keep=quantization is not None
-            )
-            log.info("%d linears kept as the checkpoint's int4, %d dequantized to %s", kept, floats, dtype)
-        elif quantization is not None:
-            if quantization == "gguf":
-                assert cfg_all.gguf_file is not None
-                kept, left = keep_blocks(self.model, cfg_all.gguf_file, cfg_all, tp.shard)
-                log.info("kept %d linears as the GGUF's 4-bit blocks, %d others in %s", kept, left, dtype)
-            else:
-                capability = runtime().capability(device) if device.type == "cuda" else None
-                count = quantize_linears(self.model, quantization, scaled_mm_runs(device, capability, dtype))
-                log.info("quantized %d linears to %s (weight-only)", count, quantization)
-        if device.type == "cuda":
-            # What loading freed (float weights quantized, the rotary tables' first allocation)
-            # back to the driver, where the pools' sizing sees it; torch's cache keeps it else.
-            runtime().empty_cache()
         if packing_applies(device, dtype):
             log.info("prepacked %d bf16 linears for oneDNN", pack_linears(self.model, args.max_num_seqs))
         self.layout = KvLayout(cfg.num_layers, cfg.num_kv_heads, args.block_size, cfg.head_dim, dtype)
@@ -200,6 +183,40 @@ class ModelRunner:
         # before the next plan).
         self._swapped_out: Staged | None = None
         self._landing: list[Staged] = []
+
+    def _load(
+        self,
+        model_dir: Path,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        max_model_len: int,
+        quantization: str | None,
+    ) -> CausalLM:
+        """This rank's model, its decoder linears kept as ``quantization`` says (a quantized
+        checkpoint's own, or quantized now) or in ``dtype``."""
+        device, tp = self.device, self.tp
+        model = load_model(model_dir, cfg, dtype, device, max_model_len, tp)
+        capability = runtime().capability(device) if device.type == "cuda" else None
+        scaled_mm = scaled_mm_runs(device, capability, dtype)
+        if cfg.quantized_checkpoint is not None:  # kept, or dequantized (--quantization none)
+            files, keep = shard_files(model_dir), quantization is not None
+            if cfg.quantized_checkpoint.method == "fp8":
+                kept, floats = load_fp8_linears(model, files, cfg, tp.shard, keep, scaled_mm)
+            else:
+                kept, floats = load_packed_linears(model, files, cfg, tp.shard, keep)
+            log.info("%d linears kept as the checkpoint has them, %d dequantized to %s", kept, floats, dtype)
+        elif quantization == "gguf":
+            assert cfg.gguf_file is not None
+            kept, left = keep_blocks(model, cfg.gguf_file, cfg, tp.shard)
+            log.info("kept %d linears as the GGUF's 4-bit blocks, %d others in %s", kept, left, dtype)
+        elif quantization is not None:
+            count = quantize_linears(model, quantization, scaled_mm)
+            log.info("quantized %d linears to %s (weight-only)", count, quantization)
+        if device.type == "cuda":
+            # What loading freed (float weights quantized, the rotary tables' first allocation)
+            # back to the driver, where the pools' sizing sees it; torch's cache keeps it else.
+            runtime().empty_cache()
+        return model
 
     def _quantization(self, args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype) -> str | None:
         """The method the weights are kept in (``EngineArgs.quantization_for``), told before

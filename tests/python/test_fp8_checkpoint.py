@@ -1,0 +1,132 @@
+"""FP8 checkpoints as three writers store them (compressed-tensors' float-quantized format, vLLM's
+and transformers' ``fp8``, ``fbgemm_fp8``), with a scale per channel or per tensor: each rank
+places the e4m3 rows and their scales as the float weight would be placed (a fused linear's
+parts keeping their own per-tensor scales), and the engine keeps them (inferred from
+``quantization_config``) and generates token for token as the float checkpoint of those weights
+in every offload mode, and as that checkpoint dequantized with ``--quantization none``; what we
+cannot load is named."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_all_blocks_free
+from neo_rs import LLM, SamplingParams
+from neo_rs.config import ModelConfig
+from neo_rs.errors import ModelLoadError
+from neo_rs.model.fp8 import FP8, FP8_MAX, Fp8Linear
+from neo_rs.model.fp8_checkpoint import load_fp8_linears
+from neo_rs.model.loader import load_model, shard_files
+from neo_rs.parallel.group import TensorParallel
+from neo_rs.parallel.shards import TpShard
+from safetensors.torch import load_file, save_file
+from test_quant import MODES
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+PROMPTS = [[256, 72, 105], list(range(10, 47)), [7], [5, 9, 200, 31] * 4]
+
+
+def quant_config(kind: str, strategy: str) -> dict:
+    if kind == "compressed-tensors":
+        weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False}
+        tokens = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
+        group = {"targets": ["Linear"], "weights": weights, "input_activations": tokens}
+        return {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "config_groups": {"group_0": group},
+            "ignore": ["lm_head"],
+        }
+    if kind == "fbgemm_fp8":
+        return {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}
+    return {"quant_method": "fp8", "activation_scheme": "static"}
+
+
+def write_fp8(src: Path, root: Path, kind: str, strategy: str) -> tuple[Path, Path]:
+    """``src`` with its decoder linears in e4m3 and a ``weight_scale`` per channel or per tensor
+    (``fp8``: with a static ``input_scale`` too), and the float checkpoint of those weights."""
+    fp8_dir, float_dir = root / f"{kind}-{strategy}", root / f"{kind}-{strategy}-float"
+    for d in (fp8_dir, float_dir):
+        shutil.copytree(src, d)
+    quantized, floats = {}, {}
+    for name, w in load_file(src / "model.safetensors").items():
+        if ".layers." in name and name.endswith("_proj.weight"):
+            amax = w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1)
+            scale = amax.float() / FP8_MAX
+            q = (w / (scale if strategy == "channel" else scale[:, None])).to(FP8)
+            module = name.removesuffix(".weight")
+            quantized[name], quantized[f"{module}.weight_scale"] = q, scale
+            if kind == "fp8":
+                quantized[f"{module}.input_scale"] = torch.tensor([0.05])
+            floats[name] = q.float() * (scale if strategy == "channel" else scale[:, None])
+        else:
+            quantized[name] = floats[name] = w
+    save_file(quantized, fp8_dir / "model.safetensors", metadata={"format": "pt"})
+    save_file(floats, float_dir / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((fp8_dir / "config.json").read_text())
+    cfg["quantization_config"] = quant_config(kind, strategy)
+    (fp8_dir / "config.json").write_text(json.dumps(cfg))
+    return fp8_dir, float_dir
+
+
+@pytest.mark.parametrize(("strategy", "rank"), [("channel", 0), ("tensor", 1)])
+def test_each_rank_places_the_rows_and_their_scales(checkpoints, tmp_path, strategy: str, rank: int) -> None:
+    fp8, floats = write_fp8(checkpoints["qwen2"], tmp_path, "compressed-tensors", strategy)
+    cfg, shard = ModelConfig.from_dir(fp8), TpShard(rank, 2)
+    tp = TensorParallel(shard)
+    model = load_model(fp8, cfg, torch.float32, torch.device("cpu"), 64, tp)
+    assert load_fp8_linears(model, shard_files(fp8), cfg, shard, keep=True, scaled_mm=False) == (8, 0)
+    reference = load_model(floats, ModelConfig.from_dir(floats), torch.float32, torch.device("cpu"), 64, tp)
+    linears = ("qkv_proj", "o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    for name in [f"layers.{i}.{m}" for i in range(2) for m in linears]:
+        linear, want = model.get_submodule(name), reference.get_submodule(name)
+        assert isinstance(linear, Fp8Linear) and linear.weight.dtype == FP8, name
+        torch.testing.assert_close(linear.dequantized(), want.weight, rtol=1e-6, atol=1e-7, msg=name)
+
+
+KINDS = {
+    "compressed-tensors-channel": ("compressed-tensors", "channel"),
+    "fp8-tensor": ("fp8", "tensor"),
+    "fbgemm-channel": ("fbgemm_fp8", "channel"),
+}
+
+
+@pytest.mark.parametrize("offload", list(MODES))
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_engine_generates_like_the_float_checkpoint_of_its_weights(
+    checkpoints, tmp_path, kind: str, offload: str
+) -> None:
+    fp8, floats = write_fp8(checkpoints["qwen2"], tmp_path, *KINDS[kind])
+
+    def tokens(model: Path, **kw: object) -> tuple[list[list[int]], int]:
+        with LLM(str(model), dtype="float32", **MODES[offload], **kw) as llm:
+            outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+            assert_all_blocks_free(llm.engine)
+            kept = sum(isinstance(m, Fp8Linear) for m in llm.engine.runner.model.modules())
+            return [o.outputs[0].token_ids for o in outs], kept
+
+    want, _ = tokens(floats)
+    assert tokens(fp8) == (want, 8)  # inferred from quantization_config (2 layers of 4 linears)
+    assert tokens(fp8, quantization="none") == (want, 0)  # dequantized at load
+
+
+def test_what_we_cannot_load_is_named(checkpoints, tmp_path) -> None:
+    fp8, _ = write_fp8(checkpoints["llama"], tmp_path, "compressed-tensors", "channel")
+    base = json.loads((fp8 / "config.json").read_text())
+    group = base["quantization_config"]["config_groups"]["group_0"]
+    int4 = {**group, "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}
+    for quant, match in [
+        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "weight_block_size .*block-wise"),
+        ({**base["quantization_config"], "format": "pack-quantized"}, "format 'pack-quantized'"),
+        (
+            {**base["quantization_config"], "config_groups": {"group_0": int4}},
+            "config_groups.group_0.weights",
+        ),
+    ]:
+        (fp8 / "config.json").write_text(json.dumps({**base, "quantization_config": quant}))
+        with pytest.raises(ModelLoadError, match=match):
+            LLM(str(fp8), num_gpu_blocks=8)
