@@ -224,3 +224,11 @@ def test_what_we_cannot_load_is_named(checkpoints, tmp_path) -> None:
         LLM(str(packed), quantization="awq")
     with pytest.raises(InvalidArgumentError, match="quantization 'gptq' needs a GPTQ checkpoint"):
         LLM(str(checkpoints["llama"]), quantization="gptq")
+    # A fused linear with a part neither packed nor float: no rows left unwritten.
+    tensors = load_file(packed / "model.safetensors")
+    v_proj = [n for n in tensors if n.startswith("model.layers.1.self_attn.v_proj.")]
+    save_file({n: t for n, t in tensors.items() if n not in v_proj}, packed / "model.safetensors")
+    with pytest.raises(
+        ModelLoadError, match=r"layers.1.qkv_proj: the checkpoint's quantized parts fill \d+ of"
+    ):
+        LLM(str(packed), num_gpu_blocks=8)

@@ -18,7 +18,7 @@ from torch import nn
 from neo_rs.config import ModelConfig
 from neo_rs.errors import ModelLoadError
 from neo_rs.model.fp8 import FP8, Fp8Linear
-from neo_rs.model.prequantized import TensorIndex, check_covered, linear_parts, place_part
+from neo_rs.model.prequantized import TensorIndex, check_covered, check_rows, linear_parts, place_part
 from neo_rs.model.quant import decoder_linears
 from neo_rs.parallel.shards import TpShard
 
@@ -51,6 +51,7 @@ def load_fp8_linears(
         found = parts.get(qualified)
         if not found:
             continue
+        check_rows(qualified, found, linear.out_features)
         weight = torch.empty(linear.out_features, linear.in_features, dtype=FP8)
         scale = torch.empty(linear.out_features)
         read_once = {key: read(key) for key in dict.fromkeys(key for _, key in found)}

@@ -56,6 +56,24 @@ def check_covered(
         raise ModelLoadError(f"the checkpoint lacks quantized or float weights for {', '.join(missing[:3])}")
 
 
+def check_rows(qualified: str, found: list[tuple[Placement, Any]], out_features: int) -> None:
+    """``ModelLoadError`` unless the parts ``found`` for linear ``qualified`` fill all its rows
+    (a fused linear whose checkpoint quantized some of its parts and lacks the others)."""
+
+    def height(place: Placement) -> int:
+        if place.rows is None:
+            return out_features
+        span = place.rows[-1]
+        assert isinstance(span, slice) and span.start is not None and span.stop is not None
+        return span.stop - span.start
+
+    rows = sum(height(place) for place, _ in found)
+    if rows != out_features:
+        raise ModelLoadError(
+            f"{qualified}: the checkpoint's quantized parts fill {rows} of its {out_features} rows"
+        )
+
+
 def linear_parts(cfg: ModelConfig, shard: TpShard, weights: Iterable[tuple[str, Key]]) -> Parts[Key]:
     """Our linear (``layers.N.qkv_proj``...) -> where each source goes in it: ``weights`` gives
     (the HF name of the float weight a source stands for, a key to read it by)."""
@@ -85,6 +103,7 @@ def build_linears(
         blocks = [b for b in read_once.values() if b is not None]
         if not found or len(blocks) < len(read_once):
             continue
+        check_rows(qualified, found, linear.out_features)
         first = blocks[0]
         one_order = all(_same_order(b.order, first.order) for b in blocks)
         # A row-parallel rank's share of the input columns, where it is not all of them.
