@@ -26,7 +26,7 @@ from neo_rs import LLMEngine, SamplingParams
 from neo_rs.config import EngineArgs
 from neo_rs.cuda_runtime import use_runtime
 from neo_rs.engine.async_engine import AsyncEngine
-from neo_rs.errors import EngineStepError, ModelLoadError
+from neo_rs.errors import EngineStepError
 from neo_rs.kv.transfer import HostTransfer
 from neo_rs.model.fp8 import Fp8Linear
 from neo_rs.model.quant import Int4Linear
@@ -216,48 +216,46 @@ def test_quantized_weights_leave_the_bytes_they_save_to_the_kv_pool(monkeypatch,
     assert abs((blocks["int4"] - blocks["none"]) * per_block - saved) < per_block, (blocks, saved, per_block)
 
 
-def test_int4_weights_need_an_ampere_gpu(monkeypatch, checkpoints) -> None:
-    with (
-        fake_gpu(monkeypatch, capability=(7, 5)),
-        pytest.raises(ModelLoadError, match="needs sm_80 or newer"),
-    ):
-        engine_on(str(checkpoints["qwen3"]), dtype="float16", quantization="int4")
+# Where tinygemm runs (sm_80 on, bf16), its kernel; on a T4 in fp16, and in fp16 anywhere, ours.
+INT4_KERNELS = [
+    ((9, 0), "bfloat16", "aten._weight_int4pack_mm.default"),
+    ((7, 5), "float16", "neo_rs.int4_gemm.default"),
+    ((8, 0), "float16", "neo_rs.int4_gemm.default"),
+]
 
 
-def test_a_gguf_keeps_its_blocks_from_sm80_and_floats_before(monkeypatch, tmp_path: Path) -> None:
-    """A .gguf model's 4-bit blocks (--quantization gguf, inferred) in tinygemm's CUDA kernel on
-    sm_80 in bfloat16; on a T4 the inferred method gives way to floats, an asked-for one fails."""
-    path = write_gguf(tmp_path / "q4.gguf", types=["Q4_0", "Q4_1", "Q4_K"])
-    with fake_gpu(monkeypatch) as checks:
-        engine = engine_on(str(path), offload="neo", num_gpu_blocks=10, neo_force_pipeline=True)
+def _int4_on(monkeypatch: pytest.MonkeyPatch, model: str, capability, dtype: str, op: str, **kw: Any) -> None:
+    with fake_gpu(monkeypatch, capability=capability) as checks:
+        engine = engine_on(
+            model, dtype=dtype, offload="neo", num_gpu_blocks=10, neo_force_pipeline=True, **kw
+        )
         assert isinstance(engine.runner.model.decoder_layers[0].qkv_proj, Int4Linear)
         queue(engine)
         assert "pipelined" in run(engine, checks)
-        assert checks.ops["aten._weight_int4pack_mm.default"], checks.ops
+        assert checks.ops[op], checks.ops
         engine.shutdown()
-    with fake_gpu(monkeypatch, capability=(7, 5)):
-        engine = engine_on(str(path), dtype="float16", num_gpu_blocks=10)
-        assert type(engine.runner.model.decoder_layers[0].qkv_proj) is torch.nn.Linear
-        engine.shutdown()
-        with pytest.raises(ModelLoadError, match="needs sm_80 or newer"):
-            engine_on(str(path), dtype="float16", quantization="gguf")
 
 
-def test_a_gptq_checkpoint_keeps_its_int4_from_sm80_and_is_dequantized_before(
-    monkeypatch, checkpoints, tmp_path: Path
+@pytest.mark.parametrize(("capability", "dtype", "op"), INT4_KERNELS)
+def test_int4_weights_on_every_gpu(monkeypatch, checkpoints, capability, dtype: str, op: str) -> None:
+    _int4_on(monkeypatch, str(checkpoints["qwen3"]), capability, dtype, op, quantization="int4")
+
+
+@pytest.mark.parametrize(("capability", "dtype", "op"), INT4_KERNELS)
+def test_a_gguf_keeps_its_blocks_on_every_gpu(
+    monkeypatch, tmp_path: Path, capability, dtype: str, op: str
+) -> None:
+    """A .gguf model's 4-bit blocks (--quantization gguf, inferred), kept as int4 everywhere."""
+    path = write_gguf(tmp_path / "q4.gguf", types=["Q4_0", "Q4_1", "Q4_K"])
+    _int4_on(monkeypatch, str(path), capability, dtype, op)
+
+
+@pytest.mark.parametrize(("capability", "dtype", "op"), INT4_KERNELS[:2])
+def test_a_gptq_checkpoint_keeps_its_int4_on_every_gpu(
+    monkeypatch, checkpoints, tmp_path: Path, capability, dtype: str, op: str
 ) -> None:
     path, _ = write_packed(checkpoints["qwen2"], tmp_path, "gptq", 32)
-    with fake_gpu(monkeypatch) as checks:
-        engine = engine_on(str(path), offload="neo", num_gpu_blocks=10, neo_force_pipeline=True)
-        assert isinstance(engine.runner.model.decoder_layers[0].qkv_proj, Int4Linear)
-        queue(engine)
-        assert "pipelined" in run(engine, checks)
-        assert checks.ops["aten._weight_int4pack_mm.default"], checks.ops
-        engine.shutdown()
-    with fake_gpu(monkeypatch, capability=(7, 5)):
-        engine = engine_on(str(path), dtype="float16", num_gpu_blocks=10)
-        assert type(engine.runner.model.decoder_layers[0].qkv_proj) is torch.nn.Linear
-        engine.shutdown()
+    _int4_on(monkeypatch, str(path), capability, dtype, op)
 
 
 def test_an_fp8_checkpoint_multiplies_in_fp8_from_sm89(monkeypatch, checkpoints, tmp_path: Path) -> None:

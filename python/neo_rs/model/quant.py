@@ -6,8 +6,8 @@ bytes, which is what bounds decode at small batches:
   multiplied by torch's ``_weight_int8pack_mm`` (CPU and CUDA kernels);
 - ``--quantization int4``: 4 bits per weight in groups of 128 input columns (64 or 32 where the
   input width needs), asymmetric (a scale and a zero per group, round to nearest), multiplied
-  by torch's tinygemm kernels (``_weight_int4pack_mm_for_cpu``; on CUDA ``_weight_int4pack_mm``,
-  bfloat16 only).
+  by torch's tinygemm kernels (``_weight_int4pack_mm_for_cpu``; on CUDA ``_weight_int4pack_mm``
+  from sm_80 in bfloat16, else our Triton kernel, ``cuda/int4_gemm.py``).
 
 The embeddings and the LM head stay unquantized, as vLLM keeps them, and so do an MoE layer's
 experts (not yet quantized; the log says so)."""
@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from neo_rs.cuda_runtime import runtime
 from neo_rs.errors import ModelLoadError
 from neo_rs.model.fp8 import Fp8Linear
 from neo_rs.model.moe import SparseMoe
@@ -70,26 +71,14 @@ INT4_GROUPS = (128, 64, 32)
 # tinygemm's packing takes output widths in multiples of 16; on CUDA, tiles of this many 16-wide
 # slices of the input width (2: input widths in multiples of 32, as every group size is).
 INT4_ROWS, _CUDA_INNER_K_TILES = 16, 2
-# tinygemm's CUDA kernel needs Ampere's tensor cores, and takes bfloat16 only.
-INT4_CUDA_CAPABILITY = (8, 0)
+# tinygemm's CUDA kernel needs Ampere's tensor cores, and takes bfloat16 only; elsewhere on CUDA
+# our Triton kernel multiplies (``cuda/int4_gemm.py``).
+TINYGEMM_CUDA_CAPABILITY = (8, 0)
 
 
-def cuda_refusal(method: str, capability: tuple[int, int], dtype: torch.dtype) -> str | None:
-    """Why ``method``'s CUDA kernel cannot run on this GPU in ``dtype``, or None where it can
-    (asked before loading anything)."""
-    if method in ("int8", "fp8"):  # every other method keeps int4 weights
-        return None
-    if capability < INT4_CUDA_CAPABILITY:
-        need, have = "".join(map(str, INT4_CUDA_CAPABILITY)), "".join(map(str, capability))
-        return (
-            f"--quantization {method} on CUDA needs sm_{need} or newer (torch's tinygemm kernel); "
-            f"this GPU is sm_{have}"
-        )
-    if dtype != torch.bfloat16:
-        return (
-            f"--quantization {method} on CUDA needs --dtype bfloat16 (torch's tinygemm kernel), got {dtype}"
-        )
-    return None
+def tinygemm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's tinygemm int4 kernel runs on CUDA ``device`` in ``dtype``."""
+    return dtype == torch.bfloat16 and runtime().capability(device) >= TINYGEMM_CUDA_CAPABILITY
 
 
 def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -161,6 +150,7 @@ class Int4Linear(nn.Module):
     packed: torch.Tensor
     scales_zeros: torch.Tensor
     order: torch.Tensor | None
+    _mm: Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], torch.Tensor]  # (x, packed, group, sz)
 
     def __init__(self, linear: nn.Linear, blocks: Int4Blocks | None = None) -> None:
         super().__init__()
@@ -174,10 +164,15 @@ class Int4Linear(nn.Module):
         sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
         self.register_buffer("scales_zeros", sz.to(device, dtype))
         q = q.to(device, torch.int32)
-        if device.type == "cuda":
+        if device.type == "cuda" and tinygemm_runs(device, dtype):
             pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
             self.register_buffer("packed", torch._convert_weight_to_int4pack(pairs, _CUDA_INNER_K_TILES))
             self._mm = torch._weight_int4pack_mm
+        elif device.type == "cuda":
+            from neo_rs.model.cuda.int4_gemm import int4_gemm, pack_for_triton  # noqa: PLC0415 (needs Triton)
+
+            self.register_buffer("packed", pack_for_triton(q))
+            self._mm = lambda rows, packed, group, sz: int4_gemm(rows, packed, sz, group)
         else:
             self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1))
             self._mm = torch._weight_int4pack_mm_for_cpu

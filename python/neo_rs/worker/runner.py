@@ -20,7 +20,7 @@ from neo_rs.attention.layer import Attention, PendingCpuAttention
 from neo_rs.attention.metadata import AttentionBatch
 from neo_rs.config import EngineArgs, ModelConfig, emulate_async_copies, openmp_team
 from neo_rs.cuda_runtime import runtime
-from neo_rs.errors import InvalidArgumentError, ModelLoadError
+from neo_rs.errors import InvalidArgumentError
 from neo_rs.kv.layer_copies import LayerCopies
 from neo_rs.kv.pools import KvLayout, KvPool, block_pairs
 from neo_rs.kv.transfer import HostTransfer, Staged
@@ -31,7 +31,7 @@ from neo_rs.model.gguf_blocks import keep_blocks
 from neo_rs.model.gptq_awq import load_packed_linears
 from neo_rs.model.loader import empty_model, load_model, shard_files
 from neo_rs.model.packed import pack_linears, packing_applies
-from neo_rs.model.quant import cuda_refusal, quantize_linears
+from neo_rs.model.quant import quantize_linears
 from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel, rank_device
 from neo_rs.timing import HostWaits, MeasuredTimes, StageClock
 from neo_rs.worker.graphs import DecodeGraphs
@@ -110,7 +110,7 @@ class ModelRunner:
         """Under tensor parallelism, rank ``tp.rank``'s runner: its shard of the model, and pools
         of its KV heads (as many blocks on every rank)."""
         self.device, self.tp = device, tp
-        self.quantization = quantization = self._quantization(args, cfg, dtype)
+        self.quantization = quantization = args.quantization_for(cfg)
         self.model = self._load(model_dir, cfg, dtype, max_model_len, quantization)
         cfg_all, cfg = cfg, self.model.config  # the whole model's shapes, this rank's
         if packing_applies(device, dtype):
@@ -217,21 +217,6 @@ class ModelRunner:
             # back to the driver, where the pools' sizing sees it; torch's cache keeps it else.
             runtime().empty_cache()
         return model
-
-    def _quantization(self, args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype) -> str | None:
-        """The method the weights are kept in (``EngineArgs.quantization_for``), told before
-        loading anything where its CUDA kernel cannot run: a ``ModelLoadError`` if asked for,
-        floats and a warning if inferred from the checkpoint."""
-        method = args.quantization_for(cfg)
-        if method is None or self.device.type != "cuda":
-            return method
-        refusal = cuda_refusal(method, runtime().capability(self.device), dtype)
-        if refusal is None:
-            return method
-        if args.quantization is not None:
-            raise ModelLoadError(refusal)
-        log.warning("%s: the weights are loaded in %s instead", refusal, dtype)
-        return None
 
     def _device_blocks(self, args: EngineArgs, max_model_len: int) -> int:
         per_block = self.layout.bytes_per_block()
