@@ -15,7 +15,7 @@ import torch
 from conftest import assert_all_blocks_free
 from neo_rs import LLM, InvalidArgumentError, SamplingParams
 from neo_rs.errors import ModelLoadError
-from neo_rs.model.fp8 import FP8, Fp8Linear, quantize_fp8, widen
+from neo_rs.model.fp8 import FP8, Fp8Linear, quantize_fp8
 from neo_rs.model.quant import Int4Linear, Int8Linear, int4_group_size, quantize_int4, quantize_int8
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -70,10 +70,7 @@ def test_int4_linear_multiplies_by_its_dequantized_weight(dtype: torch.dtype) ->
     assert scale[5, 1] == 0 and (back[5, 1] == 0.25).all()
 
 
-def test_fp8_widens_every_value_exactly_and_rounds_within_its_precision() -> None:
-    every = torch.arange(256, dtype=torch.uint8).view(FP8)
-    finite = every.float().isfinite()
-    assert torch.equal(widen(every).float()[finite] * 2**8, every.float()[finite])
+def test_fp8_rounds_within_its_precision() -> None:
     torch.manual_seed(0)
     w = torch.randn(40, 96) * torch.logspace(-3, 1, 96)  # columns across e4m3's range
     w[3] = 0  # an all-zero row: scale 0, zeros out
