@@ -35,7 +35,7 @@ import torch
 import triton
 from neo_rs.attention.cuda import paged_decode, paged_prefill
 from neo_rs.config import cache_dir
-from neo_rs.model.cuda import fused_moe, int4_gemm
+from neo_rs.model.cuda import fused_moe, int4_gemm, words
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
@@ -202,7 +202,7 @@ def source_key() -> str:
     """The kernels' source, this script's and Triton's version: what the results depend on."""
     h = hashlib.sha256(triton.__version__.encode())
     h.update(Path(__file__).read_bytes())
-    for module in (paged_decode, paged_prefill, fused_moe, int4_gemm):
+    for module in (paged_decode, paged_prefill, fused_moe, int4_gemm, words):
         h.update(inspect.getsource(module).encode())
     return h.hexdigest()[:20]
 

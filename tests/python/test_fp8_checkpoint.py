@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_all_blocks_free
 from neo_rs import LLM, SamplingParams
 from neo_rs.config import ModelConfig
 from neo_rs.errors import ModelLoadError
@@ -24,7 +23,7 @@ from neo_rs.model.loader import load_model, shard_files
 from neo_rs.parallel.group import TensorParallel
 from neo_rs.parallel.shards import TpShard
 from safetensors.torch import load_file, save_file
-from test_quant import MODES
+from test_quant import MODES, tokens_and_count
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPTS = [[256, 72, 105], list(range(10, 47)), [7], [5, 9, 200, 31] * 4]
@@ -101,17 +100,10 @@ def test_engine_generates_like_the_float_checkpoint_of_its_weights(
     checkpoints, tmp_path, kind: str, offload: str
 ) -> None:
     fp8, floats = write_fp8(checkpoints["qwen2"], tmp_path, *KINDS[kind])
-
-    def tokens(model: Path, **kw: object) -> tuple[list[list[int]], int]:
-        with LLM(str(model), dtype="float32", **MODES[offload], **kw) as llm:
-            outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-            assert_all_blocks_free(llm.engine)
-            kept = sum(isinstance(m, Fp8Linear) for m in llm.engine.runner.model.modules())
-            return [o.outputs[0].token_ids for o in outs], kept
-
-    want, _ = tokens(floats)
-    assert tokens(fp8) == (want, 8)  # inferred from quantization_config (2 layers of 4 linears)
-    assert tokens(fp8, quantization="none") == (want, 0)  # dequantized at load
+    want, _ = tokens_and_count(floats, Fp8Linear, offload)
+    # Inferred from quantization_config (2 layers of 4 linears), then dequantized at load.
+    assert tokens_and_count(fp8, Fp8Linear, offload) == (want, 8)
+    assert tokens_and_count(fp8, Fp8Linear, offload, quantization="none") == (want, 0)
 
 
 def test_what_we_cannot_load_is_named(checkpoints, tmp_path) -> None:

@@ -12,7 +12,6 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from conftest import assert_all_blocks_free
 from neo_rs import LLM, InvalidArgumentError, SamplingParams
 from neo_rs.config import ModelConfig
 from neo_rs.model.gguf import converted_dir, dequantize, open_gguf
@@ -22,7 +21,7 @@ from neo_rs.model.quant import Int4Linear, Int8Linear, decoder_linears
 from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel
 from neo_rs.parallel.shards import TpShard
 from test_gguf import write_gguf
-from test_quant import MODES
+from test_quant import MODES, tokens_and_count
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPTS = [[256, 72, 105], list(range(10, 47)), [7], [5, 9, 200, 31] * 4]
@@ -82,15 +81,8 @@ def test_each_kept_linear_multiplies_by_the_weight_the_loader_placed(
 
 @pytest.mark.parametrize("offload", list(MODES))
 def test_kept_blocks_generate_like_the_file_dequantized(files, offload: str) -> None:
-    def tokens(quantization: str | None) -> tuple[list[list[int]], int]:
-        with LLM(str(files["normal"]), dtype="float32", quantization=quantization, **MODES[offload]) as llm:
-            outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-            assert_all_blocks_free(llm.engine)
-            kept = sum(isinstance(m, Int4Linear) for m in llm.engine.runner.model.modules())
-            return [o.outputs[0].token_ids for o in outs], kept
-
-    kept, n = tokens(None)  # inferred from the file
-    dequantized, none = tokens("none")
+    kept, n = tokens_and_count(files["normal"], Int4Linear, offload)  # inferred from the file
+    dequantized, none = tokens_and_count(files["normal"], Int4Linear, offload, quantization="none")
     assert (n, none) == (8, 0)  # 2 layers of QKV, O, gate/up and down
     assert kept == dequantized
     assert len({t for seq in kept for t in seq}) > 3  # the weights make no degenerate model

@@ -15,7 +15,6 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 import torch
-from conftest import assert_all_blocks_free
 from neo_rs import LLM, InvalidArgumentError, SamplingParams
 from neo_rs.config import ModelConfig
 from neo_rs.errors import ModelLoadError
@@ -26,7 +25,7 @@ from neo_rs.parallel.group import TensorParallel
 from neo_rs.parallel.shards import TpShard
 from neo_rs.quantized_checkpoint import QuantizedCheckpoint
 from safetensors.torch import load_file, save_file
-from test_quant import MODES
+from test_quant import MODES, tokens_and_count
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPTS = [[256, 72, 105], list(range(10, 47)), [7], [5, 9, 200, 31] * 4]
@@ -192,17 +191,10 @@ def test_engine_generates_like_the_float_checkpoint_of_its_weights(
 ) -> None:
     method, act_order, kept = KINDS[kind]
     packed, floats = write_packed(checkpoints["qwen2"], tmp_path, method, 32, act_order=act_order)
-
-    def tokens(model: Path, **kw: object) -> tuple[list[list[int]], int]:
-        with LLM(str(model), dtype="float32", **MODES[offload], **kw) as llm:
-            outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-            assert_all_blocks_free(llm.engine)
-            kept = sum(isinstance(m, Int4Linear) for m in llm.engine.runner.model.modules())
-            return [o.outputs[0].token_ids for o in outs], kept
-
-    want, _ = tokens(floats)
-    assert tokens(packed) == (want, kept)  # inferred from quantization_config (2 layers of 4 linears)
-    assert tokens(packed, quantization="none") == (want, 0)  # dequantized at load
+    want, _ = tokens_and_count(floats, Int4Linear, offload)
+    # Inferred from quantization_config (2 layers of 4 linears), then dequantized at load.
+    assert tokens_and_count(packed, Int4Linear, offload) == (want, kept)
+    assert tokens_and_count(packed, Int4Linear, offload, quantization="none") == (want, 0)
 
 
 def test_what_we_cannot_load_is_named(checkpoints, tmp_path) -> None:

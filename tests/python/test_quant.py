@@ -15,7 +15,7 @@ import torch
 from conftest import assert_all_blocks_free
 from neo_rs import LLM, InvalidArgumentError, SamplingParams
 from neo_rs.errors import ModelLoadError
-from neo_rs.model.fp8 import FP8, Fp8Linear, quantize_fp8
+from neo_rs.model.fp8 import FP8, Fp8Linear, quantize_fp8, widen
 from neo_rs.model.quant import Int4Linear, Int8Linear, int4_group_size, quantize_int4, quantize_int8
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -70,7 +70,10 @@ def test_int4_linear_multiplies_by_its_dequantized_weight(dtype: torch.dtype) ->
     assert scale[5, 1] == 0 and (back[5, 1] == 0.25).all()
 
 
-def test_fp8_rounds_within_its_precision() -> None:
+def test_fp8_widens_every_value_exactly_and_rounds_within_its_precision() -> None:
+    every = torch.arange(256, dtype=torch.uint8).view(FP8)
+    finite = every.float().isfinite()
+    assert torch.equal(widen(every).float()[finite] * 2**8, every.float()[finite])
     torch.manual_seed(0)
     w = torch.randn(40, 96) * torch.logspace(-3, 1, 96)  # columns across e4m3's range
     w[3] = 0  # an all-zero row: scale 0, zeros out
@@ -131,6 +134,16 @@ MODES = {
 }
 
 
+def tokens_and_count(model: Path, kind: type, offload: str, **kw: object) -> tuple[list[list[int]], int]:
+    """Greedy tokens of ``PROMPTS`` on ``model`` in float32, in ``MODES[offload]`` (every block
+    back in its pool after), and how many ``kind`` modules its model holds."""
+    with LLM(str(model), dtype="float32", **MODES[offload], **kw) as llm:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert_all_blocks_free(llm.engine)
+        count = sum(isinstance(m, kind) for m in llm.engine.runner.model.modules())
+        return [o.outputs[0].token_ids for o in outs], count
+
+
 @pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
 @pytest.mark.parametrize("offload", list(MODES))
 def test_engine_matches_its_dequantized_checkpoint(
@@ -140,16 +153,9 @@ def test_engine_matches_its_dequantized_checkpoint(
     reference = dequantized_checkpoint(path, tmp_path / "dequantized", method)
     kind = {"int8": Int8Linear, "int4": Int4Linear, "fp8": Fp8Linear}[method]
 
-    def tokens(model: Path, **kw: object) -> list[list[int]]:
-        with LLM(str(model), dtype="float32", **MODES[offload], **kw) as llm:
-            outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-            assert_all_blocks_free(llm.engine)
-            if kw:
-                layer = llm.engine.runner.model.decoder_layers[0]
-                assert isinstance(layer.qkv_proj, kind) and isinstance(layer.mlp.down_proj, kind)
-            return [o.outputs[0].token_ids for o in outs]
-
-    assert tokens(path, quantization=method) == tokens(reference)
+    kept, count = tokens_and_count(path, kind, offload, quantization=method)
+    assert count == 8  # 2 layers of QKV, O, gate/up and down
+    assert kept == tokens_and_count(reference, kind, offload)[0]
 
 
 def test_the_quantized_linears_keep_their_share_of_the_bytes(checkpoints, monkeypatch) -> None:

@@ -18,14 +18,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from neo_rs.model.cuda.words import as_words, widen
+
 BLOCK_M = 16  # pair rows per tile: tl.dot's minimum
-
-
-@triton.jit
-def _widen(x, IS_BF16: tl.constexpr):
-    if IS_BF16:
-        return (x.to(tl.uint16).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-    return x.to(tl.float32)
 
 
 @triton.jit
@@ -51,7 +46,7 @@ def _moe_gemm(
             a = tl.load(a_ptr + row[:, None] * stride_am + kk[None, :], ok[:, None] & k_ok[None, :], 0)
             w_at = w_ptr + expert.to(tl.int64) * stride_we + n[None, :] * stride_wn + kk[:, None]
             w = tl.load(w_at, k_ok[:, None] & n_ok[None, :], 0)  # [BLOCK_K, BLOCK_N]
-            acc += tl.dot(_widen(a, IS_BF16), _widen(w, IS_BF16), input_precision=PRECISION)
+            acc += tl.dot(widen(a, IS_BF16), widen(w, IS_BF16), input_precision=PRECISION)
         tl.store(out_ptr + pair[:, None] * stride_om + n[None, :], acc, ok[:, None] & n_ok[None, :])
 
 
@@ -90,10 +85,6 @@ def align(chosen: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.T
     return sorted_ids, torch.where(tiles < num_experts, tiles, -1).to(torch.int32)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-
-
 @torch.library.custom_op("neo_rs::moe_gemm", mutates_args=())
 def moe_gemm(
     a: torch.Tensor,
@@ -111,7 +102,7 @@ def moe_gemm(
     launch = moe_launch(a.dtype)
     grid = (tile_experts.numel(), triton.cdiv(n, launch["BLOCK_N"]))
     _moe_gemm[grid](
-        _bits(a), _bits(w), out, sorted_ids, tile_experts,
+        as_words(a), as_words(w), out, sorted_ids, tile_experts,
         pairs, n, k,
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         ROWS_PER_TOKEN=rows_per_token, **launch,

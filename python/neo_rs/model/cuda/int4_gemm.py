@@ -18,12 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _widen(x, IS_BF16: tl.constexpr):
-    if IS_BF16:
-        return (x.to(tl.uint16).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-    return x.to(tl.float32)
+from neo_rs.model.cuda.words import as_words, widen
 
 
 @triton.jit
@@ -42,12 +37,12 @@ def _int4_gemm(
     for k0 in range(0, K, BLOCK_K):  # BLOCK_K divides GROUP: one scale and zero per tile
         even = k0 + 2 * pair
         x_at = x_ptr + m[:, None] * stride_xm + even[None, :]
-        x_even = _widen(tl.load(x_at, m_ok[:, None], 0), IS_BF16)
-        x_odd = _widen(tl.load(x_at + 1, m_ok[:, None], 0), IS_BF16)
+        x_even = widen(tl.load(x_at, m_ok[:, None], 0), IS_BF16)
+        x_odd = widen(tl.load(x_at + 1, m_ok[:, None], 0), IS_BF16)
         byte = tl.load(packed_ptr + (k0 // 2 + pair)[:, None] * N + n[None, :], n_ok[None, :], 0).to(tl.int32)
         sz_at = sz_ptr + ((k0 // GROUP) * N + n) * 2
-        scale = _widen(tl.load(sz_at, n_ok, 0), IS_BF16)[None, :]
-        zero = _widen(tl.load(sz_at + 1, n_ok, 0), IS_BF16)[None, :]
+        scale = widen(tl.load(sz_at, n_ok, 0), IS_BF16)[None, :]
+        zero = widen(tl.load(sz_at + 1, n_ok, 0), IS_BF16)[None, :]
         w_even = ((byte & 15) - 8).to(tl.float32) * scale + zero
         w_odd = ((byte >> 4) - 8).to(tl.float32) * scale + zero
         acc += tl.dot(x_even, w_even, input_precision=PRECISION)
@@ -77,10 +72,6 @@ def pack_for_triton(q: torch.Tensor) -> torch.Tensor:
     return (q[:, 0::2] | q[:, 1::2] << 4).t().contiguous()
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-
-
 @torch.library.custom_op("neo_rs::int4_gemm", mutates_args=())
 def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group: int) -> torch.Tensor:
     """``x @ w.T`` (``x`` ``[M, in]``, the output in ``x``'s dtype) for the int4 weight ``w``
@@ -92,7 +83,7 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
     launch = int4_launch(x.dtype, group)
     grid = (triton.cdiv(m, launch["BLOCK_M"]), triton.cdiv(n, launch["BLOCK_N"]))
     _int4_gemm[grid](
-        _bits(x), packed, _bits(scales_zeros.contiguous()), out,
+        as_words(x), packed, as_words(scales_zeros.contiguous()), out,
         m, n, k,
         x.stride(0), out.stride(0),
         **launch,
