@@ -11,7 +11,6 @@ shards), and its float weight freed."""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +30,6 @@ from neo_rs.model.gguf import (
 from neo_rs.model.prequantized import build_linears, linear_parts
 from neo_rs.model.quant import Int4Blocks, decoder_linears
 from neo_rs.parallel.shards import TpShard
-
-log = logging.getLogger(__name__)
 
 GROUP = 32
 KEPT_TYPES = ("Q4_0", "Q4_1", "Q4_K")

@@ -17,7 +17,6 @@ that divides them (128, 64 or 32 columns), their scale and zero repeated."""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
@@ -30,8 +29,6 @@ from neo_rs.model.prequantized import TensorIndex, build_linears, check_covered,
 from neo_rs.model.quant import Int4Blocks, int4_group_size
 from neo_rs.parallel.shards import TpShard
 from neo_rs.quantized_checkpoint import QuantizedCheckpoint
-
-log = logging.getLogger(__name__)
 
 _GPTQ_SHIFTS = torch.arange(8, dtype=torch.int32) * 4
 # AWQ: output column k of a word sits in its nibble [0, 4, 1, 5, 2, 6, 3, 7][k].
