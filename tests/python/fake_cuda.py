@@ -77,7 +77,8 @@ class FakeCuda(CudaRuntime):
     ``used_bytes`` taken by something else. ``values(t)`` makes up what a device read returns
     (by default token ids counting up from 1, for integer tensors). With ``track_memory``, free
     memory also leaves out what torch's caching allocator would hold: the most the CUDA tensors
-    alive at once ever took, down to what is alive at each ``empty_cache()``."""
+    alive at once ever took, down to what is alive at each ``empty_cache()``; ``peak_bytes`` is
+    that most, never reset."""
 
     def __init__(
         self,
@@ -89,7 +90,7 @@ class FakeCuda(CudaRuntime):
     ) -> None:
         self.total_bytes, self.used_bytes, self.cap = total_bytes, used_bytes, capability
         self.track_memory = track_memory
-        self.live_bytes = self.reserved_bytes = 0
+        self.live_bytes = self.reserved_bytes = self.peak_bytes = 0
         self._storages = WeakIdKeyDictionary()  # the CUDA storages seen alive
         self.values = values or self._counting
         self.synchronizes = 0
@@ -130,6 +131,7 @@ class FakeCuda(CudaRuntime):
                     self.live_bytes += n
                     weakref.finalize(storage, self._freed, n)
         self.reserved_bytes = max(self.reserved_bytes, self.live_bytes)
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
     def _freed(self, nbytes: int) -> None:
         self.live_bytes -= nbytes

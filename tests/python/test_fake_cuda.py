@@ -24,12 +24,12 @@ from conftest import assert_all_blocks_free
 from fake_cuda import GIB, CudaChecks, DeviceCheckError, FakeCuda, fake_rank
 from neo_rs import LLMEngine, SamplingParams
 from neo_rs.config import EngineArgs
-from neo_rs.cuda_runtime import use_runtime
+from neo_rs.cuda_runtime import runtime, use_runtime
 from neo_rs.engine.async_engine import AsyncEngine
 from neo_rs.errors import EngineStepError
 from neo_rs.kv.transfer import HostTransfer
 from neo_rs.model.fp8 import Fp8Linear
-from neo_rs.model.quant import Int4Linear
+from neo_rs.model.quant import Int4Linear, decoder_linears
 from neo_rs.sample.structured import StructuredOutputsParams
 from neo_rs.worker import runner as runner_module
 from server_util import free_port
@@ -187,13 +187,14 @@ def test_quantized_weights(monkeypatch, checkpoints, method: str, kernel: str, c
         engine.shutdown()
 
 
-def test_quantized_weights_leave_the_bytes_they_save_to_the_kv_pool(monkeypatch, checkpoints) -> None:
-    """The device pool is sized from the free memory after loading (torch's cache emptied): int4
-    weights give it what they save over bf16, to within a block. The activation trace allocates
-    nothing on a real GPU, so it is left out of the fake one's memory."""
+@pytest.fixture
+def untraced_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The activation trace allocates nothing on a real GPU: left out of the fake one's memory."""
     traced = runner_module.plan_activations
 
     def untracked(*args: Any, **kwargs: Any) -> Any:
+        rt = runtime()
+        assert isinstance(rt, FakeCuda)
         rt.track_memory = False
         try:
             return traced(*args, **kwargs)
@@ -201,19 +202,52 @@ def test_quantized_weights_leave_the_bytes_they_save_to_the_kv_pool(monkeypatch,
             rt.track_memory = True
 
     monkeypatch.setattr(runner_module, "plan_activations", untracked)
+
+
+def _weight_bytes(engine: LLMEngine) -> int:
+    model = engine.runner.model
+    tensors = {t.untyped_storage(): t for t in [*model.parameters(), *model.buffers()]}.values()
+    return sum(t.untyped_storage().nbytes() for t in tensors)
+
+
+def test_quantized_weights_leave_the_bytes_they_save_to_the_kv_pool(
+    monkeypatch, checkpoints, untraced_plan
+) -> None:
+    """The device pool is sized from the free memory after loading (torch's cache emptied): int4
+    weights give it what they save over bf16, to within a block."""
     blocks, weights = {}, {}
     for method in ("none", "int4"):
-        with fake_gpu(monkeypatch, total_bytes=GIB, track_memory=True) as checks:
-            rt = checks.runtime
+        with fake_gpu(monkeypatch, total_bytes=GIB, track_memory=True):
             engine = engine_on(str(checkpoints["qwen3"]), quantization=method, gpu_memory_utilization=0.5)
-            model, per_block = engine.runner.model, engine.runner.layout.bytes_per_block()
-            tensors = {t.untyped_storage(): t for t in [*model.parameters(), *model.buffers()]}.values()
-            weights[method] = sum(t.untyped_storage().nbytes() for t in tensors)
-            blocks[method] = engine.runner.num_gpu_blocks
+            per_block = engine.runner.layout.bytes_per_block()
+            weights[method], blocks[method] = _weight_bytes(engine), engine.runner.num_gpu_blocks
             engine.shutdown()
     saved = weights["none"] - weights["int4"]
     assert saved > 4 * per_block, (saved, per_block)
     assert abs((blocks["int4"] - blocks["none"]) * per_block - saved) < per_block, (blocks, saved, per_block)
+
+
+@pytest.mark.parametrize("method", ["gptq", "fp8"])
+def test_a_quantized_checkpoint_never_allocates_its_float_linears(
+    monkeypatch, checkpoints, tmp_path: Path, untraced_plan, method: str
+) -> None:
+    """Loading a GPTQ or FP8 checkpoint peaks below loading the float checkpoint of the same
+    weights by more than half its linears' bf16 bytes: the quantized linears never exist as
+    floats on the device."""
+    if method == "gptq":
+        quantized, floats = write_packed(checkpoints["qwen2"], tmp_path, "gptq", 32)
+    else:
+        quantized, floats = write_fp8(checkpoints["qwen2"], tmp_path, "compressed-tensors", "channel")
+    peaks = {}
+    for path in (quantized, floats):
+        with fake_gpu(monkeypatch, track_memory=True) as checks:
+            engine = engine_on(str(path), num_gpu_blocks=8)
+            if path == floats:
+                model = engine.runner.model
+                linears = sum(model.get_submodule(n).weight.nbytes for n, *_ in decoder_linears(model))
+            peaks[path] = checks.runtime.peak_bytes
+            engine.shutdown()
+    assert peaks[quantized] + linears / 2 < peaks[floats], (peaks, linears)
 
 
 # Where tinygemm runs (sm_80 on, bf16), its kernel; on a T4 in fp16, and in fp16 anywhere, ours.

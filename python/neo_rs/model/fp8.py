@@ -62,13 +62,16 @@ class Fp8Linear(nn.Module):
         linear: nn.Linear,
         scaled_mm: bool = False,
         weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+        device: torch.device | None = None,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        # ``weights``: a checkpoint's own e4m3 rows and scales (``fp8_checkpoint.py``).
+        # ``weights``: a checkpoint's own e4m3 rows and scales (``fp8_checkpoint.py``), whose
+        # linear was never allocated on ``device``.
         q, scale = quantize_fp8(linear.weight) if weights is None else weights
-        self.register_buffer("weight", q.to(linear.weight.device))
-        self.register_buffer("scale", scale.to(linear.weight.device))
+        device = linear.weight.device if device is None else device
+        self.register_buffer("weight", q.to(device))
+        self.register_buffer("scale", scale.to(device))
         self.bias = linear.bias
         # _scaled_mm takes widths in multiples of 16.
         self.scaled_mm = scaled_mm and self.in_features % 16 == 0 and self.out_features % 16 == 0

@@ -18,7 +18,15 @@ from torch import nn
 from neo_rs.config import ModelConfig
 from neo_rs.errors import ModelLoadError
 from neo_rs.model.fp8 import FP8, Fp8Linear
-from neo_rs.model.prequantized import TensorIndex, check_covered, check_rows, linear_parts, place_part
+from neo_rs.model.prequantized import (
+    TensorIndex,
+    check_covered,
+    check_rows,
+    float_weight,
+    linear_parts,
+    model_home,
+    place_part,
+)
 from neo_rs.model.quant import decoder_linears
 from neo_rs.parallel.shards import TpShard
 
@@ -47,6 +55,7 @@ def load_fp8_linears(
     parts = linear_parts(cfg, shard, ((m + ".weight", m) for m in index.with_suffix(".weight_scale")))
     kept = dequantized = 0
     built: set[str] = set()
+    home = model_home(model)
     for qualified, parent, attr, linear in decoder_linears(model):
         found = parts.get(qualified)
         if not found:
@@ -61,11 +70,11 @@ def load_fp8_linears(
             # A scale per output row: the rows the weight takes, whatever its columns.
             place_part(scale, part_scale, dataclasses.replace(place, src=place.src and place.src[:1]), 1)
         if keep:
-            setattr(parent, attr, Fp8Linear(linear, scaled_mm, weights=(weight, scale)))
+            setattr(parent, attr, Fp8Linear(linear, scaled_mm, weights=(weight, scale), device=home.device))
             kept += 1
         else:
             with torch.no_grad():
-                linear.weight.copy_(weight.float() * scale[:, None])
+                float_weight(linear, home).copy_(weight.float() * scale[:, None])
             dequantized += 1
         built.add(qualified)
     check_covered(model, built, index, cfg, shard)

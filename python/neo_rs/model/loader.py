@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +18,6 @@ from tqdm import tqdm
 from neo_rs.config import ModelConfig, MoeConfig
 from neo_rs.errors import ModelLoadError
 from neo_rs.model.decoder import CausalLM
-from neo_rs.model.quant import decoder_linears
 from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel
 from neo_rs.parallel.shards import TpShard
 
@@ -175,26 +175,31 @@ def empty_model(
     device: torch.device,
     max_positions: int,
     tp: TensorParallel = SINGLE_PROCESS,
+    unallocated: Collection[str] = (),
 ) -> CausalLM:
-    """The model (rank ``tp.rank``'s shard) with its weights allocated but not filled."""
+    """The model (rank ``tp.rank``'s shard) with its weights allocated but not filled, those
+    named in ``unallocated`` left on the meta device."""
     with torch.device("meta"):  # built on meta: nothing allocated until its dtype is known
         model = CausalLM(tp.shard.local_config(cfg), max_positions, tp, cfg.vocab_size)
-    _allocate(model, dtype, device)
+    _allocate(model, dtype, device, unallocated)
     model.rotary.fill_tables()
     return model
 
 
-def _allocate(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
-    """Each parameter and buffer of a meta model as uninitialised memory on ``device``, the floating
-    ones in ``dtype``. Not ``Module.to(dtype).to_empty(device)``: under a fake-tensor mode (the
-    memory plan) those convert the meta tensors, and torch then refuses to swap them in."""
+def _allocate(
+    model: torch.nn.Module, dtype: torch.dtype, device: torch.device, unallocated: Collection[str]
+) -> None:
+    """Each parameter (but ``unallocated``'s) and buffer of a meta model as uninitialised memory on
+    ``device``, the floating ones in ``dtype``. Not ``Module.to(dtype).to_empty(device)``: under a
+    fake-tensor mode (the memory plan) those convert the meta tensors, and torch then refuses to
+    swap them in."""
 
     def empty(t: torch.Tensor) -> torch.Tensor:
         return torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
 
-    for module in model.modules():
+    for prefix, module in model.named_modules():
         for name, p in module._parameters.items():
-            if p is not None:
+            if p is not None and (f"{prefix}.{name}" if prefix else name) not in unallocated:
                 module._parameters[name] = torch.nn.Parameter(empty(p), requires_grad=p.requires_grad)
         for name, b in module._buffers.items():
             if b is not None:
@@ -211,14 +216,17 @@ def load_model(
 ) -> CausalLM:
     """The model of checkpoint ``model_dir``, or under tensor parallelism rank ``tp.rank``'s shard
     of it: each tensor is read through a safetensors slice, so no rank holds the whole model.
-    A quantized checkpoint's linears are left unfilled, for ``gptq_awq.py`` or
-    ``fp8_checkpoint.py``."""
+    A quantized checkpoint's linears are left on the meta device, for ``gptq_awq.py`` or
+    ``fp8_checkpoint.py`` to build."""
     model_dir = Path(model_dir)
     files = shard_files(model_dir)
     local = tp.shard.local_config(cfg)
-    model = empty_model(cfg, dtype, device, max_positions, tp)
-    params = dict(model.named_parameters())
     packed = cfg.quantized_checkpoint is not None
+    # A quantized checkpoint's linears are never allocated as floats: a 4-bit model needs no room
+    # for its 16-bit twin, even for a moment.
+    quantized = _quantized_weights(files, cfg, local, tp.shard) if packed else set()
+    model = empty_model(cfg, dtype, device, max_positions, tp, unallocated=quantized)
+    params = dict(model.named_parameters())
     # Elements written per parameter, to name anything the checkpoint did not provide.
     filled = {name: 0 for name in params}
     for path in tqdm(files, desc="Loading safetensors shards", unit="shard", disable=len(files) < 2):
@@ -254,8 +262,7 @@ def load_model(
     if filled["lm_head.weight"] == 0 and cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
         filled["lm_head.weight"] = model.lm_head.weight.numel()
-    linears = {f"{name}.weight" for name, *_ in decoder_linears(model)} if packed else set()
-    missing = [n for n, p in params.items() if filled[n] != p.numel() and n not in linears]
+    missing = [n for n, p in params.items() if filled[n] != p.numel() and n not in quantized]
     if missing:
         raise ModelLoadError(
             f"{model_dir}: the checkpoint lacks {', '.join(missing[:5])}" + (" …" if len(missing) > 5 else "")
@@ -263,6 +270,19 @@ def load_model(
     where = f" (rank {tp.rank} of {tp.size})" if tp.size > 1 else ""
     log.info("loaded %s (%d layers, %s) from %s%s", cfg.architecture, cfg.num_layers, dtype, model_dir, where)
     return model.eval()
+
+
+def _quantized_weights(files: list[Path], cfg: ModelConfig, local: ModelConfig, shard: TpShard) -> set[str]:
+    """Our weights (``layers.N.qkv_proj.weight``...) that a quantized checkpoint's tensors fill:
+    those of each module with a ``qweight`` (GPTQ, AWQ) or a ``weight_scale`` (FP8)."""
+    ours = set()
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                module = name.removesuffix(".qweight").removesuffix(".weight_scale")
+                if module != name:
+                    ours |= {p.ours for p in placements(cfg, local, shard, module + ".weight")}
+    return ours
 
 
 def _source_shape(shape: list[int], src: tuple[slice, ...] | None) -> tuple[int, ...]:

@@ -91,9 +91,11 @@ def build_linears(
     """Each decoder linear of ``model`` whose every part ``read`` gives blocks (of one group size
     and column order): an ``Int4Linear`` of them where ``keep`` and the kernel takes its shape (a
     rank's columns starting on a group and in order, rows in 16s), else their dequantized weight
-    in its float weight. Returns (kept, dequantized, the names of the linears built)."""
+    in its float weight (allocated here where the loader left it on meta). Returns (kept,
+    dequantized, the names of the linears built)."""
     kept = dequantized = 0
     built: set[str] = set()
+    home = model_home(model)
     for qualified, parent, attr, linear in decoder_linears(model):
         found = parts.get(qualified, [])
         read_once: dict[Any, Int4Blocks | None] = {}  # a fused source (Phi-3's) fills several parts
@@ -124,16 +126,33 @@ def build_linears(
                 place_part(q, part.q, place, 1)
                 place_part(scale, part.scale, place, first.group)
                 place_part(zero, part.zero, place, first.group)
-            setattr(parent, attr, Int4Linear(linear, Int4Blocks(q, scale, zero, first.order)))
+            setattr(parent, attr, Int4Linear(linear, Int4Blocks(q, scale, zero, first.order), home))
             kept += 1
         else:
+            weight = float_weight(linear, home)
             for place, key in found:
-                w = _read(read_once, key).dequantized().to(linear.weight.dtype)
                 with torch.no_grad():
-                    place_part(linear.weight, w, place, 1)
+                    place_part(weight, _read(read_once, key).dequantized().to(home.dtype), place, 1)
             dequantized += 1
         built.add(qualified)
     return kept, dequantized, built
+
+
+def model_home(model: nn.Module) -> torch.Tensor:
+    """A tensor of ``model``'s device and dtype: its embeddings."""
+    weight = model.get_submodule("embed_tokens").weight
+    assert isinstance(weight, torch.Tensor)
+    return weight
+
+
+def float_weight(linear: nn.Linear, home: torch.Tensor) -> torch.Tensor:
+    """``linear``'s weight, allocated like ``home`` where the loader left it on the meta device
+    (a quantized checkpoint's), to be dequantized into."""
+    if linear.weight.is_meta:
+        linear.weight = nn.Parameter(
+            torch.empty_like(linear.weight, device=home.device, dtype=home.dtype), False
+        )
+    return linear.weight
 
 
 def _same_order(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:

@@ -152,10 +152,14 @@ class Int4Linear(nn.Module):
     order: torch.Tensor | None
     _mm: Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], torch.Tensor]  # (x, packed, group, sz)
 
-    def __init__(self, linear: nn.Linear, blocks: Int4Blocks | None = None) -> None:
+    def __init__(
+        self, linear: nn.Linear, blocks: Int4Blocks | None = None, home: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        device, dtype = linear.weight.device, linear.weight.dtype
+        # ``home``: a tensor of the model's device and dtype, where ``linear`` was never allocated.
+        like = linear.weight if home is None else home
+        device, dtype = like.device, like.dtype
         if blocks is None:
             blocks = Int4Blocks(*quantize_int4(linear.weight, int4_group(linear)))
         self.group = blocks.group
@@ -163,18 +167,20 @@ class Int4Linear(nn.Module):
         self.register_buffer("order", None if order is None else order.to(device))
         sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
         self.register_buffer("scales_zeros", sz.to(device, dtype))
-        q = q.to(device, torch.int32)
+        # Packed where q is (the host, for a checkpoint's blocks) and only then moved: the device
+        # never holds a wider copy of the weight than its packed bytes.
+        q = q.to(torch.int32)
         if device.type == "cuda" and tinygemm_runs(device, dtype):
-            pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+            pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(device, torch.uint8)
             self.register_buffer("packed", torch._convert_weight_to_int4pack(pairs, _CUDA_INNER_K_TILES))
             self._mm = torch._weight_int4pack_mm
         elif device.type == "cuda":
             from neo_rs.model.cuda.int4_gemm import int4_gemm, pack_for_triton  # noqa: PLC0415 (needs Triton)
 
-            self.register_buffer("packed", pack_for_triton(q))
+            self.register_buffer("packed", pack_for_triton(q).to(device))
             self._mm = lambda rows, packed, group, sz: int4_gemm(rows, packed, sz, group)
         else:
-            self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1))
+            self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q.to(device), 1))
             self._mm = torch._weight_int4pack_mm_for_cpu
         self.bias = linear.bias
 
