@@ -227,27 +227,30 @@ def test_quantized_weights_leave_the_bytes_they_save_to_the_kv_pool(
     assert abs((blocks["int4"] - blocks["none"]) * per_block - saved) < per_block, (blocks, saved, per_block)
 
 
-@pytest.mark.parametrize("method", ["gptq", "fp8"])
+@pytest.mark.parametrize("method", ["gptq", "fp8", "gguf"])
 def test_a_quantized_checkpoint_never_allocates_its_float_linears(
     monkeypatch, checkpoints, tmp_path: Path, untraced_plan, method: str
 ) -> None:
-    """Loading a GPTQ or FP8 checkpoint peaks below loading the float checkpoint of the same
-    weights by more than half its linears' bf16 bytes: the quantized linears never exist as
-    floats on the device."""
+    """Loading a GPTQ or FP8 checkpoint, or keeping a GGUF's blocks, peaks below loading the same
+    weights as floats by more than half their linears' bf16 bytes: the linears kept quantized
+    never exist as floats on the device."""
     if method == "gptq":
         quantized, floats = write_packed(checkpoints["qwen2"], tmp_path, "gptq", 32)
-    else:
+    elif method == "fp8":
         quantized, floats = write_fp8(checkpoints["qwen2"], tmp_path, "compressed-tensors", "channel")
+    else:
+        quantized = floats = write_gguf(tmp_path / "q4.gguf", types=["Q4_0", "Q4_1", "Q4_K"])
     peaks = {}
-    for path in (quantized, floats):
+    for kind, path in (("quantized", quantized), ("floats", floats)):
         with fake_gpu(monkeypatch, track_memory=True) as checks:
-            engine = engine_on(str(path), num_gpu_blocks=8)
-            if path == floats:
+            kw = {"quantization": "none"} if kind == "floats" and method == "gguf" else {}
+            engine = engine_on(str(path), num_gpu_blocks=8, **kw)
+            if kind == "floats":
                 model = engine.runner.model
                 linears = sum(model.get_submodule(n).weight.nbytes for n, *_ in decoder_linears(model))
-            peaks[path] = checks.runtime.peak_bytes
+            peaks[kind] = checks.runtime.peak_bytes
             engine.shutdown()
-    assert peaks[quantized] + linears / 2 < peaks[floats], (peaks, linears)
+    assert peaks["quantized"] + linears / 2 < peaks["floats"], (peaks, linears)
 
 
 # Where tinygemm runs (sm_80 on, bf16), its kernel; on a T4 in fp16, and in fp16 anywhere, ours.

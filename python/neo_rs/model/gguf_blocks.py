@@ -73,6 +73,18 @@ def int4_blocks(tensor: Any) -> Int4Blocks:
     )
 
 
+def kept_weights(path: str | Path, cfg: ModelConfig, shard: TpShard) -> set[str]:
+    """Our weights (``layers.N.qkv_proj.weight``...) that ``keep_blocks`` builds from GGUF
+    ``path``'s blocks on rank ``shard``: those whose every part the file stores in a kept type
+    (the loader leaves them unallocated)."""
+    types: dict[str, set[str]] = {}
+    for tensor, name, kind in weight_tensors(open_gguf(path)):
+        if kind is not None and name.endswith(".weight"):
+            for ours, found in linear_parts(cfg, shard, [(name, tensor.tensor_type.name)]).items():
+                types.setdefault(ours, set()).update(t for _, t in found)
+    return {f"{ours}.weight" for ours, kinds in types.items() if kinds <= set(KEPT_TYPES)}
+
+
 def keep_blocks(model: nn.Module, path: str | Path, cfg: ModelConfig, shard: TpShard) -> tuple[int, int]:
     """Replace each decoder linear of ``model`` (rank ``shard``'s) whose every part GGUF ``path``
     stores in a kept type by an ``Int4Linear`` of those blocks; returns (kept, left as floats)."""

@@ -213,18 +213,21 @@ def load_model(
     device: torch.device,
     max_positions: int,
     tp: TensorParallel = SINGLE_PROCESS,
+    built_later: Collection[str] = (),
 ) -> CausalLM:
     """The model of checkpoint ``model_dir``, or under tensor parallelism rank ``tp.rank``'s shard
     of it: each tensor is read through a safetensors slice, so no rank holds the whole model.
-    A quantized checkpoint's linears are left on the meta device, for ``gptq_awq.py`` or
-    ``fp8_checkpoint.py`` to build."""
+    A quantized checkpoint's linears, and the weights named in ``built_later`` (a GGUF's kept
+    blocks), are left on the meta device, unread, for ``gptq_awq.py``, ``fp8_checkpoint.py`` or
+    ``gguf_blocks.py`` to build."""
     model_dir = Path(model_dir)
     files = shard_files(model_dir)
     local = tp.shard.local_config(cfg)
     packed = cfg.quantized_checkpoint is not None
-    # A quantized checkpoint's linears are never allocated as floats: a 4-bit model needs no room
-    # for its 16-bit twin, even for a moment.
+    # Linears kept quantized are never allocated as floats: a 4-bit model needs no room for its
+    # 16-bit twin, even for a moment.
     quantized = _quantized_weights(files, cfg, local, tp.shard) if packed else set()
+    quantized |= set(built_later)
     model = empty_model(cfg, dtype, device, max_positions, tp, unallocated=quantized)
     params = dict(model.named_parameters())
     # Elements written per parameter, to name anything the checkpoint did not provide.
@@ -235,6 +238,8 @@ def load_model(
                 if packed and (name.endswith(PACKED_TENSORS) or f.get_slice(name).get_dtype() == FP8_DTYPE):
                     continue
                 for place in placements(cfg, local, tp.shard, name):
+                    if place.ours in quantized:
+                        continue
                     if place.ours not in params:
                         raise ModelLoadError(
                             f"{path.name}: unexpected parameter {name!r} for {cfg.architecture}"

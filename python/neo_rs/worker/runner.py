@@ -27,7 +27,7 @@ from neo_rs.kv.transfer import HostTransfer, Staged
 from neo_rs.model.decoder import CausalLM, Rope
 from neo_rs.model.fp8 import scaled_mm_runs
 from neo_rs.model.fp8_checkpoint import load_fp8_linears
-from neo_rs.model.gguf_blocks import keep_blocks
+from neo_rs.model.gguf_blocks import keep_blocks, kept_weights
 from neo_rs.model.gptq_awq import load_packed_linears
 from neo_rs.model.loader import empty_model, load_model, shard_files
 from neo_rs.model.packed import pack_linears, packing_applies
@@ -195,7 +195,9 @@ class ModelRunner:
         """This rank's model, its decoder linears kept as ``quantization`` says (a quantized
         checkpoint's own, or quantized now) or in ``dtype``."""
         device, tp = self.device, self.tp
-        model = load_model(model_dir, cfg, dtype, device, max_model_len, tp)
+        gguf = cfg.gguf_file if quantization == "gguf" else None
+        blocks = kept_weights(gguf, cfg, tp.shard) if gguf else set()
+        model = load_model(model_dir, cfg, dtype, device, max_model_len, tp, built_later=blocks)
         capability = runtime().capability(device) if device.type == "cuda" else None
         scaled_mm = scaled_mm_runs(device, capability, dtype)
         if cfg.quantized_checkpoint is not None:  # kept, or dequantized (--quantization none)
@@ -205,9 +207,8 @@ class ModelRunner:
             else:
                 kept, floats = load_packed_linears(model, files, cfg, tp.shard, keep)
             log.info("%d linears kept as the checkpoint has them, %d dequantized to %s", kept, floats, dtype)
-        elif quantization == "gguf":
-            assert cfg.gguf_file is not None
-            kept, left = keep_blocks(model, cfg.gguf_file, cfg, tp.shard)
+        elif gguf is not None:
+            kept, left = keep_blocks(model, gguf, cfg, tp.shard)
             log.info("kept %d linears as the GGUF's 4-bit blocks, %d others in %s", kept, left, dtype)
         elif quantization is not None:
             count = quantize_linears(model, quantization, scaled_mm)
