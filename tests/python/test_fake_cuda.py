@@ -227,24 +227,32 @@ def test_quantized_weights_leave_the_bytes_they_save_to_the_kv_pool(
     assert abs((blocks["int4"] - blocks["none"]) * per_block - saved) < per_block, (blocks, saved, per_block)
 
 
-@pytest.mark.parametrize("method", ["gptq", "fp8", "gguf"])
-def test_a_quantized_checkpoint_never_allocates_its_float_linears(
+@pytest.mark.parametrize("method", ["gptq", "fp8", "gguf", "int4"])
+def test_quantized_weights_never_exist_as_floats_on_the_device(
     monkeypatch, checkpoints, tmp_path: Path, untraced_plan, method: str
 ) -> None:
-    """Loading a GPTQ or FP8 checkpoint, or keeping a GGUF's blocks, peaks below loading the same
-    weights as floats by more than half their linears' bf16 bytes: the linears kept quantized
-    never exist as floats on the device."""
+    """Loading a GPTQ or FP8 checkpoint, keeping a GGUF's blocks, or quantizing to int4 at load
+    peaks below loading the same weights as floats by more than half their linears' bf16 bytes:
+    the linears kept quantized never exist as floats on the device (int4 at load: each linear's
+    float weight is assembled on the host)."""
+    # (checkpoint, --quantization) of the quantized load and of its float twin.
     if method == "gptq":
-        quantized, floats = write_packed(checkpoints["qwen2"], tmp_path, "gptq", 32)
+        packed, floats = write_packed(checkpoints["qwen2"], tmp_path, "gptq", 32)
+        loads = {"quantized": (packed, {}), "floats": (floats, {})}
     elif method == "fp8":
-        quantized, floats = write_fp8(checkpoints["qwen2"], tmp_path, "compressed-tensors", "channel")
+        fp8, floats = write_fp8(checkpoints["qwen2"], tmp_path, "compressed-tensors", "channel")
+        loads = {"quantized": (fp8, {}), "floats": (floats, {})}
     else:
-        quantized = floats = write_gguf(tmp_path / "q4.gguf", types=["Q4_0", "Q4_1", "Q4_K"])
+        gguf = method == "gguf"
+        checkpoint = (
+            write_gguf(tmp_path / "q4.gguf", types=["Q4_0", "Q4_1", "Q4_K"]) if gguf else checkpoints["qwen3"]
+        )
+        at_load = {} if gguf else {"quantization": "int4"}  # a GGUF's blocks: inferred
+        loads = {"quantized": (checkpoint, at_load), "floats": (checkpoint, {"quantization": "none"})}
     peaks = {}
-    for kind, path in (("quantized", quantized), ("floats", floats)):
+    for kind, (path, asked) in loads.items():
         with fake_gpu(monkeypatch, track_memory=True) as checks:
-            kw = {"quantization": "none"} if kind == "floats" and method == "gguf" else {}
-            engine = engine_on(str(path), num_gpu_blocks=8, **kw)
+            engine = engine_on(str(path), num_gpu_blocks=8, **asked)
             if kind == "floats":
                 model = engine.runner.model
                 linears = sum(model.get_submodule(n).weight.nbytes for n, *_ in decoder_linears(model))

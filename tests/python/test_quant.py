@@ -14,9 +14,21 @@ import pytest
 import torch
 from conftest import assert_all_blocks_free
 from neo_rs import LLM, InvalidArgumentError, SamplingParams
+from neo_rs.config import ModelConfig
 from neo_rs.errors import ModelLoadError
 from neo_rs.model.fp8 import FP8, Fp8Linear, quantize_fp8, widen
-from neo_rs.model.quant import Int4Linear, Int8Linear, int4_group_size, quantize_int4, quantize_int8
+from neo_rs.model.loader import load_model, shard_files
+from neo_rs.model.prequantized import quantize_at_load
+from neo_rs.model.quant import (
+    Int4Linear,
+    Int8Linear,
+    int4_group_size,
+    quantize_int4,
+    quantize_int8,
+    quantizer,
+)
+from neo_rs.parallel.group import TensorParallel
+from neo_rs.parallel.shards import TpShard
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -156,6 +168,25 @@ def test_engine_matches_its_dequantized_checkpoint(
     kept, count = tokens_and_count(path, kind, offload, quantization=method)
     assert count == 8  # 2 layers of QKV, O, gate/up and down
     assert kept == tokens_and_count(reference, kind, offload)[0]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_each_rank_quantizes_its_own_slices_at_load(checkpoints, rank: int) -> None:
+    """Quantized at load from the checkpoint, one linear at a time on the host: each rank's int8
+    linears are its float slices quantized (fused parts, row- and column-parallel)."""
+    path, shard = checkpoints["qwen2"], TpShard(rank, 2)
+    cfg, tp, cpu = ModelConfig.from_dir(path), TensorParallel(shard), torch.device("cpu")
+    model = load_model(path, cfg, torch.float32, cpu, 64, tp, quantize_later=True)
+    assert quantize_at_load(model, shard_files(path), cfg, shard, quantizer("int8")) == 8
+    reference = load_model(path, cfg, torch.float32, cpu, 64, tp)
+    for name in [
+        f"layers.{i}.{m}"
+        for i in range(2)
+        for m in ("qkv_proj", "o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    ]:
+        got, want = model.get_submodule(name), reference.get_submodule(name).weight
+        assert isinstance(got, Int8Linear), name
+        torch.testing.assert_close(got.dequantized(), round_trip(want, "int8"), rtol=0, atol=0, msg=name)
 
 
 def test_the_quantized_linears_keep_their_share_of_the_bytes(checkpoints, monkeypatch) -> None:

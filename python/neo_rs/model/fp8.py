@@ -62,14 +62,14 @@ class Fp8Linear(nn.Module):
         linear: nn.Linear,
         scaled_mm: bool = False,
         weights: tuple[torch.Tensor, torch.Tensor] | None = None,
-        device: torch.device | None = None,
+        home: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        # ``weights``: a checkpoint's own e4m3 rows and scales (``fp8_checkpoint.py``), whose
-        # linear was never allocated on ``device``.
+        # ``weights``: a checkpoint's own e4m3 rows and scales (``fp8_checkpoint.py``). ``home``:
+        # a tensor on the model's device, where ``linear``'s weight is not (see ``Int4Linear``).
         q, scale = quantize_fp8(linear.weight) if weights is None else weights
-        device = linear.weight.device if device is None else device
+        device = (linear.weight if home is None else home).device
         self.register_buffer("weight", q.to(device))
         self.register_buffer("scale", scale.to(device))
         self.bias = linear.bias

@@ -70,7 +70,7 @@ def load_fp8_linears(
             # A scale per output row: the rows the weight takes, whatever its columns.
             place_part(scale, part_scale, dataclasses.replace(place, src=place.src and place.src[:1]), 1)
         if keep:
-            setattr(parent, attr, Fp8Linear(linear, scaled_mm, weights=(weight, scale), device=home.device))
+            setattr(parent, attr, Fp8Linear(linear, scaled_mm, weights=(weight, scale), home=home))
             kept += 1
         else:
             with torch.no_grad():

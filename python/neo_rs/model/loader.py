@@ -18,6 +18,7 @@ from tqdm import tqdm
 from neo_rs.config import ModelConfig, MoeConfig
 from neo_rs.errors import ModelLoadError
 from neo_rs.model.decoder import CausalLM
+from neo_rs.model.quant import decoder_linears
 from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel
 from neo_rs.parallel.shards import TpShard
 
@@ -176,11 +177,15 @@ def empty_model(
     max_positions: int,
     tp: TensorParallel = SINGLE_PROCESS,
     unallocated: Collection[str] = (),
+    leave_linears: bool = False,
 ) -> CausalLM:
     """The model (rank ``tp.rank``'s shard) with its weights allocated but not filled, those
-    named in ``unallocated`` left on the meta device."""
+    named in ``unallocated`` (and, with ``leave_linears``, every decoder linear's) left on the
+    meta device."""
     with torch.device("meta"):  # built on meta: nothing allocated until its dtype is known
         model = CausalLM(tp.shard.local_config(cfg), max_positions, tp, cfg.vocab_size)
+    if leave_linears:
+        unallocated = {*unallocated, *(f"{name}.weight" for name, *_ in decoder_linears(model))}
     _allocate(model, dtype, device, unallocated)
     model.rotary.fill_tables()
     return model
@@ -214,12 +219,13 @@ def load_model(
     max_positions: int,
     tp: TensorParallel = SINGLE_PROCESS,
     built_later: Collection[str] = (),
+    quantize_later: bool = False,
 ) -> CausalLM:
     """The model of checkpoint ``model_dir``, or under tensor parallelism rank ``tp.rank``'s shard
     of it: each tensor is read through a safetensors slice, so no rank holds the whole model.
-    A quantized checkpoint's linears, and the weights named in ``built_later`` (a GGUF's kept
-    blocks), are left on the meta device, unread, for ``gptq_awq.py``, ``fp8_checkpoint.py`` or
-    ``gguf_blocks.py`` to build."""
+    A quantized checkpoint's linears, the weights named in ``built_later`` (a GGUF's kept blocks)
+    and with ``quantize_later`` every decoder linear's are left on the meta device, unread, for
+    ``gptq_awq.py``, ``fp8_checkpoint.py``, ``gguf_blocks.py`` or ``quantize_at_load`` to build."""
     model_dir = Path(model_dir)
     files = shard_files(model_dir)
     local = tp.shard.local_config(cfg)
@@ -227,9 +233,9 @@ def load_model(
     # Linears kept quantized are never allocated as floats: a 4-bit model needs no room for its
     # 16-bit twin, even for a moment.
     quantized = _quantized_weights(files, cfg, local, tp.shard) if packed else set()
-    quantized |= set(built_later)
-    model = empty_model(cfg, dtype, device, max_positions, tp, unallocated=quantized)
+    model = empty_model(cfg, dtype, device, max_positions, tp, {*quantized, *built_later}, quantize_later)
     params = dict(model.named_parameters())
+    left = {name for name, p in params.items() if p.is_meta}
     # Elements written per parameter, to name anything the checkpoint did not provide.
     filled = {name: 0 for name in params}
     for path in tqdm(files, desc="Loading safetensors shards", unit="shard", disable=len(files) < 2):
@@ -238,7 +244,7 @@ def load_model(
                 if packed and (name.endswith(PACKED_TENSORS) or f.get_slice(name).get_dtype() == FP8_DTYPE):
                     continue
                 for place in placements(cfg, local, tp.shard, name):
-                    if place.ours in quantized:
+                    if place.ours in left:
                         continue
                     if place.ours not in params:
                         raise ModelLoadError(
@@ -267,7 +273,7 @@ def load_model(
     if filled["lm_head.weight"] == 0 and cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
         filled["lm_head.weight"] = model.lm_head.weight.numel()
-    missing = [n for n, p in params.items() if filled[n] != p.numel() and n not in quantized]
+    missing = [n for n, p in params.items() if filled[n] != p.numel() and n not in left]
     if missing:
         raise ModelLoadError(
             f"{model_dir}: the checkpoint lacks {', '.join(missing[:5])}" + (" …" if len(missing) > 5 else "")

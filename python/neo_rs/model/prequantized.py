@@ -1,7 +1,8 @@
-"""Decoder linears built from a checkpoint's own 4-bit weights (a GGUF's blocks, GPTQ or AWQ
-tensors): each source tensor read as ``Int4Blocks`` and placed as the loader places a float
-weight (the parts of a fused linear, a tensor-parallel rank's rows or columns), so that no other
-placement logic exists."""
+"""Decoder linears built from a checkpoint's tensors rather than loaded as floats: from its own
+4-bit weights (a GGUF's blocks, GPTQ or AWQ tensors), each read as ``Int4Blocks``, or quantized
+at load from its float weights one linear at a time (``quantize_at_load``). Every source is
+placed as the loader places a float weight (the parts of a fused linear, a tensor-parallel rank's
+rows or columns), so that no other placement logic exists."""
 
 from __future__ import annotations
 
@@ -136,6 +137,37 @@ def build_linears(
             dequantized += 1
         built.add(qualified)
     return kept, dequantized, built
+
+
+def quantize_at_load(
+    model: nn.Module,
+    files: list[Path],
+    cfg: ModelConfig,
+    shard: TpShard,
+    make: Callable[[nn.Linear, torch.Tensor], nn.Module],
+) -> int:
+    """Each decoder linear of ``model`` (left on meta by the loader) as ``make(host, home)``
+    makes it (``quant.quantizer``), from its float weight assembled on the host from the
+    checkpoint's ``files``, one linear at a time: the device never holds a float copy. Returns
+    how many."""
+    index = TensorIndex(files)
+    parts = linear_parts(cfg, shard, ((n + ".weight", n) for n in index.with_suffix(".weight")))
+    home = model_home(model)
+    count = 0
+    for qualified, parent, attr, linear in decoder_linears(model):
+        found = parts.get(qualified, [])
+        check_rows(qualified, found, linear.out_features)
+        host = nn.Linear(linear.in_features, linear.out_features, bias=False, device="meta")
+        host.weight = nn.Parameter(
+            torch.empty(linear.out_features, linear.in_features, dtype=home.dtype), False
+        )
+        with torch.no_grad():
+            for place, key in found:
+                place_part(host.weight, index.get(key + ".weight").to(home.dtype), place, 1)
+        host.bias = linear.bias
+        setattr(parent, attr, make(host, home))
+        count += 1
+    return count
 
 
 def model_home(model: nn.Module) -> torch.Tensor:

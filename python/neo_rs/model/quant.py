@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -46,12 +45,13 @@ class Int8Linear(nn.Module):
     weight: torch.Tensor
     scales: torch.Tensor
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, home: torch.Tensor | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        like = linear.weight if home is None else home  # see Int4Linear
         q, scale = quantize_int8(linear.weight)
-        self.register_buffer("weight", q.to(linear.weight.device))
-        self.register_buffer("scales", scale.to(linear.weight.device, linear.weight.dtype))
+        self.register_buffer("weight", q.to(like.device))
+        self.register_buffer("scales", scale.to(like.device, like.dtype))
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -157,7 +157,8 @@ class Int4Linear(nn.Module):
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        # ``home``: a tensor of the model's device and dtype, where ``linear`` was never allocated.
+        # ``home``: a tensor of the model's device and dtype, where ``linear``'s weight is not there
+        # (on the host, read from the checkpoint, or never allocated).
         like = linear.weight if home is None else home
         device, dtype = like.device, like.dtype
         if blocks is None:
@@ -202,9 +203,6 @@ class Int4Linear(nn.Module):
         return w.reshape(self.out_features, self.in_features).to(self.scales_zeros.dtype)
 
 
-_LINEARS: dict[str, Callable[[nn.Linear], nn.Module]] = {"int8": Int8Linear, "int4": Int4Linear}
-
-
 def decoder_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.Linear]]:
     """(qualified name, parent, attribute, linear) of each decoder layer's linear a quantization
     replaces: attention and dense MLP; not the embeddings, the LM head or an MoE layer (router
@@ -218,15 +216,19 @@ def decoder_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.
                     yield prefix + name, parent, name, child
 
 
-def quantize_linears(model: nn.Module, method: str, scaled_mm: bool = False) -> int:
-    """Replace each decoder linear (``decoder_linears``) by ``method``'s; returns how many.
-    ``scaled_mm``: FP8 multiplies in FP8 (``fp8.scaled_mm_runs``)."""
-    make = partial(Fp8Linear, scaled_mm=scaled_mm) if method == "fp8" else _LINEARS[method]
-    count = 0
-    for _, parent, name, linear in decoder_linears(model):
-        setattr(parent, name, make(linear))
-        count += 1
+def quantizer(method: str, scaled_mm: bool = False) -> Callable[[nn.Linear, torch.Tensor], nn.Module]:
+    """``method``'s module for a linear whose float weight is on the host, on the device and
+    in the dtype of ``home`` (``prequantized.quantize_at_load``). ``scaled_mm``: FP8 multiplies
+    in FP8 (``fp8.scaled_mm_runs``)."""
+    makers: dict[str, Callable[[nn.Linear, torch.Tensor], nn.Module]] = {
+        "int8": lambda linear, home: Int8Linear(linear, home),
+        "int4": lambda linear, home: Int4Linear(linear, None, home),
+        "fp8": lambda linear, home: Fp8Linear(linear, scaled_mm, home=home),
+    }
+    return makers[method]
+
+
+def warn_unquantized_experts(model: nn.Module, method: str) -> None:
     sparse = sum(isinstance(layer.mlp, SparseMoe) for layer in getattr(model, "decoder_layers", []))
     if sparse:
         log.warning("%d MoE layers keep their experts unquantized (%s covers dense linears)", sparse, method)
-    return count

@@ -31,7 +31,8 @@ from neo_rs.model.gguf_blocks import keep_blocks, kept_weights
 from neo_rs.model.gptq_awq import load_packed_linears
 from neo_rs.model.loader import empty_model, load_model, shard_files
 from neo_rs.model.packed import pack_linears, packing_applies
-from neo_rs.model.quant import quantize_linears
+from neo_rs.model.prequantized import quantize_at_load
+from neo_rs.model.quant import quantizer, warn_unquantized_experts
 from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel, rank_device
 from neo_rs.timing import HostWaits, MeasuredTimes, StageClock
 from neo_rs.worker.graphs import DecodeGraphs
@@ -197,7 +198,8 @@ class ModelRunner:
         device, tp = self.device, self.tp
         gguf = cfg.gguf_file if quantization == "gguf" else None
         blocks = kept_weights(gguf, cfg, tp.shard) if gguf else set()
-        model = load_model(model_dir, cfg, dtype, device, max_model_len, tp, built_later=blocks)
+        at_load = quantization in ("int8", "int4", "fp8")  # quantized now, from the float checkpoint
+        model = load_model(model_dir, cfg, dtype, device, max_model_len, tp, blocks, quantize_later=at_load)
         capability = runtime().capability(device) if device.type == "cuda" else None
         scaled_mm = scaled_mm_runs(device, capability, dtype)
         if cfg.quantized_checkpoint is not None:  # kept, or dequantized (--quantization none)
@@ -211,7 +213,9 @@ class ModelRunner:
             kept, left = keep_blocks(model, gguf, cfg, tp.shard)
             log.info("kept %d linears as the GGUF's 4-bit blocks, %d others in %s", kept, left, dtype)
         elif quantization is not None:
-            count = quantize_linears(model, quantization, scaled_mm)
+            make = quantizer(quantization, scaled_mm)
+            count = quantize_at_load(model, shard_files(model_dir), cfg, tp.shard, make)
+            warn_unquantized_experts(model, quantization)
             log.info("quantized %d linears to %s (weight-only)", count, quantization)
         if device.type == "cuda":
             # What loading freed (float weights quantized, the rotary tables' first allocation)
