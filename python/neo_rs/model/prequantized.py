@@ -59,7 +59,7 @@ def check_covered(
 
 def check_rows(qualified: str, found: list[tuple[Placement, Any]], out_features: int) -> None:
     """``ModelLoadError`` unless the parts ``found`` for linear ``qualified`` fill all its rows
-    (a fused linear whose checkpoint quantized some of its parts and lacks the others)."""
+    (a fused linear whose checkpoint has some of its parts and lacks the others)."""
 
     def height(place: Placement) -> int:
         if place.rows is None:
@@ -71,7 +71,7 @@ def check_rows(qualified: str, found: list[tuple[Placement, Any]], out_features:
     rows = sum(height(place) for place, _ in found)
     if rows != out_features:
         raise ModelLoadError(
-            f"{qualified}: the checkpoint's quantized parts fill {rows} of its {out_features} rows"
+            f"{qualified}: the checkpoint's parts of it fill {rows} of its {out_features} rows"
         )
 
 
