@@ -5,9 +5,10 @@ one scale and one offset (Q4_K's come from its super-block's 6-bit sub-scales), 
 whose every part the file stores so are rebuilt from the file's blocks, with no requantization
 (the scales in the model dtype); the others keep the weights the conversion dequantized.
 
-The converted checkpoint is loaded first (``gguf.py``), then each kept linear is replaced by
-the file's blocks, placed as the loader places its float weight (fused parts, tensor-parallel
-shards), and its float weight freed."""
+The loader reads the converted checkpoint (``gguf.py``) but for the linears kept here
+(``kept_weights``), which it leaves unallocated; ``keep_blocks`` then builds them from the file's
+blocks, placed as the loader places a float weight (fused parts, tensor-parallel shards), so
+they never exist as floats."""
 
 from __future__ import annotations
 
