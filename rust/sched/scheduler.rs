@@ -403,8 +403,7 @@ impl Scheduler {
             {
                 // Its KV ends in the host pool: room for it comes before pinning the tier's
                 // blocks, which would otherwise keep it waiting for good.
-                hit.drop_host();
-                self.gpu.skip_behind_window(&mut hit);
+                self.drop_host_tier(&mut hit);
             }
             let computed = req.num_computed_tokens + hit.num_blocks() * self.config.block_size;
             let pinned = hit.host_kept().len();

@@ -15,7 +15,7 @@ import torch
 from neo_rs import LLM, InvalidArgumentError, SamplingParams
 from neo_rs.config import ModelConfig
 from neo_rs.model.gguf import converted_dir, dequantize, open_gguf
-from neo_rs.model.gguf_blocks import KEPT_TYPES, int4_blocks, keep_blocks
+from neo_rs.model.gguf_blocks import KEPT_TYPES, GgufBlocks, int4_blocks
 from neo_rs.model.loader import load_model
 from neo_rs.model.quant import Int4Linear, Int8Linear, decoder_linears
 from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel
@@ -70,7 +70,7 @@ def test_each_kept_linear_multiplies_by_the_weight_the_loader_placed(
     tp = SINGLE_PROCESS if size == 1 else TensorParallel(shard)
     model = load_model(model_dir, cfg, torch.float32, torch.device("cpu"), 64, tp)
     floats = {name: linear.weight.detach().clone() for name, _, _, linear in decoder_linears(model)}
-    assert keep_blocks(model, path, cfg, shard) == (len(floats), 0)
+    assert GgufBlocks(path, cfg, shard).keep(model) == (len(floats), 0)
     for name, weight in floats.items():
         linear = model.get_submodule(name)
         assert isinstance(linear, Int4Linear), name
@@ -123,6 +123,19 @@ def test_a_linear_with_another_type_stays_float(files) -> None:
         "layers.1.mlp.gate_up_proj": torch.nn.Linear,
         "layers.1.mlp.down_proj": Int4Linear,
     }
+
+
+def test_an_moe_keeps_its_attention_blocks_and_leaves_router_and_experts_float(tmp_path: Path) -> None:
+    """Every matrix Q4_0: the attention linears are kept, the router and experts are not (they
+    are no decoder linear a quantization keeps), and are loaded as floats, not left unallocated."""
+    path = write_gguf(tmp_path / "moe.gguf", "qwen3moe", types=["Q4_0"], seed=6, realistic=True)
+    cfg = ModelConfig.from_dir(converted_dir(path, torch.float32))
+    assert GgufBlocks(path, cfg, TpShard(0, 1)).weights == {
+        f"layers.{i}.{m}.weight" for i in range(2) for m in ("qkv_proj", "o_proj")
+    }
+    kept, n = tokens_and_count(path, Int4Linear, "neo")
+    dequantized, _ = tokens_and_count(path, Int4Linear, "neo", quantization="none")
+    assert n == 4 and kept == dequantized
 
 
 def test_other_methods_on_a_gguf_and_gguf_without_one(files, checkpoints) -> None:

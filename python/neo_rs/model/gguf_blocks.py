@@ -6,8 +6,8 @@ whose every part the file stores so are rebuilt from the file's blocks, with no 
 (the scales in the model dtype); the others keep the weights the conversion dequantized.
 
 The loader reads the converted checkpoint (``gguf.py``) but for the linears kept here
-(``kept_weights``), which it leaves unallocated; ``keep_blocks`` then builds them from the file's
-blocks, placed as the loader places a float weight (fused parts, tensor-parallel shards), so
+(``GgufBlocks.weights``), which it leaves unallocated; ``GgufBlocks.keep`` then builds them from
+the file's blocks, placed as the loader places a float weight (fused parts, tensor-parallel shards), so
 they never exist as floats."""
 
 from __future__ import annotations
@@ -74,38 +74,41 @@ def int4_blocks(tensor: Any) -> Int4Blocks:
     )
 
 
-def kept_weights(path: str | Path, cfg: ModelConfig, shard: TpShard) -> set[str]:
-    """Our weights (``layers.N.qkv_proj.weight``...) that ``keep_blocks`` builds from GGUF
-    ``path``'s blocks on rank ``shard``: those whose every part the file stores in a kept type
-    (the loader leaves them unallocated)."""
-    types: dict[str, set[str]] = {}
-    for tensor, name, kind in weight_tensors(open_gguf(path)):
-        if kind is not None and name.endswith(".weight"):
-            for ours, found in linear_parts(cfg, shard, [(name, tensor.tensor_type.name)]).items():
-                types.setdefault(ours, set()).update(t for _, t in found)
-    return {f"{ours}.weight" for ours, kinds in types.items() if kinds <= set(KEPT_TYPES)}
+class GgufBlocks:
+    """GGUF ``path``'s 4-bit blocks for rank ``shard``: ``weights``, our weights
+    (``layers.N.qkv_proj.weight``...) whose every part the file stores in a kept type, for the
+    loader to leave unallocated; then ``keep`` builds those linears. The file is opened once (its
+    metadata takes seconds to parse)."""
 
+    def __init__(self, path: str | Path, cfg: ModelConfig, shard: TpShard) -> None:
+        reader = open_gguf(path)
+        self.permuted = GGUF_MODEL_TYPES[architecture(reader)] in PERMUTED_QK
+        self.heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
+        # GGUF name -> (the HF name of the weight it is, its tensor, llama.cpp's kind), for each
+        # layer's weight matrix.
+        self.tensors = {
+            tensor.name: (name, tensor, kind)
+            for tensor, name, kind in weight_tensors(reader)
+            if kind is not None and name.endswith(".weight")
+        }
+        self.parts = linear_parts(cfg, shard, ((name, key) for key, (name, _, _) in self.tensors.items()))
+        self.weights = {
+            f"{ours}.weight"
+            for ours, found in self.parts.items()
+            if all(self.tensors[key][1].tensor_type.name in KEPT_TYPES for _, key in found)
+        }
 
-def keep_blocks(model: nn.Module, path: str | Path, cfg: ModelConfig, shard: TpShard) -> tuple[int, int]:
-    """Replace each decoder linear of ``model`` (rank ``shard``'s) whose every part GGUF ``path``
-    stores in a kept type by an ``Int4Linear`` of those blocks; returns (kept, left as floats)."""
-    reader = open_gguf(path)
-    permuted = GGUF_MODEL_TYPES[architecture(reader)] in PERMUTED_QK
-    heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
-    tensors = {}
-    for tensor, name, kind in weight_tensors(reader):
-        if kind is not None and name.endswith(".weight"):
-            tensors[tensor.name] = name, tensor, kind
-
-    def read(key: str) -> Int4Blocks | None:
-        _, tensor, kind = tensors[key]
+    def _read(self, key: str) -> Int4Blocks | None:
+        _, tensor, kind = self.tensors[key]
         if tensor.tensor_type.name not in KEPT_TYPES:
             return None
         blocks = int4_blocks(tensor)
-        if permuted and kind in heads:  # rows: each row's groups move with it
-            return Int4Blocks(*(unpermute_qk(b, heads[kind]) for b in blocks[:3]))
+        if self.permuted and kind in self.heads:  # rows: each row's groups move with it
+            return Int4Blocks(*(unpermute_qk(b, self.heads[kind]) for b in blocks[:3]))
         return blocks
 
-    parts = linear_parts(cfg, shard, ((name, key) for key, (name, _, _) in tensors.items()))
-    kept, _, _ = build_linears(model, parts, read, keep=True)
-    return kept, len(list(decoder_linears(model)))  # the float ones left
+    def keep(self, model: nn.Module) -> tuple[int, int]:
+        """Build each of ``model``'s linears ``weights`` names as an ``Int4Linear`` of the file's
+        blocks; returns (kept, left as floats)."""
+        kept, _, _ = build_linears(model, self.parts, self._read, keep=True)
+        return kept, len(list(decoder_linears(model)))

@@ -38,6 +38,9 @@ _COLUMN = {
 }
 # Row-parallel: each rank reads its input columns.
 _ROW = {"self_attn.o_proj": "o_proj", "mlp.down_proj": "mlp.down_proj"}
+# The linears a quantization keeps (``quant.decoder_linears``): each layer's fused QKV and
+# gate/up, its O and down; never the router, the experts, the embeddings or the LM head.
+_QUANTIZED = re.compile(r"^layers\.\d+\.(qkv_proj|o_proj|mlp\.gate_up_proj|mlp\.down_proj)\.weight$")
 _NORMS = (
     "input_layernorm",
     "post_attention_layernorm",
@@ -283,6 +286,12 @@ def load_model(
     return model.eval()
 
 
+def quantizable(weight: str) -> bool:
+    """Whether our parameter ``weight`` (``layers.N.qkv_proj.weight``...) is a linear that a
+    quantization keeps."""
+    return _QUANTIZED.match(weight) is not None
+
+
 def _quantized_weights(files: list[Path], cfg: ModelConfig, local: ModelConfig, shard: TpShard) -> set[str]:
     """Our weights (``layers.N.qkv_proj.weight``...) that a quantized checkpoint's tensors fill:
     those of each module with a ``qweight`` (GPTQ, AWQ) or a ``weight_scale`` (FP8)."""
@@ -292,7 +301,11 @@ def _quantized_weights(files: list[Path], cfg: ModelConfig, local: ModelConfig, 
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 module = name.removesuffix(".qweight").removesuffix(".weight_scale")
                 if module != name:
-                    ours |= {p.ours for p in placements(cfg, local, shard, module + ".weight")}
+                    ours |= {
+                        p.ours
+                        for p in placements(cfg, local, shard, module + ".weight")
+                        if quantizable(p.ours)
+                    }
     return ours
 
 

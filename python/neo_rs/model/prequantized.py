@@ -17,7 +17,7 @@ from torch import nn
 
 from neo_rs.config import ModelConfig
 from neo_rs.errors import ModelLoadError
-from neo_rs.model.loader import Placement, placements
+from neo_rs.model.loader import Placement, placements, quantizable
 from neo_rs.model.quant import INT4_ROWS, Int4Blocks, Int4Linear, decoder_linears
 from neo_rs.parallel.shards import TpShard
 
@@ -76,13 +76,14 @@ def check_rows(qualified: str, found: list[tuple[Placement, Any]], out_features:
 
 
 def linear_parts(cfg: ModelConfig, shard: TpShard, weights: Iterable[tuple[str, Key]]) -> Parts[Key]:
-    """Our linear (``layers.N.qkv_proj``...) -> where each source goes in it: ``weights`` gives
-    (the HF name of the float weight a source stands for, a key to read it by)."""
+    """Our linear a quantization keeps (``layers.N.qkv_proj``...) -> where each source goes in it:
+    ``weights`` gives (the HF name of the float weight a source stands for, a key to read it by)."""
     local = shard.local_config(cfg)
     parts: Parts[Key] = defaultdict(list)
     for name, key in weights:
         for place in placements(cfg, local, shard, name):
-            parts[place.ours.removesuffix(".weight")].append((place, key))
+            if quantizable(place.ours):
+                parts[place.ours.removesuffix(".weight")].append((place, key))
     return parts
 
 
@@ -161,9 +162,12 @@ def quantize_at_load(
         host.weight = nn.Parameter(
             torch.empty(linear.out_features, linear.in_features, dtype=home.dtype), False
         )
+        sources = {
+            key: index.get(key + ".weight").to(home.dtype) for key in dict.fromkeys(k for _, k in found)
+        }
         with torch.no_grad():
-            for place, key in found:
-                place_part(host.weight, index.get(key + ".weight").to(home.dtype), place, 1)
+            for place, key in found:  # a fused source (Phi-3's) fills several parts, read once
+                place_part(host.weight, sources[key], place, 1)
         host.bias = linear.bias
         setattr(parent, attr, make(host, home))
         count += 1

@@ -198,9 +198,8 @@ class Int4Linear(nn.Module):
         """The weight the kernel multiplies by, given the values ``q`` it packed (tests), in the
         scales' dtype."""
         scale, zero = self.scales_zeros.float().unbind(-1)  # [in / group, out] each
-        q = q.float().reshape(self.out_features, -1, self.group)
-        w = (q - 8) * scale.t()[..., None] + zero.t()[..., None]
-        return w.reshape(self.out_features, self.in_features).to(self.scales_zeros.dtype)
+        blocks = Int4Blocks(q, scale.t(), zero.t(), self.order)
+        return blocks.dequantized().to(self.scales_zeros.dtype)
 
 
 def decoder_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.Linear]]:

@@ -27,7 +27,7 @@ from neo_rs.kv.transfer import HostTransfer, Staged
 from neo_rs.model.decoder import CausalLM, Rope
 from neo_rs.model.fp8 import scaled_mm_runs
 from neo_rs.model.fp8_checkpoint import load_fp8_linears
-from neo_rs.model.gguf_blocks import keep_blocks, kept_weights
+from neo_rs.model.gguf_blocks import GgufBlocks
 from neo_rs.model.gptq_awq import load_packed_linears
 from neo_rs.model.loader import empty_model, load_model, shard_files
 from neo_rs.model.packed import pack_linears, packing_applies
@@ -196,10 +196,10 @@ class ModelRunner:
         """This rank's model, its decoder linears kept as ``quantization`` says (a quantized
         checkpoint's own, or quantized now) or in ``dtype``."""
         device, tp = self.device, self.tp
-        gguf = cfg.gguf_file if quantization == "gguf" else None
-        blocks = kept_weights(gguf, cfg, tp.shard) if gguf else set()
+        gguf = GgufBlocks(cfg.gguf_file, cfg, tp.shard) if quantization == "gguf" and cfg.gguf_file else None
+        later = gguf.weights if gguf else set()
         at_load = quantization in ("int8", "int4", "fp8")  # quantized now, from the float checkpoint
-        model = load_model(model_dir, cfg, dtype, device, max_model_len, tp, blocks, quantize_later=at_load)
+        model = load_model(model_dir, cfg, dtype, device, max_model_len, tp, later, quantize_later=at_load)
         capability = runtime().capability(device) if device.type == "cuda" else None
         scaled_mm = scaled_mm_runs(device, capability, dtype)
         if cfg.quantized_checkpoint is not None:  # kept, or dequantized (--quantization none)
@@ -210,7 +210,7 @@ class ModelRunner:
                 kept, floats = load_packed_linears(model, files, cfg, tp.shard, keep)
             log.info("%d linears kept as the checkpoint has them, %d dequantized to %s", kept, floats, dtype)
         elif gguf is not None:
-            kept, left = keep_blocks(model, gguf, cfg, tp.shard)
+            kept, left = gguf.keep(model)
             log.info("kept %d linears as the GGUF's 4-bit blocks, %d others in %s", kept, left, dtype)
         elif quantization is not None:
             make = quantizer(quantization, scaled_mm)

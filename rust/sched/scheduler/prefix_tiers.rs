@@ -22,6 +22,13 @@ impl Scheduler {
         hit
     }
 
+    /// Keep only the device part of `hit`: its host-tier blocks are recomputed instead of copied
+    /// in (the host pool has no room to pin them), and the window's skip counted again.
+    pub(super) fn drop_host_tier(&self, hit: &mut PrefixHit) {
+        hit.drop_host();
+        self.gpu.skip_behind_window(hit);
+    }
+
     /// Under `neo`, the host blocks a host-bound prompt starts with (the host tier's, and those
     /// of the host pool's requests): the prompt's rest attends on the CPU over them, in place,
     /// and it decodes there.

@@ -80,8 +80,7 @@ impl Scheduler {
             if hit.host_kept().len() > free_cpu {
                 // Its host-tier blocks are pinned while copied in, and the prefills placed above
                 // took the host room for that: they are recomputed instead.
-                hit.drop_host();
-                self.gpu.skip_behind_window(&mut hit);
+                self.drop_host_tier(&mut hit);
             }
             let computed = req.num_computed_tokens + hit.num_blocks() * self.config.block_size;
             let n_dev = (req.num_tokens() - computed).min(budget);
