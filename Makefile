@@ -32,6 +32,7 @@ test-rust:
 EMULATED_COPY_TESTS := tests/python/test_model_parity.py tests/python/test_offload.py \
 	tests/python/test_engine.py tests/python/test_faults.py tests/python/test_transfer.py \
 	tests/python/test_int8_kv.py tests/python/test_prefix_cache.py tests/python/test_sliding_window.py \
+	tests/python/test_speculation.py \
 	"tests/python/test_smollm2.py::test_greedy_tokens_match_transformers_gguf_loading" \
 	"tests/python/test_tensor_parallel.py::test_two_ranks_match_one_rank_and_transformers" \
 	"tests/python/test_tensor_parallel.py::test_two_ranks_share_prefixes_as_one_rank_does"

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 from neo_rs import LLMEngine, SamplingParams
-from neo_rs.config import EngineArgs, cache_dir
+from neo_rs.config import EngineArgs
+from neo_rs.environment import cache_dir
 from neo_rs.worker.memory_plan import WORST_ROW, MemoryPlanError
 from neo_rs.worker.profiler import profile_key
 from safetensors.torch import save_file

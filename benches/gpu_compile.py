@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import triton
 from neo_rs.attention.cuda import paged_decode, paged_prefill
-from neo_rs.config import cache_dir
+from neo_rs.environment import cache_dir
 from neo_rs.model.cuda import fused_moe, int4_gemm, words
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas

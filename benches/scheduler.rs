@@ -42,6 +42,7 @@ impl Load {
             enable_prefix_caching,
             num_cpu_prefix_blocks: 0,
             sliding_window: None,
+            speculation: None,
         })
         .expect("valid config");
         let mut load = Load { s, next_id: 0, shared_prefix };

@@ -8,7 +8,9 @@
 use std::collections::HashMap;
 
 use neo_rs::kv::{BlockId, Device};
-use neo_rs::sched::{FinishReason, OffloadMode, RequestId, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput};
+use neo_rs::sched::{
+    FinishReason, OffloadMode, RequestId, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput, Speculation,
+};
 use proptest::prelude::*;
 
 /// The token at `pos` of request `id`, for prompts and fake samples alike, so the plan's
@@ -28,6 +30,8 @@ struct Job {
     max_tokens: usize,
     abort_at_step: Option<usize>,
     stop_after: Option<usize>,
+    /// Its outputs come from a 3-token alphabet, so that prompt lookup finds drafts.
+    repetitive: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -57,6 +61,7 @@ fn workload(mode: impl Strategy<Value = OffloadMode>) -> impl Strategy<Value = W
             force_pipeline,
             num_cpu_prefix_blocks: 0,
             sliding_window: None,
+            speculation: None,
         });
     // Prefix caching on in most workloads, with a host tier of up to the whole host pool.
     // Copies priced from free to dearer than any compute, which moves NEO's choices (host-prefill
@@ -64,10 +69,21 @@ fn workload(mode: impl Strategy<Value = OffloadMode>) -> impl Strategy<Value = W
     let copy_cost = prop_oneof![Just(0usize), Just(1024), Just(1 << 24)];
     // A sliding window on every layer in some: blocks behind it are released.
     let window = prop::option::weighted(0.3, 1usize..24);
-    let config = (config, prop::bool::weighted(0.7), 0u32..=24, copy_cost, window).prop_map(
-        |(c, enable_prefix_caching, tier, kv_bytes_per_token, sliding_window)| {
+    // Speculative decoding in some, verified by the fake model with random acceptance.
+    let speculation = prop::option::weighted(0.4, (1usize..=4, 1usize..=3, any::<bool>())).prop_map(|s| {
+        s.map(|(num_tokens, lookup_max, always)| Speculation { num_tokens, lookup_min: 1, lookup_max, always })
+    });
+    let config = (config, prop::bool::weighted(0.7), 0u32..=24, copy_cost, window, speculation).prop_map(
+        |(c, enable_prefix_caching, tier, kv_bytes_per_token, sliding_window, speculation)| {
             let num_cpu_prefix_blocks = if enable_prefix_caching { tier.min(c.num_cpu_blocks) } else { 0 };
-            SchedulerConfig { enable_prefix_caching, num_cpu_prefix_blocks, kv_bytes_per_token, sliding_window, ..c }
+            SchedulerConfig {
+                enable_prefix_caching,
+                num_cpu_prefix_blocks,
+                kv_bytes_per_token,
+                sliding_window,
+                speculation,
+                ..c
+            }
         },
     );
     let job = (
@@ -75,17 +91,20 @@ fn workload(mode: impl Strategy<Value = OffloadMode>) -> impl Strategy<Value = W
         1usize..40,
         1usize..24,
         prop::option::weighted(0.15, 0usize..80),
-        prop::option::weighted(0.2, 1usize..12),
+        (prop::option::weighted(0.2, 1usize..12), any::<bool>()),
     )
-        .prop_map(|((arrival_step, family, shared), prompt_len, max_tokens, abort_at_step, stop_after)| Job {
-            arrival_step,
-            family,
-            shared: shared.min(prompt_len),
-            prompt_len,
-            max_tokens,
-            abort_at_step,
-            stop_after,
-        });
+        .prop_map(
+            |((arrival_step, family, shared), prompt_len, max_tokens, abort_at_step, (stop_after, repetitive))| Job {
+                arrival_step,
+                family,
+                shared: shared.min(prompt_len),
+                prompt_len,
+                max_tokens,
+                abort_at_step,
+                stop_after,
+                repetitive,
+            },
+        );
     let failed_steps = prop::collection::vec(0usize..60, 0..3);
     (config, prop::collection::vec(job, 1..24), failed_steps).prop_map(|(config, jobs, failed_steps)| Workload {
         config,
@@ -129,15 +148,27 @@ fn check_plan(s: &Scheduler, out: &SchedulerOutput) -> Result<(), TestCaseError>
                 prop_assert!(sr.num_computed_tokens == 0 && sr.sample && c.offload != OffloadMode::GpuOnly);
             }
         } else {
-            // Sub-batch 1 holds CPU decodes only.
-            prop_assert!(sr.num_new_tokens == 1 && sr.device == Device::Cpu);
+            // Sub-batch 1 holds CPU decodes only (with their drafts).
+            prop_assert!(sr.num_new_tokens == 1 + req.num_drafts && sr.device == Device::Cpu);
         }
         prop_assert!(sr.num_new_tokens >= 1);
         if sr.attends_on_cpu() {
             // CPU attention finishes a prompt in one go (no prefill crawls on the CPU), and only
             // under `neo` runs more than one row of a request.
             prop_assert!(sr.sample, "request {} decodes on the CPU before its prefill is done", sr.id);
-            prop_assert!(sr.num_new_tokens == 1 || (c.offload == OffloadMode::Neo && sr.sub_batch == 0));
+            prop_assert!(
+                sr.num_new_tokens == 1 + req.num_drafts || (c.offload == OffloadMode::Neo && sr.sub_batch == 0)
+            );
+        }
+        // Drafts only where speculation is on, only for decodes, within max_tokens; each
+        // drafted row is sampled.
+        if req.num_drafts > 0 {
+            prop_assert!(c.speculation.is_some_and(|sp| req.num_drafts <= sp.num_tokens));
+            prop_assert!(
+                sr.sample && sr.num_new_tokens == 1 + req.num_drafts && req.num_output_tokens() > req.num_drafts
+            );
+            // The drafts and the token after them fit max_tokens.
+            prop_assert!(req.num_output_tokens() < req.max_tokens);
         }
         prop_assert_eq!(sr.sample, sr.num_computed_tokens + sr.num_new_tokens == req.num_tokens());
         let table = s.kv(sr.device).table(sr.id);
@@ -315,23 +346,30 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
             step += 1;
             continue;
         }
-        let sampled: Vec<u32> = out
-            .inputs
-            .sample_ids
-            .iter()
-            .map(|&id| token(id, s.request(RequestId(id)).expect("sampled request exists").num_tokens()))
-            .collect();
-        let stopped: Vec<RequestId> = out
-            .inputs
-            .sample_ids
-            .iter()
-            .filter(|&&id| {
-                let req = s.request(RequestId(id)).expect("sampled request exists");
-                w.jobs[id as usize].stop_after == Some(req.num_output_tokens() + 1)
-            })
-            .map(|&id| RequestId(id))
-            .collect();
-        for (id, reason) in s.update(&sampled, &stopped).map_err(|e| TestCaseError::fail(e.to_string()))? {
+        // The fake sampler: each sampled request (its rows consecutive) accepts a random number
+        // of its drafts, then samples one more token; a stop inside what it emits ends it there.
+        let (mut sampled, mut counts, mut stopped) = (Vec::new(), Vec::new(), Vec::new());
+        for rows in out.inputs.sample_ids.chunk_by(|a, b| a == b) {
+            let id = rows[0];
+            let (job, req) = (&w.jobs[id as usize], s.request(RequestId(id)).expect("sampled request exists"));
+            let drafts = &req.token_ids[req.num_tokens() - req.num_drafts..];
+            prop_assert_eq!(rows.len(), drafts.len() + 1);
+            let end = req.num_tokens() - drafts.len();
+            let accepted = (token(id, end) as usize) % rows.len();
+            let fake = |pos| if job.repetitive { token(id, pos) % 3 } else { token(id, pos) };
+            let mut emitted = drafts[..accepted].to_vec();
+            emitted.push(fake(end + accepted));
+            let outputs = req.num_output_tokens() - drafts.len();
+            if let Some(at) = job.stop_after.filter(|&n| n > outputs && n <= outputs + emitted.len()) {
+                emitted.truncate(at - outputs);
+                stopped.push(RequestId(id));
+            }
+            counts.push(emitted.len());
+            sampled.extend(emitted);
+        }
+        for (id, reason) in
+            s.update_speculative(&sampled, &counts, &stopped).map_err(|e| TestCaseError::fail(e.to_string()))?
+        {
             prop_assert!(outcome.insert(id.0, reason).is_none(), "request {} finished twice", id);
         }
         s.check_invariants().map_err(TestCaseError::fail)?;
@@ -396,6 +434,7 @@ fn a_device_prefill_does_not_pin_the_host_room_of_an_earlier_in_place_one() {
         max_tokens,
         abort_at_step: None,
         stop_after: None,
+        repetitive: false,
     };
     let w = Workload {
         config: SchedulerConfig {
@@ -412,6 +451,7 @@ fn a_device_prefill_does_not_pin_the_host_room_of_an_earlier_in_place_one() {
             enable_prefix_caching: true,
             num_cpu_prefix_blocks: 22,
             sliding_window: None,
+            speculation: None,
         },
         jobs: vec![
             job(15, 1, 8, 8, 16),

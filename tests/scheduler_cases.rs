@@ -22,6 +22,7 @@ fn config(gpu: u32, cpu: u32, budget: usize) -> SchedulerConfig {
         enable_prefix_caching: false,
         num_cpu_prefix_blocks: 0,
         sliding_window: None,
+        speculation: None,
     }
 }
 
@@ -137,6 +138,7 @@ fn neo_mode_offloads_pipelines_and_swaps_both_ways() {
         enable_prefix_caching: false,
         num_cpu_prefix_blocks: 0,
         sliding_window: None,
+        speculation: None,
         max_model_len: 128,
     };
     let mut s = Scheduler::new(cfg).unwrap();
@@ -258,6 +260,7 @@ fn neo_admits_host_bound_prompts_while_the_device_is_full() {
         enable_prefix_caching: false,
         num_cpu_prefix_blocks: 0,
         sliding_window: None,
+        speculation: None,
     };
     let mut s = Scheduler::new(cfg).unwrap();
     let mut order = VecDeque::new();
@@ -320,6 +323,7 @@ fn neo_steady_state(
         enable_prefix_caching: false,
         num_cpu_prefix_blocks: 0,
         sliding_window: None,
+        speculation: None,
     };
     let mut s = Scheduler::new(cfg).unwrap();
     s.predictor_mut().cpu_decode = neo_rs::sched::Table2::new(vec![1.0, 1e6], vec![0.0, 1e7], vec![cpu_ms; 4]).unwrap();
@@ -455,6 +459,7 @@ fn under_neo_a_host_bound_prompt_decodes_in_place_over_host_tier_blocks() {
         enable_prefix_caching: true,
         num_cpu_prefix_blocks: 8,
         sliding_window: None,
+        speculation: None,
         ..config(8, 32, 64)
     };
     let mut s = Scheduler::new(cfg).unwrap();
@@ -526,6 +531,7 @@ fn under_neo_a_host_tier_hit_starts_in_place_where_copying_it_costs_more() {
             enable_prefix_caching: true,
             num_cpu_prefix_blocks: 128,
             sliding_window: None,
+            speculation: None,
             max_model_len: 512,
             kv_bytes_per_token,
             ..config(100, 128, 512)

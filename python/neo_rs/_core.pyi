@@ -4,6 +4,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+MAX_SPECULATIVE_TOKENS: int
+"""The most draft tokens a decode verifies in one step."""
+
 def simd_tiers() -> list[str]:
     """SIMD tiers this CPU supports, slowest first (``scalar``, ``avx2``, ``avx512``, ``neon``)."""
 
@@ -144,6 +147,8 @@ class SchedulerOutput:
     block_tables: npt.NDArray[np.int32]
     sample_rows: npt.NDArray[np.int64]
     sample_ids: npt.NDArray[np.int64]
+    """The request of each sampled row; a request verifying ``k`` drafts has ``k + 1`` rows in a run
+    (its rows' inputs: the last sampled token, then the drafts)."""
     swap_out: npt.NDArray[np.int64]
     """``[n, 2]`` (device block, host block) pairs; apply before ``swap_in`` and the forward."""
     swap_in: npt.NDArray[np.int64]
@@ -179,26 +184,40 @@ class Scheduler:
         enable_prefix_caching: bool = False,
         num_cpu_prefix_blocks: int = 0,
         sliding_window: int | None = None,
+        speculation: tuple[int, int, int, bool] | None = None,
     ) -> None:
         """``offload``: ``neo`` (partial offload, pipelined when it pays), ``none`` (GPU-only,
         overflow swapped) or ``all`` (every decode on the CPU). ``enable_prefix_caching``: new
         prompts start after the full device blocks they share with earlier ones.
         ``num_cpu_prefix_blocks``: host blocks that keep prefix blocks the device evicts (the
         host tier; needs ``enable_prefix_caching``). ``sliding_window``: every layer's window,
-        when all of them slide: blocks behind it are released as requests advance."""
+        when all of them slide: blocks behind it are released as requests advance.
+        ``speculation``: ``(num_tokens, lookup_min, lookup_max, always)``: each decode drafts up
+        to ``num_tokens`` tokens by prompt lookup, into the budget and blocks left over, as many
+        as the predictor says pay (``always``, for tests: every one found)."""
     def add_request(
-        self, request_id: int, prompt_token_ids: list[int], max_tokens: int, cache_salt: str | None = None
+        self,
+        request_id: int,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        cache_salt: str | None = None,
+        speculate: bool = True,
     ) -> None:
         """Queue a request; ``InvalidArgumentError`` if it can never run (empty, too long, duplicate).
-        ``cache_salt``: it shares prefix-cache blocks only with requests of the same salt."""
+        ``cache_salt``: it shares prefix-cache blocks only with requests of the same salt.
+        ``speculate``: whether its decodes may draft tokens (when speculation is on)."""
     def abort(self, request_id: int) -> bool:
         """Drop a request wherever it is and free its blocks; ``False`` if unknown."""
     def num_cached_tokens(self, request_id: int) -> int:
         """Prompt tokens its first admission found in the prefix cache (0 if none, or unknown)."""
     def schedule(self) -> SchedulerOutput:
         """Plan one iteration; ``BackendError`` if the previous one got no ``update``/``abort_step``."""
-    def update(self, sampled: list[int], stopped: list[int]) -> list[tuple[int, str]]:
-        """One token per sampled row; ``stopped`` ids finish with ``stop``. Returns the finished requests."""
+    def update(
+        self, sampled: list[int], stopped: list[int], counts: list[int] | None = None
+    ) -> list[tuple[int, str]]:
+        """One token per sampled request, or with ``counts`` (one per sampled request) that many:
+        the drafts it accepted, then the token after them. ``stopped`` ids finish with ``stop``.
+        Returns the finished requests."""
     def abort_step(self) -> list[int]:
         """The last ``schedule``'s iteration failed: abort the requests it ran or swapped (their ids)."""
     def has_unfinished(self) -> bool: ...

@@ -7,10 +7,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
-import shutil
-import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +15,7 @@ import torch
 
 from neo_rs.errors import InvalidArgumentError, ModelLoadError
 from neo_rs.quantized_checkpoint import QUANT_METHODS, QuantizedCheckpoint
+from neo_rs.speculative_config import SpeculativeConfig
 
 log = logging.getLogger(__name__)
 
@@ -407,60 +404,6 @@ def _moe_config(kind: str | None, cfg: dict[str, Any], layers: int) -> MoeConfig
     return MoeConfig(experts, top_k, size, norm, sparse)
 
 
-def cache_dir() -> Path:
-    """``NEO_RS_CACHE_DIR``, else ``~/.cache/neo_rs``: built-in models, converted GGUFs, perf profiles."""
-    root = os.environ.get("NEO_RS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "neo_rs")
-    return Path(root)
-
-
-def build_atomically(target: Path, build: Callable[[Path], None]) -> None:
-    """Run ``build`` into a fresh folder beside ``target``, then rename it into place: a crash
-    leaves nothing half-written, and of two processes racing, one wins and the other's copy goes."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        build(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:  # another process won the race
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def emulate_async_copies() -> bool:
-    """``NEO_RS_EMULATE_ASYNC_COPIES=1``: on a CPU device, device->host copies land only when
-    waited on, as on CUDA (``kv/transfer.py``)."""
-    return os.environ.get("NEO_RS_EMULATE_ASYNC_COPIES", "") not in ("", "0")
-
-
-def openmp_team() -> bool:
-    """``NEO_RS_OPENMP_TEAM=0``: on a CPU device, the kernel keeps its own thread pool instead of
-    running on torch's OpenMP threads (``runner.cpu_attention``), for comparison."""
-    return os.environ.get("NEO_RS_OPENMP_TEAM", "1") != "0"
-
-
-def device_attention() -> str:
-    """``NEO_RS_DEVICE_ATTENTION``: the backend of device decodes on CUDA (``attention/device_decode.py``),
-    ``flashinfer``, ``triton`` or ``torch``; default ``auto``, the first of them that imports
-    (``benches/gpu_check.sh`` checks each)."""
-    return os.environ.get("NEO_RS_DEVICE_ATTENTION", "auto")
-
-
-def fail_steps() -> str:
-    """``NEO_RS_FAIL_STEPS``: model runs that raise, for fault-injection tests (``worker/faults.py``)."""
-    return os.environ.get("NEO_RS_FAIL_STEPS", "")
-
-
-def fail_rank() -> int:
-    """``NEO_RS_FAIL_RANK``: the tensor-parallel rank ``NEO_RS_FAIL_STEPS`` applies to (default 0)."""
-    try:
-        return int(os.environ.get("NEO_RS_FAIL_RANK", "0"))
-    except ValueError as e:
-        raise InvalidArgumentError("NEO_RS_FAIL_RANK must be an integer") from e
-
-
 def resolve_dtype(
     name: str | torch.dtype, auto: torch.dtype, capability: tuple[int, int] | None = None
 ) -> torch.dtype:
@@ -532,6 +475,9 @@ class EngineArgs:
     # Weights kept quantized: one of QUANTIZATIONS, "none", or None (inferred from the checkpoint:
     # a GGUF's blocks, GPTQ or AWQ tensors are kept, see ``quantization_for``).
     quantization: str | None = None
+    # vLLM's speculative config (a dict, or its JSON text): ``{"method": "ngram",
+    # "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}``.
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
 
     @property
     def token_budget(self) -> int:
@@ -558,7 +504,19 @@ class EngineArgs:
             return own or None
         return None if self.quantization == NO_QUANTIZATION else self.quantization
 
+    @property
+    def speculation(self) -> SpeculativeConfig | None:
+        return None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)
+
+    @property
+    def max_sampled_rows(self) -> int:
+        """Rows one iteration may sample: one per sequence, and one per draft it verifies."""
+        spec = self.speculation
+        return self.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
+
     def validate(self) -> None:
+        if self.speculative_config is not None:
+            SpeculativeConfig.parse(self.speculative_config)  # its errors before anything is built
         if self.max_num_seqs < 1:
             raise InvalidArgumentError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.block_size not in (8, 16, 32):

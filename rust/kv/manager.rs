@@ -247,6 +247,16 @@ impl KvManager {
         }
     }
 
+    /// Shrink the request's table to its first `num_blocks` blocks (speculative tokens rejected:
+    /// the blocks after hold only their KV, never registered in the prefix cache).
+    pub fn truncate(&mut self, id: RequestId, num_blocks: usize) {
+        let Some(table) = self.tables.get_mut(&id) else { return };
+        if table.len() > num_blocks {
+            let dropped = table.split_off(num_blocks);
+            self.release_blocks(&dropped);
+        }
+    }
+
     /// The cached full blocks `tokens` starts with, at most `(len - 1) / block_size` of them (the
     /// last token is always computed, for its logits, into a block of the request's own), in
     /// the namespace `salt` (`Request::salt`). `known`: the hashes of the first blocks, if the

@@ -55,6 +55,7 @@ fn peak_kv_blocks(
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("MAX_SPECULATIVE_TOKENS", crate::sched::MAX_SPECULATIVE_TOKENS)?;
     m.add_function(wrap_pyfunction!(simd_tiers, m)?)?;
     m.add_function(wrap_pyfunction!(peak_kv_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(quant::quantize_rows, m)?)?;

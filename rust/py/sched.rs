@@ -6,7 +6,9 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::kv::{Device, SwapPlan};
-use crate::sched::{self, OffloadMode, PerfPredictor, RequestId, SchedulerConfig, StageTimes, Table1, Table2, Term};
+use crate::sched::{
+    self, OffloadMode, PerfPredictor, RequestId, SchedulerConfig, Speculation, StageTimes, Table1, Table2, Term,
+};
 
 #[pyclass(module = "neo_rs._core")]
 pub struct Scheduler {
@@ -94,7 +96,7 @@ fn column(v: impl Iterator<Item = usize>) -> Vec<i64> {
 #[pymethods]
 impl Scheduler {
     #[new]
-    #[pyo3(signature = (*, max_num_seqs, max_num_batched_tokens, max_model_len, block_size, num_gpu_blocks, num_cpu_blocks, offload = "none", transfer_bytes_per_decode = 0, kv_bytes_per_token = 0, force_pipeline = false, enable_prefix_caching = false, num_cpu_prefix_blocks = 0, sliding_window = None))]
+    #[pyo3(signature = (*, max_num_seqs, max_num_batched_tokens, max_model_len, block_size, num_gpu_blocks, num_cpu_blocks, offload = "none", transfer_bytes_per_decode = 0, kv_bytes_per_token = 0, force_pipeline = false, enable_prefix_caching = false, num_cpu_prefix_blocks = 0, sliding_window = None, speculation = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         max_num_seqs: usize,
@@ -110,6 +112,7 @@ impl Scheduler {
         enable_prefix_caching: bool,
         num_cpu_prefix_blocks: u32,
         sliding_window: Option<usize>,
+        speculation: Option<(usize, usize, usize, bool)>,
     ) -> PyResult<Self> {
         let config = SchedulerConfig {
             max_num_seqs,
@@ -125,19 +128,29 @@ impl Scheduler {
             enable_prefix_caching,
             num_cpu_prefix_blocks,
             sliding_window,
+            speculation: speculation.map(|(num_tokens, lookup_min, lookup_max, always)| Speculation {
+                num_tokens,
+                lookup_min,
+                lookup_max,
+                always,
+            }),
         };
         Ok(Scheduler { inner: sched::Scheduler::new(config)? })
     }
 
-    #[pyo3(signature = (request_id, prompt_token_ids, max_tokens, cache_salt = None))]
+    #[pyo3(signature = (request_id, prompt_token_ids, max_tokens, cache_salt = None, speculate = true))]
     fn add_request(
         &mut self,
         request_id: u64,
         prompt_token_ids: Vec<u32>,
         max_tokens: usize,
         cache_salt: Option<&str>,
+        speculate: bool,
     ) -> PyResult<()> {
-        Ok(self.inner.add_salted_request(RequestId(request_id), prompt_token_ids, max_tokens, cache_salt)?)
+        let id = RequestId(request_id);
+        self.inner.add_salted_request(id, prompt_token_ids, max_tokens, cache_salt)?;
+        self.inner.set_speculation(id, speculate);
+        Ok(())
     }
 
     fn abort(&mut self, request_id: u64) -> bool {
@@ -182,9 +195,17 @@ impl Scheduler {
     }
 
     /// Returns `[(request_id, finish_reason)]` of the requests that finished.
-    fn update(&mut self, py: Python<'_>, sampled: Vec<u32>, stopped: Vec<u64>) -> PyResult<Vec<(u64, &'static str)>> {
+    #[pyo3(signature = (sampled, stopped, counts = None))]
+    fn update(
+        &mut self,
+        py: Python<'_>,
+        sampled: Vec<u32>,
+        stopped: Vec<u64>,
+        counts: Option<Vec<usize>>,
+    ) -> PyResult<Vec<(u64, &'static str)>> {
         let stopped: Vec<RequestId> = stopped.into_iter().map(RequestId).collect();
-        let finished = py.detach(|| self.inner.update(&sampled, &stopped))?;
+        let counts = counts.unwrap_or_default();
+        let finished = py.detach(|| self.inner.update_speculative(&sampled, &counts, &stopped))?;
         Ok(finished.into_iter().map(|(id, r)| (id.0, r.name())).collect())
     }
 

@@ -61,7 +61,24 @@ pub struct SchedulerConfig {
     /// The sliding window (tokens) when every layer has one: blocks behind it are released as
     /// requests advance, in both pools. `None`: every block is kept (some or all layers global).
     pub sliding_window: Option<usize>,
+    /// Speculative decoding by prompt lookup (`None`: off).
+    pub speculation: Option<Speculation>,
 }
+
+/// N-gram speculative decoding (vLLM's `{"method": "ngram", ...}`): each decode drafts up to
+/// `num_tokens` tokens by finding the request's last `lookup_min..=lookup_max` tokens earlier in
+/// its own tokens, and one forward pass verifies them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Speculation {
+    pub num_tokens: usize,
+    pub lookup_min: usize,
+    pub lookup_max: usize,
+    /// Tests: verify every draft found, whatever the predictor says drafts are worth.
+    pub always: bool,
+}
+
+/// The most tokens one step may draft per request (vLLM's bound on `num_speculative_tokens`).
+pub const MAX_SPECULATIVE_TOKENS: usize = 16;
 
 /// The most blocks of a pool a request of `num_tokens` cached tokens holds at once: all of them,
 /// or under a window on every layer, a chunk of `max_num_batched_tokens` beyond the window (a
@@ -97,6 +114,21 @@ impl SchedulerConfig {
             self.num_cpu_prefix_blocks,
             self.num_cpu_blocks
         );
+        if let Some(spec) = self.speculation {
+            ensure!(
+                (1..=MAX_SPECULATIVE_TOKENS).contains(&spec.num_tokens),
+                Value,
+                "num_speculative_tokens must be in 1..={MAX_SPECULATIVE_TOKENS}, got {}",
+                spec.num_tokens
+            );
+            ensure!(
+                spec.lookup_min >= 1 && spec.lookup_min <= spec.lookup_max,
+                Value,
+                "prompt_lookup_min ({}) must be at least 1 and at most prompt_lookup_max ({})",
+                spec.lookup_min,
+                spec.lookup_max
+            );
+        }
         ensure!(
             self.num_cpu_prefix_blocks == 0 || self.enable_prefix_caching,
             Value,

@@ -3,13 +3,15 @@
 //! `none` baseline) and the all-CPU-decode policy (`all`) share the queues and managers.
 
 mod config;
+mod ngram;
 mod output;
 mod perf;
 mod request;
 mod scheduler;
 mod stats;
 
-pub use config::{peak_blocks, OffloadMode, SchedulerConfig};
+pub use config::{peak_blocks, OffloadMode, SchedulerConfig, Speculation, MAX_SPECULATIVE_TOKENS};
+pub use ngram::propose;
 pub use output::{ModelInputs, ScheduledRequest, SchedulerOutput, StageTimes};
 pub use perf::{PerfPredictor, Table1, Table2, Term};
 pub use request::{FinishReason, Request, RequestId, RequestStatus};

@@ -47,7 +47,8 @@ pub struct ModelInputs {
     /// (which also stands for the blocks released behind a sliding window).
     pub block_tables: Vec<i32>,
     pub max_blocks: usize,
-    /// Rows whose logits are sampled, and their requests, in batch order.
+    /// Rows whose logits are sampled, and their requests, in batch order: a request verifying
+    /// `k` drafts has `k + 1` consecutive rows (its last ones).
     pub sample_rows: Vec<i64>,
     pub sample_ids: Vec<u64>,
 }
@@ -156,8 +157,12 @@ impl ModelInputs {
             m.query_start_loc.push(m.input_ids.len() as i32);
             m.seq_lens.push(range.end as i32);
             if s.sample {
-                m.sample_rows.push(m.input_ids.len() as i64 - 1);
-                m.sample_ids.push(s.id.0);
+                // A decode verifying drafts samples a row per draft and one after them.
+                let end = m.input_ids.len() as i64;
+                for row in end - 1 - req.num_drafts as i64..end {
+                    m.sample_rows.push(row);
+                    m.sample_ids.push(s.id.0);
+                }
             }
         }
         m

@@ -8,14 +8,16 @@ use std::collections::{HashMap, HashSet, VecDeque};
 mod invariants;
 mod neo;
 mod prefix_tiers;
+mod speculate;
 mod to_host;
+mod update;
 
 pub use neo::MAX_HOST_PREFILL_DEFERS;
 
 use super::config::{OffloadMode, SchedulerConfig};
 use super::output::{ModelInputs, ScheduledRequest, SchedulerOutput, StageTimes};
 use super::perf::PerfPredictor;
-use super::request::{FinishReason, Request, RequestId, RequestStatus};
+use super::request::{Request, RequestId, RequestStatus};
 use super::stats::SchedulerStats;
 use crate::error::{ensure, Result};
 use crate::kv::{chain_hashes, salt_hash, BlockId, Device, KvManager, PrefixHit, SwapPlan};
@@ -77,6 +79,8 @@ pub struct Scheduler {
     /// host-tier blocks (registered in the device cache once they land).
     stored_in_flight: Vec<BlockId>,
     host_hit_copies: Vec<RequestId>,
+    /// How often drafts have held (speculative decoding).
+    acceptance: speculate::Acceptance,
 }
 
 impl Scheduler {
@@ -110,6 +114,7 @@ impl Scheduler {
             host_prefill_defers: 0,
             stored_in_flight: Vec::new(),
             host_hit_copies: Vec::new(),
+            acceptance: speculate::Acceptance::default(),
         })
     }
 
@@ -217,6 +222,8 @@ impl Scheduler {
             salt,
             num_cached_tokens: None,
             block_hashes,
+            speculate: true,
+            num_drafts: 0,
         };
         self.next_arrival += 1;
         self.requests.insert(id, request);
@@ -270,6 +277,7 @@ impl Scheduler {
             }
             OffloadMode::Neo => self.schedule_neo(&mut step),
         }
+        self.draft(&mut step);
         self.store_evicted(&mut step);
         self.stats.num_pipelined_steps += u64::from(step.pipelined);
 
@@ -501,85 +509,5 @@ impl Scheduler {
             self.stats.num_recomputed += 1;
         }
         false
-    }
-
-    /// Apply the last iteration's results: `sampled` holds one token per sampled row (in the
-    /// plan's `sample_ids` order); `stopped` lists requests the caller finished (EOS, stop
-    /// string). Returns every request that finished, with why. Aborted requests are skipped.
-    pub fn update(&mut self, sampled: &[u32], stopped: &[RequestId]) -> Result<Vec<(RequestId, FinishReason)>> {
-        ensure!(self.awaiting_update, Runtime, "update() called without a schedule() to pair with");
-        let num_sampled = self.in_flight.iter().filter(|s| s.sample).count();
-        ensure!(
-            sampled.len() == num_sampled,
-            Shape,
-            "update() got {} sampled tokens, but the plan samples {num_sampled} rows",
-            sampled.len()
-        );
-        self.awaiting_update = false;
-        self.in_flight_moved.clear();
-        // A stop on the last allowed token is a stop, not a length finish.
-        let stopped: HashSet<RequestId> = stopped.iter().copied().filter(|id| self.requests.contains_key(id)).collect();
-        let mut finished: Vec<_> = stopped.iter().map(|&id| (id, FinishReason::Stop)).collect();
-        let mut tokens = sampled.iter();
-        for s in std::mem::take(&mut self.in_flight) {
-            let token = if s.sample { tokens.next().copied() } else { None };
-            let Some(req) = self.requests.get_mut(&s.id) else { continue };
-            req.num_computed_tokens += s.num_new_tokens;
-            let bs = self.config.block_size;
-            let filled = req.num_computed_tokens / bs > (req.num_computed_tokens - s.num_new_tokens) / bs;
-            match req.device {
-                Device::Gpu if filled || self.host_hit_copies.contains(&s.id) => {
-                    self.gpu.cache_full_blocks(s.id, &req.token_ids, req.num_computed_tokens, req.salt);
-                }
-                // With a host tier, the host pool caches its requests' blocks too.
-                Device::Cpu if filled => {
-                    self.cpu.cache_full_blocks(s.id, &req.token_ids, req.num_computed_tokens, req.salt);
-                }
-                _ => {}
-            }
-            if req.device == Device::Gpu && self.moving_to_host.contains(&s.id) {
-                // The staging blocks (cached first); the KV is in the host pool now.
-                self.gpu.free(s.id);
-                req.device = Device::Cpu;
-            }
-            match req.device {
-                Device::Gpu => self.gpu.release_behind_window(s.id, req.num_computed_tokens),
-                Device::Cpu => self.cpu.release_behind_window(s.id, req.num_computed_tokens),
-            }
-            if let Some(t) = token {
-                req.token_ids.push(t);
-                if req.num_output_tokens() >= req.max_tokens && !stopped.contains(&s.id) {
-                    finished.push((s.id, FinishReason::Length));
-                }
-            }
-        }
-        self.moving_to_host.clear();
-        self.land_cache_copies();
-        if !finished.is_empty() {
-            for &(id, _) in &finished {
-                self.release(id);
-            }
-            let requests = &self.requests;
-            self.running.retain(|id| requests.contains_key(id));
-            self.waiting.retain(|id| requests.contains_key(id));
-            self.swapped.retain(|id| requests.contains_key(id));
-        }
-        Ok(finished)
-    }
-
-    /// The last `schedule()`'s iteration failed before `update()`: its KV writes and copies may
-    /// be half done, so every request it ran or swapped is aborted (blocks freed in both pools)
-    /// and the scheduler is ready for the next `schedule()`. Returns those requests.
-    pub fn abort_step(&mut self) -> Vec<RequestId> {
-        if !std::mem::take(&mut self.awaiting_update) {
-            return Vec::new();
-        }
-        let mut ids: Vec<RequestId> = std::mem::take(&mut self.in_flight).into_iter().map(|s| s.id).collect();
-        ids.append(&mut self.in_flight_moved);
-        ids.append(&mut self.moving_to_host);
-        self.drop_cache_copies();
-        let mut seen = HashSet::new();
-        ids.retain(|&id| seen.insert(id) && self.abort(id));
-        ids
     }
 }

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import assert_all_blocks_free
 from neo_rs import LLM, CpuAttention, LLMEngine, SamplingParams
-from neo_rs.config import cache_dir
+from neo_rs.environment import cache_dir
 from neo_rs.worker.profiler import PerfTables, load_or_profile, profile_key
 
 

@@ -44,7 +44,7 @@ def _greedy(engine: LLMEngine, prompts: list[list[int]]) -> tuple[list[list[int]
     """Greedy tokens per prompt, and how many decodes ran on the CPU tier / in pipelined steps."""
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
-    done, seen = {}, {"cpu_decodes": 0, "pipelined": 0}
+    done, seen = {}, {"cpu_decodes": 0, "pipelined": 0, "accepted": 0}
     while engine.has_unfinished():
         for out in engine.step():
             if out.finished:
@@ -53,6 +53,7 @@ def _greedy(engine: LLMEngine, prompts: list[list[int]]) -> tuple[list[list[int]
         if stats is not None:
             seen["cpu_decodes"] += stats.num_cpu_decodes
             seen["pipelined"] += stats.mode == "pipelined"
+            seen["accepted"] += sum(stats.accepted_per_position)
     return [done[i] for i in ids], seen
 
 
@@ -75,6 +76,27 @@ def test_greedy_tokens_match_transformers_gguf_loading(smollm2, offload: str) ->
         assert seen["cpu_decodes"] > 0, seen
     if offload == "neo":
         assert seen["pipelined"] > 0, seen
+    assert_all_blocks_free(engine)
+
+
+def test_speculation_keeps_the_greedy_tokens(smollm2, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prompt lookup drafts (all of them, whatever they are worth here), verified on the device
+    # and in the CPU kernel over the host pool; the chat prompts, whose answers quote them.
+    monkeypatch.setenv("NEO_RS_FORCE_SPECULATION", "1")
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    engine = LLMEngine(
+        EngineArgs(
+            model=str(smollm2["path"]),
+            dtype="float32",
+            offload="neo",
+            block_size=8,
+            speculative_config=spec,
+            **MODES["neo"],
+        )
+    )
+    tokens, seen = _greedy(engine, smollm2["prompts"][len(TEXTS) :])
+    assert tokens == smollm2["want"][len(TEXTS) :]
+    assert seen["accepted"] > 0 and seen["cpu_decodes"] > 0, seen
     assert_all_blocks_free(engine)
 
 

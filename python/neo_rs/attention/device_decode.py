@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 
-from neo_rs.config import AttentionKind, device_attention
+from neo_rs.config import AttentionKind
+from neo_rs.environment import device_attention
 from neo_rs.errors import InvalidArgumentError
 from neo_rs.kv.pools import KvPool
 

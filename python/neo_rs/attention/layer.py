@@ -1,8 +1,9 @@
 """Attention over the paged KV pools for one iteration: prefill chunks with torch SDPA (causal,
-per sequence); device decodes with the Rust CPU kernel when the device pool is in CPU memory,
-else a CUDA backend (``device_decode.py``: FlashInfer, our Triton kernel, or plain torch); CPU
-decodes (NEO's offloaded requests) with the Rust kernel over the host pool, appending their new
-K/V there. Each layer attends as its ``AttentionKind`` says (scale, sliding window,
+per sequence; a later chunk over a pool in CPU memory in the Rust kernel, a row at a time);
+device decodes with the Rust CPU kernel when the device pool is in CPU memory, else a CUDA
+backend (``device_decode.py``: FlashInfer, our Triton kernel, or plain torch); CPU decodes
+(NEO's offloaded requests) with the Rust kernel over the host pool, appending their new K/V
+there. Each layer attends as its ``AttentionKind`` says (scale, sliding window,
 soft-capping), in every one of these paths."""
 
 from __future__ import annotations
@@ -164,6 +165,23 @@ class Attention:
         kind = self.kinds[layer]
         if p.num_computed == 0:
             return attend_positions(q, k, v, 0, kind)
+        if p.kernel_rows is not None:
+            # Its K/V is written: each row reads the pool up to its own position.
+            out = torch.empty_like(q)
+            tables, lens = p.kernel_rows
+            self.cpu_attention.forward(
+                q.contiguous(),
+                pool.k,
+                pool.v,
+                layer,
+                tables,
+                lens,
+                kind.scale,
+                out,
+                window=kind.window,
+                softcap=kind.softcap,
+            )
+            return out
         if self.paged_prefill is not None:
             # A later chunk: earlier tokens are only in the pool, read there in place.
             return self.paged_prefill(

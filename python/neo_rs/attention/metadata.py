@@ -23,6 +23,10 @@ class Prefill:
     num_computed: int
     seq_len: int
     block_table: torch.Tensor  # int64 block ids covering seq_len
+    # A later chunk over a pool in CPU memory (a chunked prompt, or a decode verifying drafts):
+    # each row attends in the Rust kernel as a decode at its own position, over these int32
+    # tables and lengths (a row each).
+    kernel_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -92,12 +96,18 @@ class AttentionBatch:
         tables = torch.from_numpy(plan.block_tables[lo:hi])
         seq_lens = torch.from_numpy(lens)
         prefills = []
+        on_host = transfer.device.type == "cpu"
         for i in range(nd, hi - lo):
             nblocks = -(-int(lens[i]) // block_size)
             start, end = int(qsl[i]), int(qsl[i + 1])
             seq_len = int(lens[i])
+            computed = seq_len - (end - start)
+            kernel_rows = None
+            if on_host and computed > 0:
+                row_lens = torch.arange(computed + 1, seq_len + 1, dtype=torch.int32)
+                kernel_rows = (tables[i : i + 1].expand(end - start, -1).contiguous(), row_lens)
             prefills.append(
-                Prefill(start, end, seq_len - (end - start), seq_len, up(tables[i, :nblocks].long()))
+                Prefill(start, end, computed, seq_len, up(tables[i, :nblocks].long()), kernel_rows)
             )
         t0, t1 = int(plan.query_start_loc[lo]), int(plan.query_start_loc[hi])
         slots = plan.slot_mapping[t0:t1]

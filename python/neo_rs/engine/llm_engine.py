@@ -15,11 +15,13 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from neo_rs._core import Scheduler, SchedulerOutput, peak_kv_blocks
-from neo_rs.config import EngineArgs, ModelConfig, cache_dir, resolve_dtype
+from neo_rs.config import EngineArgs, ModelConfig, resolve_dtype
 from neo_rs.cuda_runtime import runtime
 from neo_rs.engine.sequence import RequestMetrics, RequestOutput, Sequence
+from neo_rs.engine.speculation import Verification
 from neo_rs.engine.stats import IterationStats, calibrate
 from neo_rs.engine.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
+from neo_rs.environment import cache_dir, force_speculation
 from neo_rs.errors import EngineDeadError, EngineStepError, InvalidArgumentError
 from neo_rs.model.registry import DEMO_MODEL, resolve_model
 from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel, rank_device
@@ -168,11 +170,13 @@ class LLMEngine:
             force_pipeline=args.neo_force_pipeline,
             enable_prefix_caching=args.enable_prefix_caching,
             num_cpu_prefix_blocks=self.runner.num_cpu_prefix_blocks,
+            speculation=spec.scheduler_args(force_speculation()) if (spec := args.speculation) else None,
         )
         self._pool_blocks = [("device", self.runner.num_gpu_blocks)]
         if args.offload != "none":  # the host pool holds whole requests too
             self._pool_blocks.append(("host", self.runner.num_cpu_blocks))
-        if args.offload == "neo":
+        if args.offload == "neo" or args.speculation is not None:
+            # NEO's policy and the price of drafts both read the measured stage times.
             budget = args.token_budget
             on_profile = self.workers.profile if self.workers is not None else None
             load_or_profile(self.runner, budget, self.max_model_len, cache_dir(), on_profile).apply(
@@ -268,7 +272,8 @@ class LLMEngine:
         added: list[int] = []
         try:
             for seq in req.seqs:
-                self.scheduler.add_request(seq.seq_id, prompt_ids, max_tokens, cache_salt)
+                # Drafts are verified without a grammar's masks: constrained sequences draft none.
+                self.scheduler.add_request(seq.seq_id, prompt_ids, max_tokens, cache_salt, so is None)
                 added.append(seq.seq_id)
         except Exception:
             for seq_id in added:  # all n sequences or none
@@ -359,25 +364,24 @@ class LLMEngine:
                 metrics.first_scheduled_time = now
         masks = None
         try:
-            seqs = [self._seqs[i][0] for i in plan.sample_ids.tolist()]
-            # The grammars' masks for this step's tokens are computed while the model runs.
-            masks = self.grammars.start_masks([s.matcher for s in seqs]) if self.grammars else None
+            row_seqs = [self._seqs[i][0] for i in plan.sample_ids.tolist()]
+            verify = Verification.of(plan, row_seqs)
+            seqs = verify.seqs
+            # The grammars' masks for this step's tokens are computed while the model runs (a
+            # constrained sequence drafts nothing: one row each).
+            masks = self.grammars.start_masks([s.matcher for s in row_seqs]) if self.grammars else None
             if self.workers is not None:
                 self.workers.step(plan)
             self.runner.apply_swaps(plan)
             logits = self.runner.execute(plan)
             mask = masks.result() if masks is not None else None
-            result = sample(logits, [s.sample_row() for s in seqs], self.generator, mask)
+            result = sample(logits, verify.rows, self.generator, mask)
             for s in seqs:  # read before update() lets a finished request go
                 req = self._seqs[s.seq_id][1]
                 if req.num_cached_tokens is None:
                     req.num_cached_tokens = self.scheduler.num_cached_tokens(s.seq_id)
-            stopped = [
-                s.seq_id
-                for s, tok, lp in zip(seqs, result.token_ids, result.logprobs, strict=True)
-                if s.append(tok, lp)
-            ]
-            finished = self.scheduler.update(result.token_ids, stopped)
+            tokens, counts, stopped = verify.emit(result)
+            finished = self.scheduler.update(tokens, stopped, counts if verify.num_drafted else None)
         except BaseException as e:
             if masks is not None:
                 wait([masks])  # the worker reads the matchers the failure is about to drop
@@ -385,7 +389,7 @@ class LLMEngine:
             if not isinstance(e, Exception):  # KeyboardInterrupt and the like go on as they are
                 raise
             raise failure from e
-        self._account(plan, (time.perf_counter() - start) * 1e3)
+        self._account(plan, (time.perf_counter() - start) * 1e3, verify)
         now = time.monotonic()
         touched: dict[str, _Request] = {}
         for s in seqs:
@@ -431,7 +435,11 @@ class LLMEngine:
             self.abort(request_id)
         return EngineStepError(f"the iteration failed ({type(cause).__name__}: {cause})", request_ids)
 
-    def _account(self, plan: SchedulerOutput, iteration_ms: float) -> None:
+    def _account(self, plan: SchedulerOutput, iteration_ms: float, verify: Verification) -> None:
         times, num_layers = self.runner.last_times, self.model_config.num_layers
         calibrate(self.scheduler, plan, times, num_layers)
-        self.last_stats = IterationStats.build(plan, times, self.scheduler, num_layers, iteration_ms)
+        stats = IterationStats.build(plan, times, self.scheduler, num_layers, iteration_ms)
+        stats.num_drafts = verify.num_drafted
+        stats.num_draft_tokens = verify.num_draft_tokens
+        stats.accepted_per_position = verify.accepted_per_position()
+        self.last_stats = stats

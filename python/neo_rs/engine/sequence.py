@@ -76,11 +76,14 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def sample_row(self) -> SampleRow:
+    def sample_row(self, drafts: list[int] | None = None) -> SampleRow:
+        """What the sampler needs for the token after the outputs so far, and after ``drafts``
+        (tokens being verified) if given."""
+        outputs = self.output_ids + drafts if drafts else self.output_ids
         banned: list[int] = []
-        if len(self.output_ids) < self.params.min_tokens:
+        if len(outputs) < self.params.min_tokens:
             banned = self.params.stop_token_ids + ([] if self.params.ignore_eos else sorted(self.eos_ids))
-        return SampleRow(self.params, self.prompt_ids, self.output_ids, self.generator, banned)
+        return SampleRow(self.params, self.prompt_ids, outputs, self.generator, banned)
 
     def append(self, token: int, logprobs: dict[int, float] | None) -> bool:
         """Add a sampled token; True when it stops the sequence (the caller tells the scheduler)."""

@@ -29,6 +29,11 @@ class IterationStats:
     gpu_blocks_total: int = 0
     cpu_blocks_used: int = 0
     cpu_blocks_total: int = 0
+    # Speculative decoding: sequences that verified drafts, their draft tokens, and how many
+    # sequences accepted their i-th draft (the accepted tokens are its sum).
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
 
     @staticmethod
     def build(

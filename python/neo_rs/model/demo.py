@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from neo_rs.config import build_atomically, cache_dir
+from neo_rs.environment import build_atomically, cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from neo_rs.config import DTYPES, MODEL_TYPES, RopeConfig, build_atomically, cache_dir
+from neo_rs.config import DTYPES, MODEL_TYPES, RopeConfig
+from neo_rs.environment import build_atomically, cache_dir
 from neo_rs.errors import ModelLoadError
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from neo_rs.config import cache_dir, resolve_dtype
+from neo_rs.config import resolve_dtype
+from neo_rs.environment import cache_dir
 from neo_rs.errors import ModelLoadError
 
 log = logging.getLogger(__name__)

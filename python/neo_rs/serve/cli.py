@@ -19,10 +19,12 @@ from aiohttp import web
 
 from neo_rs.config import CPU_KV_DTYPES, NO_QUANTIZATION, OFFLOAD_MODES, QUANTIZATIONS, EngineArgs
 from neo_rs.engine.async_engine import AsyncEngine
+from neo_rs.errors import InvalidArgumentError
 from neo_rs.model.registry import DEFAULT_MODEL, DEMO_MODEL, served_name
 from neo_rs.serve.app import ServerState, create_app
 from neo_rs.serve.metrics import Metrics
 from neo_rs.serve.tools import PARSERS
+from neo_rs.speculative_config import SpeculativeConfig
 from neo_rs.worker.tp_workers import launched_by_env, run_worker
 
 log = logging.getLogger("neo_rs.serve")
@@ -38,6 +40,13 @@ def _positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.parse(text)
+    except InvalidArgumentError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -73,6 +82,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "int4: groups of 128 input columns; fp8: e4m3 per output channel, or an FP8 checkpoint's; "
         "gguf, gptq, awq: the checkpoint's own 4-bit weights; a quantized checkpoint's method is "
         "inferred; none: every weight in --dtype)",
+    )
+    p.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 4} drafts from each request\'s own tokens',
     )
     p.add_argument(
         "--enable-prefix-caching",
@@ -158,6 +173,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         tensor_parallel_size=args.tensor_parallel_size,
         cuda_graphs=args.cuda_graphs,
         enforce_eager=args.enforce_eager,
+        speculative_config=args.speculative_config,
     )
 
 

@@ -1,6 +1,7 @@
 """Prometheus metrics (``neo:`` prefix, vLLM's names where they exist): request outcomes,
 token counters, latency histograms, queue and pool gauges, and the offload tier (iterations by
-mode, CPU-decode requests, CPU attention seconds, host<->device bytes, swaps)."""
+mode, CPU-decode requests, CPU attention seconds, host<->device bytes, swaps), and speculative
+decoding's drafts and acceptance."""
 
 from __future__ import annotations
 
@@ -89,6 +90,21 @@ class Metrics:
             [*label, "direction"],
             registry=r,
         )
+        self.spec_drafts = Counter(
+            "neo:spec_decode_num_drafts", "Decodes that verified drafts.", label, registry=r
+        )
+        self.spec_draft_tokens = Counter(
+            "neo:spec_decode_draft_tokens", "Draft tokens verified.", label, registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            "neo:spec_decode_accepted_tokens", "Draft tokens accepted.", label, registry=r
+        )
+        self.spec_accepted_per_pos = Counter(
+            "neo:spec_decode_num_accepted_tokens_per_pos",
+            "Drafts accepted at each position (0: the first draft).",
+            [*label, "position"],
+            registry=r,
+        )
         self._prefix_seen: dict[str, int] = {}  # scheduler totals already counted
         self._last_token: dict[str, float] = {}  # engine thread only
 
@@ -125,6 +141,11 @@ class Metrics:
             self.cpu_decodes.labels(m).inc(stats.num_cpu_decodes)
             self.cpu_attn.labels(m).inc(stats.cpu_attn_ms / 1e3)
             self.transfer.labels(m).inc(stats.transfer_bytes)
+            self.spec_drafts.labels(m).inc(stats.num_drafts)
+            self.spec_draft_tokens.labels(m).inc(stats.num_draft_tokens)
+            self.spec_accepted_tokens.labels(m).inc(sum(stats.accepted_per_position))
+            for pos, n in enumerate(stats.accepted_per_position):
+                self.spec_accepted_per_pos.labels(m, str(pos)).inc(n)
         now = time.monotonic()
         for out in outputs:
             last = self._last_token.get(out.request_id)

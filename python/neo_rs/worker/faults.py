@@ -9,7 +9,7 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
-from neo_rs.config import fail_rank, fail_steps
+from neo_rs.environment import fail_rank, fail_steps
 from neo_rs.errors import InvalidArgumentError
 
 

@@ -18,8 +18,9 @@ import torch
 from neo_rs._core import CpuAttention, SchedulerOutput
 from neo_rs.attention.layer import Attention, PendingCpuAttention
 from neo_rs.attention.metadata import AttentionBatch
-from neo_rs.config import EngineArgs, ModelConfig, emulate_async_copies, openmp_team
+from neo_rs.config import EngineArgs, ModelConfig
 from neo_rs.cuda_runtime import runtime
+from neo_rs.environment import emulate_async_copies, openmp_team
 from neo_rs.errors import InvalidArgumentError
 from neo_rs.kv.layer_copies import LayerCopies
 from neo_rs.kv.pools import KvLayout, KvPool, block_pairs
@@ -129,7 +130,7 @@ class ModelRunner:
                 self.attention.kinds,
                 device,
                 args.token_budget,
-                args.max_num_seqs,
+                args.max_sampled_rows,
             )
             if device.type == "cuda"
             else None

@@ -423,6 +423,7 @@ mod tests {
             enable_prefix_caching: false,
             num_cpu_prefix_blocks: 0,
             sliding_window,
+            speculation: None,
         })
         .unwrap()
     }

@@ -1,0 +1,100 @@
+"""Drafts verified after the forward pass. The scheduler gives a decode that drafted ``k``
+tokens ``k + 1`` consecutive sampled rows: row ``j`` reads the last sampled token and drafts
+``1..j``, so it samples what follows draft ``j`` exactly as a decode at that position would
+(penalties and ``min_tokens`` count the drafts before it). Each row samples as usual; a sequence
+keeps the drafts while each row's token equals the next draft, then the first token that
+differs (or, all accepted, the last row's).
+
+For greedy rows that is decoding one token at a time. For sampled rows it is Leviathan et al.'s
+rejection sampling with a draft distribution that puts all its mass on the draft ``d`` (prompt
+lookup proposes tokens, not distributions): that rule accepts ``d`` with probability ``p(d)``
+and otherwise draws from ``p`` without ``d``, which is what drawing ``x ~ p`` and accepting iff
+``x = d`` does. So every token keeps the model's distribution. A seeded sequence's generator is
+rewound to have drawn one number per token kept: its tokens are those it samples without
+speculation, however many drafts each step verified."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from neo_rs._core import SchedulerOutput
+from neo_rs.engine.sequence import Sequence
+from neo_rs.sample.sampling import SampleResult, SampleRow
+
+
+@dataclass
+class Verification:
+    """One iteration's sampled rows and what the sequences took from them."""
+
+    seqs: list[Sequence]  # each sampled sequence once, in plan order
+    runs: list[slice]  # each sequence's rows
+    rows: list[SampleRow]
+    drafts: list[int | None]  # the draft each row verifies (None: a last row)
+    num_drafted: int = 0  # sequences that verified drafts
+    accepted: list[int] = field(default_factory=list)  # per drafted sequence, in order
+    # Seeded drafted sequences' generator states before the rows drew from them.
+    rewind: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @staticmethod
+    def of(plan: SchedulerOutput, row_seqs: list[Sequence]) -> Verification:
+        """``row_seqs``: the sequence of each sampled row (``plan.sample_ids``)."""
+        ids, sample_rows = plan.sample_ids, plan.sample_rows
+        starts = np.flatnonzero(np.diff(ids, prepend=-1)).tolist() if len(ids) else []
+        bounds = [*starts, len(ids)]
+        v = Verification([], [], [], [])
+        for lo, hi in zip(bounds, bounds[1:], strict=False):
+            seq = row_seqs[lo]
+            # Row j's input is draft j (row 0's the last sampled token): row j verifies the next.
+            drafts = plan.input_ids[sample_rows[lo] + 1 : sample_rows[hi - 1] + 1].tolist()
+            v.seqs.append(seq)
+            v.runs.append(slice(lo, hi))
+            v.rows.extend(seq.sample_row(drafts[:j]) for j in range(hi - lo))
+            v.drafts.extend([*drafts, None])
+            if hi - lo > 1:
+                v.num_drafted += 1
+                if seq.generator is not None and not seq.params.greedy:
+                    v.rewind[seq.seq_id] = seq.generator.get_state()
+        return v
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.rows) - len(self.seqs)
+
+    def accepted_per_position(self) -> list[int]:
+        """How many sequences accepted their ``i``-th draft, for each ``i``."""
+        longest = max((r.stop - r.start - 1 for r in self.runs), default=0)
+        return [sum(a > i for a in self.accepted) for i in range(longest)]
+
+    def emit(self, result: SampleResult) -> tuple[list[int], list[int], list[int]]:
+        """Append each sequence's tokens (accepted drafts, then one more) until one stops it.
+        Returns the tokens appended, how many per sequence, and the sequences that stopped."""
+        tokens, counts, stopped = [], [], []
+        for seq, run in zip(self.seqs, self.runs, strict=True):
+            sampled, drafts = result.token_ids[run], self.drafts[run]
+            # The last row's draft is None: some row always differs.
+            emitted = 1 + next(j for j, (t, d) in enumerate(zip(sampled, drafts, strict=True)) if t != d)
+            if len(sampled) > 1:
+                self.accepted.append(emitted - 1)
+            if (state := self.rewind.get(seq.seq_id)) is not None:
+                _redraw(seq.generator, state, emitted)
+            n = 0
+            for j in range(emitted):
+                n += 1
+                if seq.append(sampled[j], result.logprobs[run.start + j]):
+                    stopped.append(seq.seq_id)
+                    break
+            tokens.extend(sampled[:n])
+            counts.append(n)
+        return tokens, counts, stopped
+
+
+def _redraw(generator: torch.Generator | None, state: torch.Tensor, draws: int) -> None:
+    """Put ``generator`` back to ``state``, then draw ``draws`` uniforms as the sampler draws a
+    seeded row's (``sample.sampling.draw``: one float32 each, on the generator's device)."""
+    assert generator is not None
+    generator.set_state(state)
+    for _ in range(draws):
+        torch.rand(1, generator=generator, device=generator.device, dtype=torch.float32)

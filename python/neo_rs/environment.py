@@ -1,0 +1,72 @@
+"""The environment the engine reads: its cache folder (and how things are built into it) and
+the ``NEO_RS_*`` variables that switch emulations, backends and fault injection."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from neo_rs.errors import InvalidArgumentError
+
+
+def cache_dir() -> Path:
+    """``NEO_RS_CACHE_DIR``, else ``~/.cache/neo_rs``: built-in models, converted GGUFs, perf profiles."""
+    root = os.environ.get("NEO_RS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "neo_rs")
+    return Path(root)
+
+
+def build_atomically(target: Path, build: Callable[[Path], None]) -> None:
+    """Run ``build`` into a fresh folder beside ``target``, then rename it into place: a crash
+    leaves nothing half-written, and of two processes racing, one wins and the other's copy goes."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        build(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def emulate_async_copies() -> bool:
+    """``NEO_RS_EMULATE_ASYNC_COPIES=1``: on a CPU device, device->host copies land only when
+    waited on, as on CUDA (``kv/transfer.py``)."""
+    return os.environ.get("NEO_RS_EMULATE_ASYNC_COPIES", "") not in ("", "0")
+
+
+def openmp_team() -> bool:
+    """``NEO_RS_OPENMP_TEAM=0``: on a CPU device, the kernel keeps its own thread pool instead of
+    running on torch's OpenMP threads (``runner.cpu_attention``), for comparison."""
+    return os.environ.get("NEO_RS_OPENMP_TEAM", "1") != "0"
+
+
+def device_attention() -> str:
+    """``NEO_RS_DEVICE_ATTENTION``: the backend of device decodes on CUDA (``attention/device_decode.py``),
+    ``flashinfer``, ``triton`` or ``torch``; default ``auto``, the first of them that imports
+    (``benches/gpu_check.sh`` checks each)."""
+    return os.environ.get("NEO_RS_DEVICE_ATTENTION", "auto")
+
+
+def force_speculation() -> bool:
+    """``NEO_RS_FORCE_SPECULATION=1``: tests verify every draft prompt lookup finds, whatever the
+    predictor says drafts are worth on this machine (``rust/sched/scheduler/speculate.rs``)."""
+    return os.environ.get("NEO_RS_FORCE_SPECULATION", "") not in ("", "0")
+
+
+def fail_steps() -> str:
+    """``NEO_RS_FAIL_STEPS``: model runs that raise, for fault-injection tests (``worker/faults.py``)."""
+    return os.environ.get("NEO_RS_FAIL_STEPS", "")
+
+
+def fail_rank() -> int:
+    """``NEO_RS_FAIL_RANK``: the tensor-parallel rank ``NEO_RS_FAIL_STEPS`` applies to (default 0)."""
+    try:
+        return int(os.environ.get("NEO_RS_FAIL_RANK", "0"))
+    except ValueError as e:
+        raise InvalidArgumentError("NEO_RS_FAIL_RANK must be an integer") from e
