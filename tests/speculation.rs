@@ -99,14 +99,6 @@ fn drafts_fit_max_tokens_the_budget_and_free_blocks_and_never_preempt() {
 }
 
 #[test]
-fn a_request_may_opt_out() {
-    let mut s = after_prefill(config(16, 64), 20);
-    assert!(s.set_speculation(ID, false));
-    assert_eq!(s.schedule().unwrap().scheduled[0].num_new_tokens, 1);
-    assert!(!s.set_speculation(RequestId(7), false));
-}
-
-#[test]
 fn speculation_settings_are_checked() {
     for (num_tokens, lookup_min, lookup_max) in [(0, 1, 2), (17, 1, 2), (4, 0, 2), (4, 3, 2)] {
         let cfg = SchedulerConfig {

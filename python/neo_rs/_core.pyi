@@ -196,16 +196,10 @@ class Scheduler:
         to ``num_tokens`` tokens by prompt lookup, into the budget and blocks left over, as many
         as the predictor says pay (``always``, for tests: every one found)."""
     def add_request(
-        self,
-        request_id: int,
-        prompt_token_ids: list[int],
-        max_tokens: int,
-        cache_salt: str | None = None,
-        speculate: bool = True,
+        self, request_id: int, prompt_token_ids: list[int], max_tokens: int, cache_salt: str | None = None
     ) -> None:
         """Queue a request; ``InvalidArgumentError`` if it can never run (empty, too long, duplicate).
-        ``cache_salt``: it shares prefix-cache blocks only with requests of the same salt.
-        ``speculate``: whether its decodes may draft tokens (when speculation is on)."""
+        ``cache_salt``: it shares prefix-cache blocks only with requests of the same salt."""
     def abort(self, request_id: int) -> bool:
         """Drop a request wherever it is and free its blocks; ``False`` if unknown."""
     def num_cached_tokens(self, request_id: int) -> int:

@@ -138,19 +138,15 @@ impl Scheduler {
         Ok(Scheduler { inner: sched::Scheduler::new(config)? })
     }
 
-    #[pyo3(signature = (request_id, prompt_token_ids, max_tokens, cache_salt = None, speculate = true))]
+    #[pyo3(signature = (request_id, prompt_token_ids, max_tokens, cache_salt = None))]
     fn add_request(
         &mut self,
         request_id: u64,
         prompt_token_ids: Vec<u32>,
         max_tokens: usize,
         cache_salt: Option<&str>,
-        speculate: bool,
     ) -> PyResult<()> {
-        let id = RequestId(request_id);
-        self.inner.add_salted_request(id, prompt_token_ids, max_tokens, cache_salt)?;
-        self.inner.set_speculation(id, speculate);
-        Ok(())
+        Ok(self.inner.add_salted_request(RequestId(request_id), prompt_token_ids, max_tokens, cache_salt)?)
     }
 
     fn abort(&mut self, request_id: u64) -> bool {

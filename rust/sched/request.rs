@@ -59,9 +59,6 @@ pub struct Request {
     /// hit), computed once on arrival as vLLM does: a prompt that waits is looked up every
     /// iteration. Empty with prefix caching off.
     pub block_hashes: Vec<BlockHash>,
-    /// Whether its decodes may draft tokens (with speculation on; the caller turns it off for
-    /// requests whose sampling cannot verify drafts).
-    pub speculate: bool,
     /// Draft tokens at the end of `token_ids`, verified by the iteration in flight.
     pub num_drafts: usize,
 }

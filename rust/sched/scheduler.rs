@@ -222,7 +222,6 @@ impl Scheduler {
             salt,
             num_cached_tokens: None,
             block_hashes,
-            speculate: true,
             num_drafts: 0,
         };
         self.next_arrival += 1;

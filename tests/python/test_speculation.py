@@ -1,6 +1,6 @@
 """Speculative decoding by prompt lookup: greedy tokens identical to decoding without it in every
 offload mode (drafts verified over the device pool and, in the CPU kernel, over the host pool),
-under preemption, chunked prefill and prefix caching, beside constrained requests; sampled
+under preemption, chunked prefill and prefix caching, under grammars; sampled
 tokens keep the model's distribution (and a seed's tokens); bad settings are typed errors naming
 the field."""
 
@@ -125,14 +125,16 @@ def test_prefix_hits_over_verified_tokens_and_stops_inside_accepted_drafts() -> 
     assert seen["prefix_cache_hits"] > 0
 
 
-def test_constrained_requests_draft_nothing_and_keep_their_tokens() -> None:
+def test_grammars_mask_every_draft_position() -> None:
+    # The demo model under "(ab)+c" repeats "ab": its drafts are verified with each row masked
+    # as the grammar stands after the drafts before it, beside unconstrained requests.
     free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     constrained = SamplingParams(temperature=0, max_tokens=24, structured_outputs={"regex": "(ab)+c"})
     prompts = ["abababab", "the the the the", "abab"]
-    params = [free, free, constrained]
-    want, _, _ = generate("demo", None, prompts, params)
-    got, engine, seen = generate("demo", NGRAM, prompts, params)
-    assert got == want and seen["drafts"] > 0
+    for params in ([constrained], [free, free, constrained]):
+        want, _, _ = generate("demo", None, prompts[-len(params) :], params)
+        got, _, seen = generate("demo", NGRAM, prompts[-len(params) :], params)
+        assert got == want and seen["accepted"] > 0, seen
 
 
 def test_seeded_sampling_draws_the_tokens_it_draws_without_speculation() -> None:

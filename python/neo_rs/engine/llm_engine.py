@@ -272,8 +272,7 @@ class LLMEngine:
         added: list[int] = []
         try:
             for seq in req.seqs:
-                # Drafts are verified without a grammar's masks: constrained sequences draft none.
-                self.scheduler.add_request(seq.seq_id, prompt_ids, max_tokens, cache_salt, so is None)
+                self.scheduler.add_request(seq.seq_id, prompt_ids, max_tokens, cache_salt)
                 added.append(seq.seq_id)
         except Exception:
             for seq_id in added:  # all n sequences or none
@@ -367,9 +366,8 @@ class LLMEngine:
             row_seqs = [self._seqs[i][0] for i in plan.sample_ids.tolist()]
             verify = Verification.of(plan, row_seqs)
             seqs = verify.seqs
-            # The grammars' masks for this step's tokens are computed while the model runs (a
-            # constrained sequence drafts nothing: one row each).
-            masks = self.grammars.start_masks([s.matcher for s in row_seqs]) if self.grammars else None
+            # The grammars' masks for this step's tokens are computed while the model runs.
+            masks = self.grammars.start_masks(verify.constrained()) if self.grammars else None
             if self.workers is not None:
                 self.workers.step(plan)
             self.runner.apply_swaps(plan)

@@ -1,7 +1,8 @@
 """Drafts verified after the forward pass. The scheduler gives a decode that drafted ``k``
 tokens ``k + 1`` consecutive sampled rows: row ``j`` reads the last sampled token and drafts
 ``1..j``, so it samples what follows draft ``j`` exactly as a decode at that position would
-(penalties and ``min_tokens`` count the drafts before it). Each row samples as usual; a sequence
+(penalties and ``min_tokens`` count the drafts before it; a grammar's mask is its state after
+them). Each row samples as usual; a sequence
 keeps the drafts while each row's token equals the next draft, then the first token that
 differs (or, all accepted, the last row's).
 
@@ -16,6 +17,7 @@ speculation, however many drafts each step verified."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -67,6 +69,14 @@ class Verification:
         """How many sequences accepted their ``i``-th draft, for each ``i``."""
         longest = max((r.stop - r.start - 1 for r in self.runs), default=0)
         return [sum(a > i for a in self.accepted) for i in range(longest)]
+
+    def constrained(self) -> list[tuple[Any, int, list[int]]]:
+        """The sequences with a grammar: matcher, first row and drafts (``Grammars.start_masks``)."""
+        return [
+            (seq.matcher, run.start, [d for d in self.drafts[run.start : run.stop] if d is not None])
+            for seq, run in zip(self.seqs, self.runs, strict=True)
+            if seq.matcher is not None
+        ]
 
     def emit(self, result: SampleResult) -> tuple[list[int], list[int], list[int]]:
         """Append each sequence's tokens (accepted drafts, then one more) until one stops it.

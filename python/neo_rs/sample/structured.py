@@ -1,8 +1,9 @@
 """Structured outputs (vLLM's ``StructuredOutputsParams``): a JSON Schema, any JSON object, a
 regex, a choice of strings, or a Lark/GBNF grammar, compiled by llguidance into a matcher per
 sequence. Each step the matchers' token masks are computed on a worker thread while the model
-runs (llguidance drops the GIL and fills the rows in parallel); the sampler then applies them
-before temperature, top-k and top-p, and each sampled token advances its matcher."""
+runs (llguidance drops the GIL and fills the rows in parallel), a row per draft for a sequence
+verifying drafts; the sampler then applies them before temperature, top-k and top-p, and each
+token kept advances its matcher."""
 
 from __future__ import annotations
 
@@ -179,23 +180,38 @@ class Grammars:
             self._worker = None
         self._executor = None
 
-    def start_masks(self, matchers: list[llguidance.LLMatcher | None]) -> Future[TokenMask] | None:
-        """Begin computing the masks of the rows that have a matcher (None if none has)."""
-        rows = [i for i, m in enumerate(matchers) if m is not None]
-        if not rows:
+    def start_masks(
+        self, runs: list[tuple[llguidance.LLMatcher, int, list[int]]]
+    ) -> Future[TokenMask] | None:
+        """Begin computing the masks of constrained sequences' rows (None if there are none):
+        ``(matcher, first row, drafts)`` each, whose rows are the first row and one per draft,
+        row ``j`` masked as the grammar stands after drafts ``1..j``."""
+        if not runs:
             return None
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="neo-grammar")
         self.masks_started += 1
-        pairs = [(matchers[i], j) for j, i in enumerate(rows)]
-        return self._worker.submit(self._masks, rows, pairs)
+        rows: list[int] = []
+        triples: list[tuple[Any, int, list[int]]] = []
+        for matcher, first, drafts in runs:
+            triples.append((matcher, len(rows), drafts))
+            rows.extend(range(first, first + len(drafts) + 1))
+        return self._worker.submit(self._masks, rows, triples)
 
-    def _masks(self, rows: list[int], pairs: list[tuple[Any, int]]) -> TokenMask:
+    def _masks(self, rows: list[int], triples: list[tuple[Any, int, list[int]]]) -> TokenMask:
         if self._executor is None:  # its threads start with the first constrained request
             self._executor = llguidance.LLExecutor()
-        bitmask = np.empty((len(rows), (self.vocab_size + 31) // 32), dtype=np.int32)
-        # (llguidance.torch's fill_next_token_bitmask_par, whose module would pull in torch.compile)
-        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.ctypes.data, bitmask.shape[1] * 4, len(rows))
+        # Rows after a draft the grammar refuses are left allowing everything: that draft is
+        # masked out of the row before, so it is rejected and no later row's token is kept.
+        bitmask = np.full((len(rows), (self.vocab_size + 31) // 32), -1, dtype=np.int32)
+        # (llguidance.torch's fill_next_token_bitmask_par, whose module would pull in torch.compile;
+        # a matcher with drafts goes through them and back)
+        at, row_bytes = bitmask.ctypes.data, bitmask.shape[1] * 4
+        plain = [(m, k) for m, k, drafts in triples if not drafts]
+        if plain:
+            self._executor.unsafe_compute_mask_ptr(plain, at, row_bytes, len(rows))
+        if drafted := [t for t in triples if t[2]]:
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(drafted, at, row_bytes, len(rows))
         # Expanded here too, off the critical path, in numpy: a torch op on this thread would
         # start a second OpenMP team, whose spinning threads slow the model's own.
         additive = torch.from_numpy(additive_mask(bitmask, self.vocab_size))

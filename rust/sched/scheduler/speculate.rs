@@ -12,15 +12,9 @@ use crate::sched::config::OffloadMode;
 use crate::sched::config::MAX_SPECULATIVE_TOKENS;
 use crate::sched::ngram::propose;
 use crate::sched::output::ScheduledRequest;
-use crate::sched::request::{Request, RequestId};
+use crate::sched::request::Request;
 
 impl Scheduler {
-    /// Whether the request's decodes may draft tokens (they may by default, when speculation is
-    /// on); `false` for an unknown id.
-    pub fn set_speculation(&mut self, id: RequestId, on: bool) -> bool {
-        self.requests.get_mut(&id).map(|r| r.speculate = on).is_some()
-    }
-
     /// Add drafts to the plan's decodes, as many per decode as pay (`draft_depth`), while
     /// budget and blocks last.
     pub(super) fn draft(&mut self, step: &mut Step) {
@@ -29,7 +23,7 @@ impl Scheduler {
         for (i, s) in step.scheduled.iter().enumerate() {
             let req = &self.requests[&s.id];
             let decode = s.sample && s.num_new_tokens == 1 && req.num_output_tokens() > 0;
-            if !req.speculate || !decode || self.moving_to_host.contains(&s.id) {
+            if !decode || self.moving_to_host.contains(&s.id) {
                 continue;
             }
             // Every draft accepted plus the token after them stays within max_tokens.
