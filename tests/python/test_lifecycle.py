@@ -15,6 +15,7 @@ import time
 import weakref
 
 import pytest
+import torch
 from neo_rs import LLM, EngineDeadError, SamplingParams, StructuredOutputsParams
 from tqdm import tqdm
 
@@ -95,6 +96,16 @@ def test_five_engines_in_a_row_give_back_what_they_hold(
     assert rss[-1] <= rss[0] * 1.10
     collected = "garbage-collected without shutdown()" in caplog.text
     assert collected == (end == "del")  # the warning names shutdown(), and only when it was skipped
+
+
+def test_shutdown_gives_torch_its_thread_count_back() -> None:
+    # The engine sets torch's intra-op threads for the process (its CPU kernel's count, or under
+    # tensor parallelism a rank's share); the next engine must not inherit them.
+    before = torch.get_num_threads()
+    llm = LLM("demo", cpu_threads=1)
+    assert torch.get_num_threads() == 1
+    llm.shutdown()
+    assert torch.get_num_threads() == before
 
 
 def test_an_engine_after_shutdown_raises_engine_dead() -> None:

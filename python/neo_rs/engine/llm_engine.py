@@ -14,6 +14,8 @@ from concurrent.futures import wait
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
+import torch
+
 from neo_rs._core import Scheduler, SchedulerOutput, peak_kv_blocks
 from neo_rs.config import EngineArgs, ModelConfig, resolve_dtype
 from neo_rs.cuda_runtime import runtime
@@ -81,14 +83,17 @@ class _Request:
 
 class _Owned:
     """What an engine must give back however it ends (``shutdown`` or garbage collection): rank 0's
-    tensor-parallel workers with their process group, and the grammar worker's threads. The pools
-    and the CPU kernel's threads go with the runner."""
+    tensor-parallel workers with their process group, the grammar worker's threads, and torch's
+    intra-op thread count as it found it (the CPU kernel and a rank's share of the cores set it
+    for the process). The pools and the CPU kernel's threads go with the runner."""
 
     def __init__(self) -> None:
         self.workers: TpWorkers | None = None
         self.grammars: Grammars | None = None
+        self.torch_threads = torch.get_num_threads()
 
     def release(self) -> None:
+        torch.set_num_threads(self.torch_threads)
         if self.workers is not None:
             self.workers.stop()
             self.workers = None

@@ -8,8 +8,7 @@
 use super::{Scheduler, Step};
 use crate::error::{ensure, Result};
 use crate::kv::Device;
-use crate::sched::config::OffloadMode;
-use crate::sched::config::MAX_SPECULATIVE_TOKENS;
+use crate::sched::config::{OffloadMode, MAX_SPECULATIVE_TOKENS};
 use crate::sched::ngram::propose;
 use crate::sched::output::ScheduledRequest;
 use crate::sched::request::Request;
@@ -40,6 +39,9 @@ impl Scheduler {
             && step.scheduled.iter().any(|s| s.device == Device::Cpu && !s.attends_on_cpu());
         for (i, mut drafts) in proposals {
             drafts.truncate(depth.min(step.budget));
+            if drafts.is_empty() {
+                continue;
+            }
             let s = &mut step.scheduled[i];
             let target = s.num_computed_tokens + 1 + drafts.len();
             let (kv, other) = match s.device {
@@ -56,7 +58,7 @@ impl Scheduler {
                     continue;
                 }
             }
-            if drafts.is_empty() || !kv.allocate_slots(s.id, target) {
+            if !kv.allocate_slots(s.id, target) {
                 continue;
             }
             let req = self.requests.get_mut(&s.id).expect("scheduled request exists");
