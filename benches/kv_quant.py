@@ -13,10 +13,11 @@ With ``--weights [int8|int4|fp8|gguf]`` the same measure compares quantized weig
 (``--quantization``) with the model dtype's, the host KV as auto in both (targets: perplexity <=
 1.01x for int8 and fp8, <= 1.05x for int4; gguf: a GGUF's own 4-bit blocks kept, against the
 same file dequantized). Every other run loads the weights in the model dtype (``--quantization
-none``).
+none``). With ``--compiled`` it compares the compiled decoder stack with the same model op by op
+(``enforce_eager``), every decode on the device (``offload="none"``), where the stack runs.
 
     python benches/kv_quant.py [--model smollm2-135m-instruct] [--dtype bfloat16] [--seqs 4]
-        [--weights [int8|int4|fp8|gguf]]
+        [--weights [int8|int4|fp8|gguf] | --compiled]
 """
 
 from __future__ import annotations
@@ -38,12 +39,24 @@ NUM_TOKENS, PROMPT_TOKENS = 2176, 32
 
 
 def teacher_forced(
-    model: str, dtype: str, kv: str, seqs: list[list[int]], quantization: str = "none"
+    model: str,
+    dtype: str,
+    kv: str,
+    seqs: list[list[int]],
+    quantization: str = "none",
+    offload: str = "all",
+    enforce_eager: bool | None = None,
 ) -> tuple[torch.Tensor, float]:
     """Log-probabilities ``[positions, vocab]`` (float16, in a fixed order) of every forced
     position, and the seconds the run took."""
     llm = LLM(
-        model, dtype=dtype, offload="all", cpu_kv_dtype=kv, max_num_seqs=len(seqs), quantization=quantization
+        model,
+        dtype=dtype,
+        offload=offload,
+        cpu_kv_dtype=kv,
+        max_num_seqs=len(seqs),
+        quantization=quantization,
+        enforce_eager=enforce_eager,
     )
     text = {tuple(s[:PROMPT_TOKENS]): s for s in seqs}
     recorded: dict[tuple[int, int], torch.Tensor] = {}
@@ -85,6 +98,7 @@ def main() -> None:
         choices=["int8", "int4", "fp8", "gguf"],
         help="quantized weights (--quantization, default int8) against the model dtype's",
     )
+    ap.add_argument("--compiled", action="store_true", help="the compiled decoder stack against eager")
     args = ap.parse_args()
     llm = LLM(args.model, dtype=args.dtype)
     ids = llm.get_tokenizer()(TEXT.read_text())["input_ids"][:NUM_TOKENS]
@@ -93,12 +107,20 @@ def main() -> None:
     seqs = [ids[i * per : (i + 1) * per] for i in range(args.seqs)]
     targets = torch.tensor([t for s in seqs for t in s[PROMPT_TOKENS:]])
     print(f"{args.model} ({args.dtype}): {len(targets)} teacher-forced tokens in {args.seqs} sequences")
-    runs = {"auto": teacher_forced(args.model, args.dtype, "auto", seqs)}
     name, target = args.weights or "int8", 1.05 if args.weights == "int4" else 1.01
-    if args.weights:
+    if args.compiled:
+        name = "compiled"
+        print("auto: the same model op by op; both decode on the device (offload none)")
+        runs = {
+            kv: teacher_forced(args.model, args.dtype, "auto", seqs, offload="none", enforce_eager=eager)
+            for kv, eager in (("auto", True), (name, False))
+        }
+    elif args.weights:
+        runs = {"auto": teacher_forced(args.model, args.dtype, "auto", seqs)}
         print(f"{name}: the decoder's linear weights (--quantization {name}); the host KV as auto")
         runs[name] = teacher_forced(args.model, args.dtype, "auto", seqs, quantization=name)
     else:
+        runs = {"auto": teacher_forced(args.model, args.dtype, "auto", seqs)}
         runs[name] = teacher_forced(args.model, args.dtype, "int8", seqs)
     for kv, (lp, secs) in runs.items():
         nll = -lp.float().gather(1, targets[:, None]).mean().item()

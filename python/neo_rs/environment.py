@@ -59,6 +59,12 @@ def force_speculation() -> bool:
     return os.environ.get("NEO_RS_FORCE_SPECULATION", "") not in ("", "0")
 
 
+def enforce_eager_default() -> bool:
+    """``NEO_RS_ENFORCE_EAGER=1``: engines that do not say run op by op (``EngineArgs.enforce_eager``);
+    the test suite sets it, and tests of the compiled stack ask for it."""
+    return os.environ.get("NEO_RS_ENFORCE_EAGER", "") not in ("", "0")
+
+
 def fail_steps() -> str:
     """``NEO_RS_FAIL_STEPS``: model runs that raise, for fault-injection tests (``worker/faults.py``)."""
     return os.environ.get("NEO_RS_FAIL_STEPS", "")

@@ -67,6 +67,13 @@ class StageClock:
             yield
             self._wall_ms[term] = self._wall_ms.get(term, 0.0) + (time.perf_counter() - t) * 1e3
 
+    def record_ms(self, term: str, ms: float) -> None:
+        """Add ``ms`` of CPU-device work to ``term``, timed by the caller (work that runs inside
+        a compiled graph, where no span can sit)."""
+        assert not self.cuda, "CUDA work is timed by events"
+        if self.timed:
+            self._wall_ms[term] = self._wall_ms.get(term, 0.0) + ms
+
     def settle(self) -> None:
         """Wait once for the device to pass the last mark on its stream (the engine calls this
         after reading the sampled tokens, so the device is already there)."""

@@ -17,6 +17,9 @@ import torch
 os.environ.setdefault(
     "NEO_RS_CACHE_DIR", str(Path(__file__).resolve().parents[2] / "target" / "neo_rs_cache")
 )
+# Engines run op by op unless a test asks for the compiled decoder stack (test_compiled.py):
+# compiling per engine would cost every test seconds.
+os.environ.setdefault("NEO_RS_ENFORCE_EAGER", "1")
 
 # Without CUDA, Triton kernels run only in Triton's interpreter (test_triton_decode.py), and
 # triton decides at import whether its own library functions (tl.cdiv, ...) can be interpreted.

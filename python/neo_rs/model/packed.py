@@ -2,11 +2,19 @@
 oneDNN, which reorders the weight into its blocked layout on every call. Reordering once at load
 gives the same output, bit for bit, in less time: 1.1-1.4x per GEMM for SmolLM2's shapes at 64 rows
 (``python benches/cpu_serving.py`` measures it end to end; ``NEO_RS_PACK_LINEARS=0`` turns it off
-for the comparison)."""
+for the comparison).
+
+Under ``torch.compile`` (``worker/compiled.py``) the packed weight cannot enter the graph: an
+opaque oneDNN tensor has no fake counterpart to trace with. So the graph calls the op
+``neo_rs::packed_linear`` with the linear's slot, and the op finds the weight in the table bound
+for the call (``bound_linears``)."""
 
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -34,9 +42,48 @@ class PackedLinear(nn.Module):
         # A plain attribute: an opaque oneDNN tensor, never moved or saved.
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows)
         self.bias = linear.bias
+        self.slot = -1  # its index in the table a compiled graph binds (``number_linears``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            assert self.slot >= 0, "a compiled model numbers its packed linears first"
+            return torch.ops.neo_rs.packed_linear(x, self.slot, self.out_features)
+        return self.linear(x)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+_bound = threading.local()
+
+
+@torch.library.custom_op("neo_rs::packed_linear", mutates_args=())
+def _packed_linear(x: torch.Tensor, slot: int, out_features: int) -> torch.Tensor:
+    linears: list[PackedLinear] = _bound.linears
+    return linears[slot].linear(x)
+
+
+@_packed_linear.register_fake
+def _(x: torch.Tensor, slot: int, out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def number_linears(model: nn.Module) -> list[PackedLinear]:
+    """The model's packed linears, each told its slot in the returned table."""
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    for slot, m in enumerate(linears):
+        m.slot = slot
+    return linears
+
+
+@contextmanager
+def bound_linears(linears: list[PackedLinear]) -> Iterator[None]:
+    """The table ``neo_rs::packed_linear`` reads in this thread while the block runs."""
+    _bound.linears = linears
+    try:
+        yield
+    finally:
+        _bound.linears = None
 
 
 def pack_linears(model: nn.Module, rows: int) -> int:

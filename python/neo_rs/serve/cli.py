@@ -106,7 +106,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="replay decode-only iterations from CUDA graphs (experimental, off by default)",
     )
-    p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run the model op by op: no compiled decoder stack on a CPU device, no CUDA graphs",
+    )
     p.add_argument(
         "--tensor-parallel-size",
         "-tp",
@@ -172,7 +176,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
         cuda_graphs=args.cuda_graphs,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager or None,  # unset: NEO_RS_ENFORCE_EAGER decides
         speculative_config=args.speculative_config,
     )
 

@@ -20,7 +20,7 @@ from neo_rs.attention.layer import Attention, PendingCpuAttention
 from neo_rs.attention.metadata import AttentionBatch
 from neo_rs.config import EngineArgs, ModelConfig
 from neo_rs.cuda_runtime import runtime
-from neo_rs.environment import emulate_async_copies, openmp_team
+from neo_rs.environment import emulate_async_copies, enforce_eager_default, openmp_team
 from neo_rs.errors import InvalidArgumentError
 from neo_rs.kv.layer_copies import LayerCopies
 from neo_rs.kv.pools import KvLayout, KvPool, block_pairs
@@ -36,6 +36,7 @@ from neo_rs.model.prequantized import quantize_at_load
 from neo_rs.model.quant import quantizer, warn_unquantized_experts
 from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel, rank_device
 from neo_rs.timing import HostWaits, MeasuredTimes, StageClock
+from neo_rs.worker.compiled import CompiledDecode, why_eager
 from neo_rs.worker.graphs import DecodeGraphs
 from neo_rs.worker.memory_plan import plan_activations
 
@@ -167,6 +168,7 @@ class ModelRunner:
             else None
         )
         self.host_pool = KvPool(self.layout, num_cpu, torch.device("cpu"), quantized=int8)
+        self.compiled = self._compiled(args)
         log.info(
             "KV pools: %d device blocks (%.2f GiB), %d host blocks (%.2f GiB, %s; %d for the "
             "prefix cache's host tier), %d tokens per block",
@@ -185,6 +187,20 @@ class ModelRunner:
         # before the next plan).
         self._swapped_out: Staged | None = None
         self._landing: list[Staged] = []
+
+    def _compiled(self, args: EngineArgs) -> CompiledDecode | None:
+        eager = enforce_eager_default() if args.enforce_eager is None else args.enforce_eager
+        reason = "enforce_eager" if eager else why_eager(self.model, self.device, self.tp.size)
+        if self.device.type == "cpu":
+            log.info(
+                "decode-only iterations: %s",
+                "compiled decoder stack" if reason is None else f"eager ({reason})",
+            )
+        if reason is not None:
+            return None
+        compiled = CompiledDecode(self.model, self.attention, self.device_pool)
+        compiled.warm_up()
+        return compiled
 
     def _load(
         self,
@@ -315,7 +331,9 @@ class ModelRunner:
         sample_rows = up(torch.from_numpy(np.ascontiguousarray(plan.sample_rows)))
         batches = AttentionBatch.from_plan(plan, self.transfer, self.layout.block_size)
         x = self.model.embed(ids)
-        if len(batches) == 1:
+        if self.compiled is not None and self.compiled.takes(batches, copies, len(ids)):
+            x = self.compiled.run(x, positions, batches[0], clock)
+        elif len(batches) == 1:
             x = self._sequential(x, positions, batches[0], copies, clock)
         else:
             x = self._pipelined(x, positions, batches[0], batches[1], copies, clock)

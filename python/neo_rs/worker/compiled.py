@@ -1,0 +1,179 @@
+"""The decoder stack compiled by Inductor on a CPU device, for decode-only iterations: vLLM's
+``torch.compile`` on the CPU. One graph runs every layer, so the elementwise work between the
+GEMMs (RMSNorm, RoPE, SwiGLU, residuals) runs as fused C++ loops instead of one eager op and one
+Python dispatch each, 30 layers deep. Prepacked linears (``neo_rs::packed_linear``) and the Rust
+attention with its fused KV append (``neo_rs::decode_attention``) are opaque ops in the graph.
+
+Which iterations: every row a decode of the device pool, no prefill, no CPU decode, no copies
+between the pools. Others (prompts, NEO's sub-batches, verification chunks, swaps) run eagerly;
+the engine's steady state in CPU-only serving is the former.
+
+Shapes: one graph takes any number of rows (``dynamic=True``), and Dynamo specializes one row on
+its own: two graphs per model (``MAX_GRAPHS``; ``graphs`` counts them), both compiled at start-up.
+The one-row graph is kept (``mark_unbacked`` would fold it into the other): single-stream decode
+is 0.5 ms a token faster with it, at 3 s more start-up. Inductor's cache sits under ``neo_rs``'s
+cache folder, so a later start compiles from it (27 s cold, 11 s warm for SmolLM2).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from neo_rs.attention.layer import Attention
+from neo_rs.attention.metadata import AttentionBatch, DecodeRows
+from neo_rs.environment import cache_dir
+from neo_rs.kv.layer_copies import LayerCopies
+from neo_rs.kv.pools import KvPool
+from neo_rs.model.decoder import CausalLM, DecoderLayer, DenseMlp, RMSNorm, Rope
+from neo_rs.model.packed import PackedLinear, bound_linears, number_linears
+from neo_rs.model.quant import Int4Linear, Int8Linear
+from neo_rs.timing import StageClock
+
+log = logging.getLogger(__name__)
+
+MAX_GRAPHS = 2  # one row, and any other number (Dynamo specializes one row)
+
+
+@dataclass
+class _Step:
+    """What ``neo_rs::decode_attention`` needs of the iteration running in this thread."""
+
+    attention: Attention
+    pool: KvPool
+    rows: DecodeRows
+    attention_ms: float = 0.0
+
+
+_current = threading.local()
+
+
+@torch.library.custom_op("neo_rs::decode_attention", mutates_args=())
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    """Layer ``layer``'s decode attention over the device pool, appending each row's K/V first:
+    the pool changes behind the graph's back, which is safe as nothing in the graph reads it."""
+    step: _Step = _current.step
+    t = time.perf_counter()
+    out = torch.empty_like(q)
+    step.attention.decode(q, step.pool, layer, step.rows, out, (k, v))
+    step.attention_ms += (time.perf_counter() - t) * 1e3
+    return out
+
+
+@_decode_attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+def _stack(layers: Sequence[DecoderLayer], x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    for i, layer in enumerate(layers):
+        q, k, v = layer.pre_attention(x, rope)
+        x = layer.post_attention(torch.ops.neo_rs.decode_attention(q, k, v, i), x)
+    return x
+
+
+def why_eager(model: CausalLM, device: torch.device, tp_size: int) -> str | None:
+    """Why this model's decodes cannot run compiled here; None when they can."""
+    if device.type != "cpu":
+        return "the device is not the CPU (CUDA graphs are the GPU's)"
+    if tp_size > 1:
+        return "tensor parallelism"
+    kinds = {type(m) for layer in model.decoder_layers for m in layer.modules()}
+    other = sorted(k.__name__ for k in kinds - _TRACED)
+    return f"{', '.join(other)} in the decoder layers" if other else None
+
+
+# The modules whose compiled tokens are tested against eager's (test_compiled.py). A sparse MLP's
+# routing has data-dependent shapes; FP8 linears are not tested compiled.
+_TRACED = {DecoderLayer, DenseMlp, RMSNorm, nn.Linear, PackedLinear, Int4Linear, Int8Linear}
+
+
+class CompiledDecode:
+    """The compiled stack of one model and its pools (``takes`` a batch, ``run`` it)."""
+
+    def __init__(self, model: CausalLM, attention: Attention, pool: KvPool) -> None:
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+        self.model, self.attention, self.pool = model, attention, pool
+        self.linears = number_linears(model)
+        self.graphs = 0  # graphs compiled so far
+        self.runs = 0  # iterations run compiled
+        # Dynamo keeps graphs and their guards on the function's code object: a copy of it per
+        # model keeps every model's two graphs apart (one shared code object would count the
+        # graphs of all the process's models against one recompile limit).
+        stack = types.FunctionType(_stack.__code__.replace(), _stack.__globals__, "_stack")
+        self._fn: Callable[..., torch.Tensor] = torch.compile(
+            stack, backend=self._count, dynamic=True, fullgraph=True
+        )
+
+    def _count(self, gm: torch.fx.GraphModule, inputs: list[Any]) -> Callable[..., Any]:
+        from torch._inductor.compile_fx import compile_fx  # Inductor loads only when a model compiles
+
+        self.graphs += 1
+        log.info("compiling the decoder stack: graph %d (inputs %s)", self.graphs, _shapes(inputs))
+        if self.graphs > MAX_GRAPHS:
+            log.warning("the decoder stack compiled %d graphs (at most %d expected)", self.graphs, MAX_GRAPHS)
+        return cast(Callable[..., Any], compile_fx(gm, inputs))
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Compile both graphs now, not in the first requests' decodes: each runs one step of
+        decodes at position 0 of block 0, which nothing holds yet (the pools are new)."""
+        t = time.perf_counter()
+        hidden = self.model.config.hidden_size
+        dtype = self.model.embed_tokens.weight.dtype
+        for rows in range(1, MAX_GRAPHS + 1):
+            tables = torch.zeros(rows, 1, dtype=torch.int32)
+            lens = torch.ones(rows, dtype=torch.int32)
+            decodes = DecodeRows(0, rows, tables, lens, 1, tables, lens)
+            self._call(torch.zeros(rows, hidden, dtype=dtype), torch.zeros(rows, dtype=torch.long), decodes)
+        log.info("compiled the decoder stack in %.1f s", time.perf_counter() - t)
+
+    def takes(self, batches: list[AttentionBatch], copies: LayerCopies, rows: int) -> bool:
+        """Whether the iteration is one batch of device-pool decodes only, each appending."""
+        if len(batches) != 1 or not copies.idle:
+            return False
+        b = batches[0]
+        return (
+            b.append_decodes
+            and not b.prefills
+            and not b.device_writes
+            and b.host_writes is None
+            and not len(b.cpu_decodes)
+            and len(b.gpu_decodes) == rows
+        )
+
+    def run(
+        self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, clock: StageClock
+    ) -> torch.Tensor:
+        """The final hidden states of a batch ``takes`` accepted; its attention is timed as
+        ``gpu_decode``, the rest as ``linear``."""
+        t = time.perf_counter()
+        x, attention_ms = self._call(x, positions, batch.gpu_decodes)
+        clock.record_ms("gpu_decode", attention_ms)
+        clock.record_ms("linear", (time.perf_counter() - t) * 1e3 - attention_ms)
+        self.runs += 1
+        return x
+
+    def _call(self, x: torch.Tensor, positions: torch.Tensor, rows: DecodeRows) -> tuple[torch.Tensor, float]:
+        """The stack's output, and the ms its attention took."""
+        step = _Step(self.attention, self.pool, rows)
+        rope = self.model.rotary.at(positions, x.dtype)
+        _current.step = step
+        try:
+            with bound_linears(self.linears):
+                return self._fn(self.model.decoder_layers, x, rope), step.attention_ms
+        finally:
+            _current.step = None
+
+
+def _shapes(inputs: list[Any]) -> str:
+    return ", ".join(str(tuple(t.shape)) for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 1)[:200]

@@ -1,0 +1,68 @@
+"""The decoder stack compiled by Inductor (``worker/compiled.py``), on tiny checkpoints in fp32:
+greedy tokens identical to transformers in every dense family (sliding windows, soft-caps, two
+RoPE tables, layers without RoPE, q/k norms), also under preemption and in every offload mode;
+only decode-only iterations run compiled, in at most two graphs; what cannot compile runs eager."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import ARCHS, FAMILIES, assert_all_blocks_free
+from neo_rs import LLM, SamplingParams
+from neo_rs.worker.compiled import MAX_GRAPHS
+from test_model_parity import GREEDY, MODES, PROMPTS, hf_greedy, run
+
+DENSE = [k for k in ARCHS + FAMILIES if k not in ("mixtral", "qwen3_moe")]
+
+
+@pytest.mark.parametrize("kind", DENSE)
+def test_compiled_greedy_matches_transformers(checkpoints, kind: str) -> None:
+    tokens, engine, _ = run(checkpoints[kind], num_gpu_blocks=64, enforce_eager=False)
+    assert tokens == [hf_greedy(checkpoints[kind], kind, p) for p in PROMPTS]
+    compiled = engine.runner.compiled
+    assert compiled is not None and compiled.graphs == MAX_GRAPHS, "both graphs, at start-up"
+    assert compiled.runs > 0
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("offload", list(MODES))
+def test_compiled_with_preemption_and_offload_keeps_tokens(checkpoints, offload: str) -> None:
+    # Iterations with swaps, host prefills or CPU decodes (every one under neo's forced pipeline
+    # and under all) run eager; decode-only device iterations between them compiled.
+    tokens, engine, seen = run(checkpoints["qwen2"], offload=offload, enforce_eager=False, **MODES[offload])
+    assert tokens == [hf_greedy(checkpoints["qwen2"], "qwen2", p) for p in PROMPTS]
+    assert (engine.runner.compiled.runs > 0) == (offload == "none")
+    assert (seen["cpu_decodes"] > 0) == (offload != "none"), seen
+    assert_all_blocks_free(engine)
+
+
+def test_only_decode_only_iterations_run_compiled(checkpoints) -> None:
+    llm = LLM(str(checkpoints["llama"]), dtype="float32", enforce_eager=False)
+    compiled = llm.engine.runner.compiled
+    out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 5
+    assert compiled.runs == 4, "the prompt's iteration is eager, its four decodes compiled"
+    # Every batch size from 1 to 6 rows, with prompts joining mid-run: no graph more.
+    llm.generate(PROMPTS, GREEDY)
+    assert compiled.graphs == MAX_GRAPHS
+
+
+def test_sparse_models_and_enforce_eager_run_eager(checkpoints, monkeypatch) -> None:
+    llm = LLM(str(checkpoints["mixtral"]), dtype="float32", enforce_eager=False)
+    assert llm.engine.runner.compiled is None
+    assert LLM(str(checkpoints["llama"]), dtype="float32", enforce_eager=True).engine.runner.compiled is None
+    # Unset, the environment decides (the suite's conftest sets NEO_RS_ENFORCE_EAGER=1).
+    monkeypatch.setenv("NEO_RS_ENFORCE_EAGER", "0")
+    assert LLM(str(checkpoints["llama"]), dtype="float32").engine.runner.compiled is not None
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_compiled_quantized_linears_keep_eager_tokens(checkpoints, quantization: str) -> None:
+    tokens = {}
+    for eager in (True, False):
+        got, engine, _ = run(checkpoints["llama"], quantization=quantization, enforce_eager=eager)
+        assert (engine.runner.compiled is None) == eager
+        assert eager or engine.runner.compiled.runs > 0
+        kinds = {type(m).__name__ for m in engine.runner.model.modules()}
+        assert f"{quantization.capitalize()}Linear" in kinds
+        tokens[eager] = got
+    assert tokens[True] == tokens[False]
