@@ -38,7 +38,7 @@ EMULATED_COPY_TESTS := tests/python/test_model_parity.py tests/python/test_offlo
 	"tests/python/test_tensor_parallel.py::test_two_ranks_share_prefixes_as_one_rank_does"
 
 test-python: build
-	$(VPY) -m pytest -q
+	$(VPY) -m pytest -q --durations=20
 	NEO_RS_EMULATE_ASYNC_COPIES=1 $(VPY) -m pytest -q $(EMULATED_COPY_TESTS)
 
 # Every Triton kernel compiled for sm_75-sm_90 with no GPU: fails on a compile error, a register

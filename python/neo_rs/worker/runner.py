@@ -199,7 +199,11 @@ class ModelRunner:
         if reason is not None:
             return None
         compiled = CompiledDecode(self.model, self.attention, self.device_pool)
-        compiled.warm_up()
+        try:
+            compiled.warm_up()
+        except Exception as e:  # a machine without a C++ compiler, say: serve, only slower
+            log.warning("compiling the decoder stack failed, decode-only iterations run eager: %s", e)
+            return None
         return compiled
 
     def _load(
