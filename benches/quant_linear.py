@@ -1,15 +1,15 @@
-"""Weight-only int8, int4 and FP8 (``--quantization int8|int4|fp8``) against bf16 on the CPU
-device, side by side in one process: each decoder linear of SmolLM2-135M and of Llama-3.2-1B
-alone (bf16 as the engine runs it, prepacked for oneDNN, against ``Int8Linear``, ``Int4Linear``
-and ``Fp8Linear``) at 1 and 64 rows, with the weight bytes each reads per call and the bandwidth
-that makes; then decode end to end through ``LLM`` on SmolLM2 (real weights) and on a
-Llama-3.2-1B-shaped model (random weights, written once to a temporary directory): one stream
-(ms per token after the prompt) and 64 streams (tokens/s); SmolLM2 also with its GGUF's own Q4_1
-blocks kept (``gguf``, its default, int4 in groups of 32), bf16 being that file dequantized. A
-linear alone may stay in the last-level cache between calls (SmolLM2's all do, and the 1B
-shape's smaller ones: rates above the memory's). Last, the roofline of one stream: the weight
-bytes a token reads (the LM head stays bf16) over the measured read bandwidth, against the
-measured time.
+"""Weight-only int8, int4 and FP8 (``--quantization int8|int4|fp8``) against bf16 on the CPU device,
+side by side in one process: each decoder linear of SmolLM2-135M and of Llama-3.2-1B alone (bf16
+as the engine runs it: prepacked for oneDNN, the Rust kernel for a few rows; against
+``Int8Linear``, ``Int4Linear`` and ``Fp8Linear``) at 1 and 64 rows, with the weight bytes each
+reads per call and the bandwidth that makes; then decode end to end through ``LLM`` on SmolLM2
+(real weights) and on a Llama-3.2-1B-shaped model (random weights, written once to a temporary
+directory): one stream (ms per token after the prompt) and 64 streams (tokens/s); SmolLM2 also
+with its GGUF's own Q4_1 blocks kept (``gguf``, its default, int4 in groups of 32), bf16 being
+that file dequantized. A linear alone may stay in the last-level cache between calls (SmolLM2's
+all do, and the 1B shape's smaller ones: rates above the memory's). Last, the roofline of one
+stream: the weight bytes a token reads (the LM head stays bf16) over the measured read bandwidth,
+against the measured time.
 
     python benches/quant_linear.py [--threads 2] [--skip-1b] [--tokens 64]
 """
@@ -27,7 +27,7 @@ import torch
 from common import cpu_line
 from neo_rs import LLM, SamplingParams
 from neo_rs.model.fp8 import Fp8Linear
-from neo_rs.model.packed import PackedLinear
+from neo_rs.model.packed import PackedLinear, gemv_applies
 from neo_rs.model.quant import Int4Linear, Int8Linear, int4_group_size
 from safetensors.torch import save_file
 from torch import nn
@@ -76,6 +76,7 @@ def linear_table(rows_list: list[int]) -> None:
     print(
         "".join(f"{m + '/bf16':>11}" for m in methods) + "".join(f"{h:>10}" for h in ("GB/s bf16", *methods))
     )
+    gemv = torch.get_num_threads() if gemv_applies() else None  # as the engine runs bf16
     for name, shape in SHAPES.items():
         for lin, (k, n) in linears(shape).items():
             dense = nn.Linear(k, n, bias=False).to(torch.bfloat16)
@@ -83,7 +84,10 @@ def linear_table(rows_list: list[int]) -> None:
             quantized = Int8Linear(dense), Int4Linear(dense), Fp8Linear(dense)
             for rows in rows_list:
                 x = torch.randn(rows, k).to(torch.bfloat16)
-                ms = [median_ms(PackedLinear(dense, rows), x), *(median_ms(q, x) for q in quantized)]
+                ms = [
+                    median_ms(PackedLinear(dense, rows, gemv_threads=gemv), x),
+                    *(median_ms(q, x) for q in quantized),
+                ]
                 nbytes = [weight_bytes(dense), *(weight_bytes(q) for q in quantized)]
                 rates = [b / (t / 1e3) / 1e9 for b, t in zip(nbytes, ms, strict=True)]
                 print(f"{name:<14}{lin:<14}{rows:>5}" + "".join(f"{t:>10.3f}" for t in ms), end="")

@@ -5,8 +5,10 @@
 pub mod attn;
 pub mod config;
 pub mod error;
+pub mod gemv;
 pub mod kv;
 pub mod sched;
+pub mod team;
 
 #[cfg(feature = "python")]
 mod py;

@@ -7,7 +7,8 @@ use half::bf16;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use neo_rs::attn::rotation::rotate;
-use neo_rs::attn::{CpuAttention, DecodeBatch, DecodeParams, Team, Tier};
+use neo_rs::attn::{CpuAttention, DecodeBatch, DecodeParams, Tier};
+use neo_rs::team::Team;
 use neo_rs::NeoError;
 use proptest::prelude::*;
 

@@ -26,6 +26,28 @@ def dequantize_rows(src: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) 
     """``quantize_rows``' int8 rows and scales read back into the float tensor ``out``
     (dequantized, then rotated back)."""
 
+class Bf16Linear:
+    """A bf16 linear of a few rows on the CPU, ``out = x @ weight.T + bias``, reading the plain
+    ``[n, k]`` weight front to back (AVX512_BF16 where the CPU has it, else scalar). The weight
+    and bias (contiguous bfloat16 CPU tensors) are checked once and held; they must not be
+    resized in place. The work is split over the calling thread's OpenMP team of
+    ``num_threads``; ``path`` (``scalar``, ``avx512_bf16``) forces a kernel."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        num_threads: int,
+        path: str | None = None,
+    ) -> None: ...
+    @property
+    def path(self) -> str:
+        """The kernel this object runs."""
+    def forward(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """``out`` (``[rows, n]``, bfloat16) = ``x`` (``[rows, k]``, bfloat16) @ weight.T + bias,
+        each output summed in float32 and rounded once. GIL released."""
+
 class AttentionHandle:
     def wait(self) -> None:
         """Block (GIL released) until the submitted call is done; raise its error, if any."""

@@ -10,7 +10,6 @@ mod membw;
 pub mod rotation;
 mod simd;
 mod split;
-mod team;
 pub mod types;
 mod widen;
 
@@ -24,11 +23,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use rayon::{ThreadPool, ThreadPoolBuilder};
 
+use crate::team::Team;
 pub use check::{DecodeBatch, DecodeParams, PagedShape};
 pub use dispatch::{DotProducts, Tier};
 pub use split::Pools;
 use split::Workers;
-pub use team::Team;
 pub use types::{quantize_row, DType, Element, KvElement};
 
 use crate::config;

@@ -10,8 +10,8 @@ use rayon::ThreadPool;
 
 use crate::attn::check::{DecodeBatch, DecodeParams, PagedShape};
 use crate::attn::kernel::{Item, NextItem};
-use crate::attn::team::Team;
 use crate::attn::types::{Element, Geometry, KvElement, Scratch};
+use crate::team::Team;
 
 /// Items each thread should get when the batch is big enough (room for work stealing).
 const ITEMS_PER_THREAD: usize = 4;

@@ -4,6 +4,7 @@
 //! Python, because each class also derives from the builtin it refines, e.g. `ValueError`).
 
 mod attn;
+mod gemv;
 mod quant;
 mod sched;
 mod tensor;
@@ -60,6 +61,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(peak_kv_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(quant::quantize_rows, m)?)?;
     m.add_function(wrap_pyfunction!(quant::dequantize_rows, m)?)?;
+    m.add_class::<gemv::Bf16Linear>()?;
     m.add_class::<attn::CpuAttention>()?;
     m.add_class::<attn::AttentionHandle>()?;
     m.add_class::<sched::Scheduler>()?;

@@ -1,12 +1,19 @@
-"""Prepacked bf16 linears when the device is the CPU. A bf16 ``F.linear`` on the CPU goes to
-oneDNN, which reorders the weight into its blocked layout on every call. Reordering once at load
-gives the same output, bit for bit, in less time: 1.1-1.4x per GEMM for SmolLM2's shapes at 64 rows
-(``python benches/cpu_serving.py`` measures it end to end; ``NEO_RS_PACK_LINEARS=0`` turns it off
-for the comparison).
+"""bf16 linears on a CPU device, two kernels by row count.
+
+- Batches: oneDNN on a weight reordered once at load into its blocked layout. A bf16
+  ``F.linear`` on the CPU reorders the weight on every call; reordering once gives the same
+  output, bit for bit, in less time: 1.1-1.4x per GEMM for SmolLM2's shapes at 64 rows
+  (``NEO_RS_PACK_LINEARS=0`` turns packing off for the comparison).
+- A few rows (``GEMV_ROWS``, the single streams' decodes): the Rust kernel ``Bf16Linear`` on the
+  plain weight. Such a call reads the whole weight for one multiply-add per weight, so it runs at
+  the memory's bandwidth, and oneDNN's set-up per call (about 20 us) is a third of a 576-wide
+  layer's; ``benches/gemv.py`` times both. The plain weight then stays beside the packed one (one
+  more copy of the linears' weights in RAM; ``NEO_RS_ROW_GEMV=0`` drops it). A tied LM head,
+  whose weight is the embedding's, gets only this kernel: packing it would copy the embedding.
 
 Under ``torch.compile`` (``worker/compiled.py``) the packed weight cannot enter the graph: an
 opaque oneDNN tensor has no fake counterpart to trace with. So the graph calls the op
-``neo_rs::packed_linear`` with the linear's slot, and the op finds the weight in the table bound
+``neo_rs::packed_linear`` with the linear's slot, and the op finds the linear in the table bound
 for the call (``bound_linears``)."""
 
 from __future__ import annotations
@@ -17,9 +24,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from neo_rs._core import Bf16Linear
 from neo_rs.model.moe import SparseMoe
+
+# Rows up to which the Rust kernel beats oneDNN's packed GEMM on SmolLM2's shapes (at 4 rows
+# they are level, beyond it oneDNN's blocking wins): ``benches/gemv.py``.
+GEMV_ROWS = 2
 
 
 def packing_applies(device: torch.device, dtype: torch.dtype) -> bool:
@@ -32,15 +45,34 @@ def packing_applies(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-class PackedLinear(nn.Module):
-    """An ``nn.Linear`` whose weight oneDNN has reordered (the layout depends on ``rows``, the
-    usual number of rows; any number is computed exactly)."""
+def gemv_applies() -> bool:
+    """The Rust kernel runs natively here (AVX512_BF16; its scalar path is only a reference),
+    unless turned off."""
+    if os.environ.get("NEO_RS_ROW_GEMV", "1") == "0":
+        return False
+    probe = torch.zeros(1, 1, dtype=torch.bfloat16)
+    return Bf16Linear(probe, num_threads=1).path != "scalar"
 
-    def __init__(self, linear: nn.Linear, rows: int) -> None:
+
+class PackedLinear(nn.Module):
+    """An ``nn.Linear`` whose weight oneDNN has reordered (``pack``; the layout depends on
+    ``rows``, the usual number of rows; any number is computed exactly), and with
+    ``gemv_threads``, whose calls of up to ``GEMV_ROWS`` rows run the Rust kernel on that many
+    threads."""
+
+    def __init__(
+        self, linear: nn.Linear, rows: int, *, pack: bool = True, gemv_threads: int | None = None
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        # A plain attribute: an opaque oneDNN tensor, never moved or saved.
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows)
+        weight = linear.weight.detach()
+        # Plain attributes: an opaque oneDNN tensor and a Rust object, never moved or saved.
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows) if pack else None
+        self.gemv = (
+            None if gemv_threads is None else Bf16Linear(weight, linear.bias, num_threads=gemv_threads)
+        )
+        # Kept where a kernel reads it: unpacked, or the Rust one's (a tied head's is the embedding's).
+        self.weight = linear.weight if self.packed is None or self.gemv is not None else None
         self.bias = linear.bias
         self.slot = -1  # its index in the table a compiled graph binds (``number_linears``)
 
@@ -51,7 +83,20 @@ class PackedLinear(nn.Module):
         return self.linear(x)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.gemv is not None and 0 < x.numel() <= GEMV_ROWS * self.in_features:
+            return self.rows_kernel(x)
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        assert self.weight is not None, "an unpacked linear keeps its weight"
+        return F.linear(x, self.weight, self.bias)
+
+    def rows_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """The Rust kernel's output for ``x`` (any number of rows; ``linear`` sends it a few)."""
+        assert self.gemv is not None, "built without gemv_threads"
+        flat = x.reshape(-1, self.in_features).contiguous()
+        out = flat.new_empty(flat.shape[0], self.out_features)
+        self.gemv.forward(flat, out)
+        return out.view(*x.shape[:-1], self.out_features)
 
 
 _bound = threading.local()
@@ -86,18 +131,24 @@ def bound_linears(linears: list[PackedLinear]) -> Iterator[None]:
         _bound.linears = None
 
 
-def pack_linears(model: nn.Module, rows: int) -> int:
-    """Replace each linear that owns its weight (a tied LM head shares the embedding's, which
-    packing would copy), and pack each MoE layer's experts; returns how many linears."""
+def pack_linears(model: nn.Module, rows: int, gemv_threads: int | None = None) -> int:
+    """Replace each linear that owns its weight, and pack each MoE layer's experts; returns how
+    many linears were packed. With ``gemv_threads`` (``gemv_applies``), the linears, and a tied
+    LM head, also run the Rust kernel for a few rows; the experts do not (their plain weights,
+    most of such a model, would stay in RAM twice)."""
     shared = {
         id(p) for m in model.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)
     }
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and id(child.weight) not in shared:
-                setattr(parent, name, PackedLinear(child, rows))
+            if not isinstance(child, nn.Linear):
+                continue
+            tied = id(child.weight) in shared
+            if not tied:
                 count += 1
+            if not tied or gemv_threads is not None:
+                setattr(parent, name, PackedLinear(child, rows, pack=not tied, gemv_threads=gemv_threads))
         if isinstance(parent, SparseMoe):
             parent.pack(PackedLinear, rows)
             count += 2 * parent.num_experts

@@ -31,7 +31,7 @@ from neo_rs.model.fp8_checkpoint import load_fp8_linears
 from neo_rs.model.gguf_blocks import GgufBlocks
 from neo_rs.model.gptq_awq import load_packed_linears
 from neo_rs.model.loader import empty_model, load_model, shard_files
-from neo_rs.model.packed import pack_linears, packing_applies
+from neo_rs.model.packed import GEMV_ROWS, gemv_applies, pack_linears, packing_applies
 from neo_rs.model.prequantized import quantize_at_load
 from neo_rs.model.quant import quantizer, warn_unquantized_experts
 from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel, rank_device
@@ -116,11 +116,19 @@ class ModelRunner:
         self.quantization = quantization = args.quantization_for(cfg)
         self.model = self._load(model_dir, cfg, dtype, max_model_len, quantization)
         cfg_all, cfg = cfg, self.model.config  # the whole model's shapes, this rank's
-        if packing_applies(device, dtype):
-            log.info("prepacked %d bf16 linears for oneDNN", pack_linears(self.model, args.max_num_seqs))
         self.layout = KvLayout(cfg.num_layers, cfg.num_kv_heads, args.block_size, cfg.head_dim, dtype)
         self.transfer = HostTransfer(device, emulate_async=emulate_async_copies())
         self.attention = Attention(cfg.attention_kinds(), cpu_attention(args, device), self.transfer)
+        if packing_applies(device, dtype):
+            # After ``cpu_attention``, which sets torch's threads: the Rust linears run on them.
+            gemv_threads = torch.get_num_threads() if gemv_applies() else None
+            packed = pack_linears(self.model, args.max_num_seqs, gemv_threads)
+            log.info(
+                "prepacked %d bf16 linears for oneDNN (Rust kernel for %s rows: %s)",
+                packed,
+                GEMV_ROWS,
+                gemv_threads is not None,
+            )
         # On a GPU, room for one worst-case iteration's activations is kept from the KV pools. The
         # trace runs this rank's heads and FFN columns in one process (no collectives on fake
         # tensors) and the whole vocabulary's logits, as rank 0 gathers them.

@@ -1,4 +1,4 @@
-//! The calling thread's OpenMP team as the kernel's workers. When the device is the CPU, torch's
+//! The calling thread's OpenMP team as the CPU kernels' workers (attention, `gemv`). When the device is the CPU, torch's
 //! intra-op threads and the kernel's take turns on the same cores: a layer's GEMM, then its
 //! attention, then the next GEMM. On a rayon pool of its own the kernel then shares each core with
 //! an OpenMP worker that is still spinning after the GEMM (libgomp spins for milliseconds before it

@@ -1,0 +1,161 @@
+//! bf16 linears of a few rows on the CPU: `out = x · Wᵀ (+ bias)`, reading `W` as the model holds
+//! it (row-major, `[n, k]`). At one to a few rows a linear does one multiply-add per weight it
+//! reads, so its time is the weight's bytes over the memory bandwidth; oneDNN's packed GEMM adds
+//! about 20 us of set-up to every call, which for SmolLM2's 576-wide layers is a third of the call
+//! (``benches/gemv.py`` times both). Each output is the dot product of an `x` row with a weight
+//! row, summed in f32 and rounded to bf16 once, as oneDNN does.
+//!
+//! Work is split by weight rows over the calling thread's OpenMP team (`crate::team`), the threads
+//! torch's GEMMs just used; without a team the calling thread does it all.
+
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+mod scalar;
+
+use half::bf16;
+
+use crate::error::{ensure, Result};
+use crate::team::Team;
+
+/// Weight rows per work item: 16 rows of a 576-wide layer are 18 KiB, a few hundred items per
+/// call, enough for an even split and few enough for the shared counter.
+const BLOCK: usize = 16;
+
+/// The dot-product kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Path {
+    /// Plain f32 multiply-adds: the reference every SIMD path is tested against.
+    Scalar,
+    /// AVX512_BF16 `vdpbf16ps`: 32 products per instruction, summed pairwise into f32 lanes.
+    Avx512Bf16,
+}
+
+impl Path {
+    pub const ALL: [Path; 2] = [Path::Scalar, Path::Avx512Bf16];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Path::Scalar => "scalar",
+            Path::Avx512Bf16 => "avx512_bf16",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<Path> {
+        let name = s.trim().to_ascii_lowercase();
+        Path::ALL.into_iter().find(|p| p.name() == name).ok_or_else(|| {
+            crate::error::NeoError::Value(format!("unknown linear kernel {s:?}; expected scalar or avx512_bf16"))
+        })
+    }
+
+    pub fn is_supported(self) -> bool {
+        match self {
+            Path::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Path::Avx512Bf16 => {
+                use std::arch::is_x86_feature_detected as has;
+                has!("avx512f") && has!("avx512bw") && has!("avx512bf16")
+            }
+            #[allow(unreachable_patterns)]
+            _ => false,
+        }
+    }
+
+    /// The fastest path this CPU runs.
+    pub fn best() -> Path {
+        Path::ALL.into_iter().rev().find(|p| p.is_supported()).unwrap_or(Path::Scalar)
+    }
+
+    /// The sums `sums[r * rows + m] = x[m] · w[r]` for the `w.len() / k` weight rows of `w`.
+    fn dots(self, x: &[bf16], rows: usize, k: usize, w: &[bf16], sums: &mut [f32]) {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Path::is_supported` was checked when the path was chosen (`Gemv::new`).
+            Path::Avx512Bf16 => unsafe { avx512::dots(x, rows, k, w, sums) },
+            _ => scalar::dots(x, rows, k, w, sums),
+        }
+    }
+}
+
+/// One linear's weight, `n` rows of `k`, and its bias of `n`, if any.
+#[derive(Debug, Clone, Copy)]
+pub struct Weight<'a> {
+    pub w: &'a [bf16],
+    pub n: usize,
+    pub k: usize,
+    pub bias: Option<&'a [bf16]>,
+}
+
+impl Weight<'_> {
+    pub fn check(&self) -> Result<()> {
+        ensure!(self.n > 0 && self.k > 0, Shape, "a linear's weight must not be empty, got [{}, {}]", self.n, self.k);
+        ensure!(
+            self.w.len() == self.n * self.k,
+            Shape,
+            "weight holds {} values, not {} x {}",
+            self.w.len(),
+            self.n,
+            self.k
+        );
+        if let Some(b) = self.bias {
+            ensure!(b.len() == self.n, Shape, "bias holds {} values, the weight has {} rows", b.len(), self.n);
+        }
+        Ok(())
+    }
+}
+
+/// The kernel and the threads a linear runs on.
+#[derive(Clone, Copy)]
+pub struct Gemv {
+    path: Path,
+    team: Option<Team>,
+}
+
+impl Gemv {
+    /// `path` (default: the best this CPU has) on a team of `threads` OpenMP threads.
+    pub fn new(path: Option<Path>, threads: usize) -> Result<Gemv> {
+        let path = path.unwrap_or_else(Path::best);
+        ensure!(path.is_supported(), Runtime, "this CPU cannot run the {} linear kernel", path.name());
+        Ok(Gemv { path, team: Team::find(threads) })
+    }
+
+    pub fn path(&self) -> Path {
+        self.path
+    }
+
+    /// `out[m] = x[m] · Wᵀ + bias` for each of the `x.len() / k` rows of `x` (`out`: `[rows, n]`).
+    pub fn run(&self, x: &[bf16], weight: Weight<'_>, out: &mut [bf16]) -> Result<()> {
+        weight.check()?;
+        let Weight { n, k, .. } = weight;
+        ensure!(x.len().is_multiple_of(k) && !x.is_empty(), Shape, "x holds {} values, not rows of {k}", x.len());
+        let rows = x.len() / k;
+        ensure!(out.len() == rows * n, Shape, "out holds {} values, not {rows} x {n}", out.len());
+        let out_addr = out.as_mut_ptr() as usize;
+        let block = |sums: &mut Vec<f32>, item: usize| {
+            let first = item * BLOCK;
+            let count = BLOCK.min(n - first);
+            sums.resize(count * rows, 0.0);
+            self.path.dots(x, rows, k, &weight.w[first * k..(first + count) * k], sums);
+            for r in 0..count {
+                let bias = weight.bias.map_or(0.0, |b| b[first + r].to_f32());
+                for m in 0..rows {
+                    let value = bf16::from_f32(sums[r * rows + m] + bias);
+                    // SAFETY: `out` is `rows * n` long and borrowed mutably for this call; item
+                    // `item` alone writes columns `first .. first + count` of each row.
+                    unsafe { *(out_addr as *mut bf16).add(m * n + first + r) = value };
+                }
+            }
+        };
+        let items = n.div_ceil(BLOCK);
+        match self.team {
+            Some(team) if team.threads() > 1 && team.usable_here() => team.for_each_init(items, Vec::new, block),
+            _ => {
+                let mut sums = Vec::new();
+                (0..items).for_each(|i| block(&mut sums, i));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,11 @@
+//! The reference: each product in f32, summed in order.
+
+use half::bf16;
+
+pub(super) fn dots(x: &[bf16], rows: usize, k: usize, w: &[bf16], sums: &mut [f32]) {
+    for (r, wr) in w.chunks_exact(k).enumerate() {
+        for (m, xm) in x.chunks_exact(k).take(rows).enumerate() {
+            sums[r * rows + m] = xm.iter().zip(wr).map(|(a, b)| a.to_f32() * b.to_f32()).sum();
+        }
+    }
+}

@@ -1,0 +1,131 @@
+"""The Rust bf16 linear for a few rows (``_core.Bf16Linear``) and its place in ``PackedLinear``:
+the same sums as ``F.linear`` up to one rounding, the same bits on any number of threads, typed
+errors for what it cannot take, and the engine's single streams running it (a tied LM head
+included, without copying the embedding)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from neo_rs import LLM, SamplingParams
+from neo_rs._core import Bf16Linear
+from neo_rs.errors import DTypeError, InvalidArgumentError, ShapeError
+from neo_rs.model.packed import GEMV_ROWS, PackedLinear, gemv_applies, pack_linears, packing_applies
+from torch import nn
+
+PATHS = ["scalar"] + (["avx512_bf16"] if gemv_applies() else [])
+
+
+def _close_to_f32(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    """``out`` is the float32 result rounded once to bf16, give or take the last bit (the sums'
+    order differs from torch's)."""
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    ulp = ref.abs().clamp_min(1e-3) * 2**-7  # bf16 keeps 8 significant bits
+    assert ((out.float() - ref).abs() <= ulp).all(), (out.float() - ref).abs().max()
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_the_float32_linear(path: str, bias: bool) -> None:
+    torch.manual_seed(0)
+    w = torch.randn(83, 200, dtype=torch.bfloat16)
+    b = torch.randn(83, dtype=torch.bfloat16) if bias else None
+    lin = Bf16Linear(w, b, num_threads=2, path=path)
+    assert lin.path == path
+    for rows in (1, 2, 5, 9):
+        x = torch.randn(rows, 200, dtype=torch.bfloat16)
+        out = torch.full((rows, 83), float("nan"), dtype=torch.bfloat16)
+        lin.forward(x, out)
+        _close_to_f32(out, x, w, b)
+
+
+def test_threads_split_the_rows_without_changing_a_bit() -> None:
+    torch.manual_seed(1)
+    w = torch.randn(1000, 96, dtype=torch.bfloat16)  # 63 work items of 16 rows, the last short
+    x = torch.randn(2, 96, dtype=torch.bfloat16)
+    outs = []
+    for threads in (1, 2, 3):
+        out = torch.empty(2, 1000, dtype=torch.bfloat16)
+        Bf16Linear(w, num_threads=threads).forward(x, out)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_refuses_what_it_cannot_take() -> None:
+    w = torch.randn(8, 16, dtype=torch.bfloat16)
+    lin = Bf16Linear(w, num_threads=1)
+    x, out = torch.randn(2, 16, dtype=torch.bfloat16), torch.empty(2, 8, dtype=torch.bfloat16)
+    with pytest.raises(DTypeError):
+        Bf16Linear(w.float(), num_threads=1)
+    with pytest.raises(ShapeError):
+        Bf16Linear(w, torch.zeros(7, dtype=torch.bfloat16), num_threads=1)
+    with pytest.raises(DTypeError):
+        lin.forward(x.float(), out)
+    with pytest.raises(ShapeError):
+        lin.forward(torch.randn(2, 15, dtype=torch.bfloat16), out)
+    with pytest.raises(ShapeError):
+        lin.forward(x, torch.empty(3, 8, dtype=torch.bfloat16))
+    with pytest.raises(InvalidArgumentError, match="contiguous"):
+        lin.forward(torch.randn(16, 2, dtype=torch.bfloat16).t(), out)
+    with pytest.raises(InvalidArgumentError, match="unknown linear kernel"):
+        Bf16Linear(w, num_threads=1, path="avx3")
+    lin.forward(x, out)  # and it still works
+
+
+needs_gemv = pytest.mark.skipif(
+    not (gemv_applies() and packing_applies(torch.device("cpu"), torch.bfloat16)),
+    reason="the Rust linear runs only where the CPU has AVX512_BF16",
+)
+
+
+@needs_gemv
+def test_packed_linear_runs_it_for_a_few_rows_only() -> None:
+    torch.manual_seed(2)
+    lin = nn.Linear(64, 48, bias=True).to(torch.bfloat16)
+    packed = PackedLinear(lin, rows=64, gemv_threads=2)
+    calls = []
+    real = packed.gemv
+    packed.gemv = type(
+        "Spy", (), {"forward": lambda _, x, out: (calls.append(len(x)), real.forward(x, out))}
+    )()
+    for rows in (1, GEMV_ROWS, GEMV_ROWS + 1, 64):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        out = packed(x)
+        if rows <= GEMV_ROWS:
+            _close_to_f32(out, x, lin.weight, lin.bias)
+        else:  # oneDNN's packed GEMM, as exact as ever
+            assert torch.equal(out, F.linear(x, lin.weight, lin.bias))
+    assert calls == [1, GEMV_ROWS]
+    three_d = torch.randn(1, 1, 64, dtype=torch.bfloat16)
+    assert packed(three_d).shape == (1, 1, 48)
+
+
+@needs_gemv
+def test_a_tied_head_runs_it_on_the_embedding_itself() -> None:
+    model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 32), nn.Linear(16, 50, bias=False))
+    model = model.to(torch.bfloat16)
+    model[2].weight = model[0].weight
+    assert pack_linears(model, rows=8, gemv_threads=1) == 1  # the head is not packed...
+    head = model[2]
+    assert isinstance(head, PackedLinear) and head.packed is None and head.gemv is not None
+    assert head.weight is model[0].weight  # ...nor copied
+    x = torch.randn(1, 16, dtype=torch.bfloat16)
+    _close_to_f32(head(x), x, model[0].weight, None)
+    x = torch.randn(7, 16, dtype=torch.bfloat16)
+    assert torch.equal(head(x), F.linear(x, model[0].weight))
+
+
+@needs_gemv
+def test_single_streams_run_it_in_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("NEO_RS_ROW_GEMV", flag)
+        with LLM(dtype="bfloat16") as llm:
+            model = llm.engine.runner.model
+            for linear in (model.decoder_layers[0].qkv_proj, model.lm_head):
+                assert (linear.gemv is not None) == (flag == "1")
+            runs[flag] = llm.generate(["one stream"], params, use_tqdm=False)[0].outputs[0].token_ids
+    # The demo model's logits are far apart: a bf16 rounding here and there changes no token.
+    assert runs["0"] == runs["1"]
