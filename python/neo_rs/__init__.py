@@ -4,6 +4,10 @@ The Rust core (``neo_rs._core``) holds the scheduler, the KV block accounting an
 paged-attention kernel; Python owns tensors and the model.
 """
 
+from neo_rs.environment import use_our_inductor_cache
+
+use_our_inductor_cache()  # before any import of torch._dynamo (``environment.py``)
+
 from neo_rs._core import AttentionHandle, CpuAttention, Scheduler, SchedulerOutput, simd_tiers
 from neo_rs.config import EngineArgs
 from neo_rs.engine.llm import LLM

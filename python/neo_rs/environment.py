@@ -18,6 +18,14 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def use_our_inductor_cache() -> None:
+    """Inductor's compile cache under ``cache_dir()/inductor`` unless ``TORCHINDUCTOR_CACHE_DIR``
+    is set: compiled decoder stacks (``worker/compiled.py``) then outlive a reboot's cleaning of
+    ``/tmp``, Inductor's default. Called when ``neo_rs`` is imported: torch fixes the folder
+    (writing its default into the variable) the first time ``torch._dynamo`` is imported."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+
+
 def build_atomically(target: Path, build: Callable[[Path], None]) -> None:
     """Run ``build`` into a fresh folder beside ``target``, then rename it into place: a crash
     leaves nothing half-written, and of two processes racing, one wins and the other's copy goes."""

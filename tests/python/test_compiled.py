@@ -1,9 +1,14 @@
 """The decoder stack compiled by Inductor (``worker/compiled.py``), on tiny checkpoints in fp32:
 greedy tokens identical to transformers in every dense family (sliding windows, soft-caps, two
 RoPE tables, layers without RoPE, q/k norms), also under preemption and in every offload mode;
-only decode-only iterations run compiled, in at most two graphs; what cannot compile runs eager."""
+only decode-only iterations run compiled, in at most two graphs; what cannot compile runs eager;
+Inductor's cache sits in our folder."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 from conftest import ARCHS, FAMILIES, assert_all_blocks_free
@@ -79,3 +84,15 @@ def test_compiled_quantized_linears_keep_eager_tokens(checkpoints, quantization:
         assert f"{quantization.capitalize()}Linear" in kinds
         tokens[eager] = got
     assert tokens[True] == tokens[False]
+
+
+def test_inductor_caches_under_our_folder(tmp_path) -> None:
+    """Set on import, before torch._dynamo fixes the folder; a folder the user set is kept."""
+    code = "import os, neo_rs, torch._dynamo; print(os.environ['TORCHINDUCTOR_CACHE_DIR'])"
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["NEO_RS_CACHE_DIR"] = str(tmp_path)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(tmp_path / "inductor")
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "theirs")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(tmp_path / "theirs")

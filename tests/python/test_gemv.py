@@ -68,6 +68,12 @@ def test_refuses_what_it_cannot_take() -> None:
         lin.forward(x, torch.empty(3, 8, dtype=torch.bfloat16))
     with pytest.raises(InvalidArgumentError, match="contiguous"):
         lin.forward(torch.randn(16, 2, dtype=torch.bfloat16).t(), out)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
+        lin.forward([[0.0] * 16], out)
+    with pytest.raises(DTypeError, match="unsupported dtype torch.float64"):
+        lin.forward(x.double(), out)
+    with pytest.raises(InvalidArgumentError, match="must be a CPU tensor, got device meta"):
+        lin.forward(x.to("meta"), out)
     with pytest.raises(InvalidArgumentError, match="unknown linear kernel"):
         Bf16Linear(w, num_threads=1, path="avx3")
     lin.forward(x, out)  # and it still works
@@ -129,3 +135,24 @@ def test_single_streams_run_it_in_the_engine(monkeypatch: pytest.MonkeyPatch) ->
             runs[flag] = llm.generate(["one stream"], params, use_tqdm=False)[0].outputs[0].token_ids
     # The demo model's logits are far apart: a bf16 rounding here and there changes no token.
     assert runs["0"] == runs["1"]
+
+
+@needs_gemv
+def test_the_compiled_stack_runs_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 on the CPU: the graph's ``neo_rs::packed_linear`` nodes reach the Rust kernel for a
+    single stream, and the tokens are eager's."""
+    calls = []
+    real = PackedLinear.rows_kernel
+    monkeypatch.setattr(PackedLinear, "rows_kernel", lambda self, x: (calls.append(1), real(self, x))[1])
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    tokens = {}
+    for eager in (True, False):
+        with LLM(dtype="bfloat16", enforce_eager=eager) as llm:
+            compiled = llm.engine.runner.compiled
+            assert (compiled is None) == eager
+            calls.clear()
+            tokens[eager] = llm.generate(["one stream"], params, use_tqdm=False)[0].outputs[0].token_ids
+            assert calls, "single-row linears ran the Rust kernel"
+            if compiled is not None:
+                assert compiled.runs == 11 and compiled.graphs == 2
+    assert tokens[True] == tokens[False]

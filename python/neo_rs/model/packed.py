@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from neo_rs._core import Bf16Linear
+from neo_rs.model.graph_ops import graph_op
 from neo_rs.model.moe import SparseMoe
 
 # Rows up to which the Rust kernel beats oneDNN's packed GEMM on SmolLM2's shapes (at 4 rows
@@ -93,24 +94,24 @@ class PackedLinear(nn.Module):
     def rows_kernel(self, x: torch.Tensor) -> torch.Tensor:
         """The Rust kernel's output for ``x`` (any number of rows; ``linear`` sends it a few)."""
         assert self.gemv is not None, "built without gemv_threads"
-        flat = x.reshape(-1, self.in_features).contiguous()
-        out = flat.new_empty(flat.shape[0], self.out_features)
-        self.gemv.forward(flat, out)
-        return out.view(*x.shape[:-1], self.out_features)
+        if x.dim() != 2:  # the decoder's are: its rows are tokens
+            return self.rows_kernel(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+        out = x.new_empty(x.shape[0], self.out_features)
+        self.gemv.forward(x.contiguous(), out)
+        return out
 
 
 _bound = threading.local()
 
 
-@torch.library.custom_op("neo_rs::packed_linear", mutates_args=())
+def _packed_linear_shape(x: torch.Tensor, slot: int, out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+@graph_op("packed_linear(Tensor x, int slot, int out_features) -> Tensor", _packed_linear_shape)
 def _packed_linear(x: torch.Tensor, slot: int, out_features: int) -> torch.Tensor:
     linears: list[PackedLinear] = _bound.linears
     return linears[slot].linear(x)
-
-
-@_packed_linear.register_fake
-def _(x: torch.Tensor, slot: int, out_features: int) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], out_features))
 
 
 def number_linears(model: nn.Module) -> list[PackedLinear]:

@@ -18,7 +18,6 @@ cache folder, so a later start compiles from it (SmolLM2: 52 s with an empty cac
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import types
@@ -31,10 +30,10 @@ from torch import nn
 
 from neo_rs.attention.layer import Attention
 from neo_rs.attention.metadata import AttentionBatch, DecodeRows
-from neo_rs.environment import cache_dir
 from neo_rs.kv.layer_copies import LayerCopies
 from neo_rs.kv.pools import KvPool
 from neo_rs.model.decoder import CausalLM, DecoderLayer, DenseMlp, RMSNorm, Rope
+from neo_rs.model.graph_ops import graph_op
 from neo_rs.model.packed import PackedLinear, bound_linears, number_linears
 from neo_rs.model.quant import Int4Linear, Int8Linear
 from neo_rs.timing import StageClock
@@ -57,7 +56,11 @@ class _Step:
 _current = threading.local()
 
 
-@torch.library.custom_op("neo_rs::decode_attention", mutates_args=())
+def _attention_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+@graph_op("decode_attention(Tensor q, Tensor k, Tensor v, int layer) -> Tensor", _attention_shape)
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
     """Layer ``layer``'s decode attention over the device pool, appending each row's K/V first:
     the pool changes behind the graph's back, which is safe as nothing in the graph reads it."""
@@ -67,11 +70,6 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: 
     step.attention.decode(q, step.pool, layer, step.rows, out, (k, v))
     step.attention_ms += (time.perf_counter() - t) * 1e3
     return out
-
-
-@_decode_attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-    return torch.empty_like(q)
 
 
 def _stack(layers: Sequence[DecoderLayer], x: torch.Tensor, rope: Rope) -> torch.Tensor:
@@ -101,7 +99,6 @@ class CompiledDecode:
     """The compiled stack of one model and its pools (``takes`` a batch, ``run`` it)."""
 
     def __init__(self, model: CausalLM, attention: Attention, pool: KvPool) -> None:
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
         self.model, self.attention, self.pool = model, attention, pool
         self.linears = number_linears(model)
         self.graphs = 0  # graphs compiled so far
