@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import ARCHS, FAMILIES, assert_all_blocks_free
 from neo_rs import LLM, SamplingParams
 from neo_rs.worker.compiled import MAX_GRAPHS
@@ -96,3 +97,24 @@ def test_inductor_caches_under_our_folder(tmp_path) -> None:
     env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "theirs")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == str(tmp_path / "theirs")
+
+
+def test_the_attention_op_keeps_its_fake_shapes(checkpoints) -> None:
+    """Inductor's run-time checks of op outputs are off: opcheck holds ``neo_rs::decode_attention``'s
+    fake implementation to the real one instead (one row at block 0 of a fresh pool)."""
+    from neo_rs.attention.metadata import DecodeRows
+    from neo_rs.worker import compiled as module
+
+    llm = LLM(str(checkpoints["llama"]), dtype="float32", enforce_eager=False)
+    compiled, cfg = llm.engine.runner.compiled, llm.engine.runner.model.config
+    tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    module._current.step = module._Step(
+        compiled.attention, compiled.pool, DecodeRows(0, 1, tables, lens, 1, tables, lens)
+    )
+    try:
+        q = torch.randn(1, cfg.num_heads, cfg.head_dim)
+        k, v = (torch.randn(1, cfg.num_kv_heads, cfg.head_dim) for _ in range(2))
+        torch.library.opcheck(torch.ops.neo_rs.decode_attention.default, (q, k, v, 0))
+    finally:
+        module._current.step = None
+        llm.shutdown()

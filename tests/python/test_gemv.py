@@ -11,7 +11,15 @@ import torch.nn.functional as F
 from neo_rs import LLM, SamplingParams
 from neo_rs._core import Bf16Linear
 from neo_rs.errors import DTypeError, InvalidArgumentError, ShapeError
-from neo_rs.model.packed import GEMV_ROWS, PackedLinear, gemv_applies, pack_linears, packing_applies
+from neo_rs.model.packed import (
+    GEMV_ROWS,
+    PackedLinear,
+    bound_linears,
+    gemv_applies,
+    number_linears,
+    pack_linears,
+    packing_applies,
+)
 from torch import nn
 
 PATHS = ["scalar"] + (["avx512_bf16"] if gemv_applies() else [])
@@ -156,3 +164,15 @@ def test_the_compiled_stack_runs_it(monkeypatch: pytest.MonkeyPatch) -> None:
             if compiled is not None:
                 assert compiled.runs == 11 and compiled.graphs == 2
     assert tokens[True] == tokens[False]
+
+
+@needs_gemv
+@pytest.mark.parametrize("rows", [1, GEMV_ROWS + 1])
+def test_the_graph_op_keeps_its_fake_shapes(rows: int) -> None:
+    """Inductor's run-time checks of op outputs are off (``worker/compiled.py``): opcheck holds
+    ``neo_rs::packed_linear``'s fake implementation to the real one instead."""
+    lin = nn.Linear(64, 48, bias=False).to(torch.bfloat16)
+    table = number_linears(nn.Sequential(PackedLinear(lin, rows=8, gemv_threads=2)))
+    with bound_linears(table):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        torch.library.opcheck(torch.ops.neo_rs.packed_linear.default, (x, 0, 48))
