@@ -39,9 +39,13 @@ def compare(k: int, n: int, rows: int, threads: int) -> tuple[float, float]:
     copies = max(2, COPIES_BYTES // (n * k * 2))
     onednn, rust = [], []
     for _ in range(copies):
-        dense = nn.Linear(k, n, bias=False).to(torch.bfloat16)
-        onednn.append(PackedLinear(dense, max(rows, 8)).linear)
-        rust.append(PackedLinear(dense, rows, pack=False, gemv_threads=threads).rows_kernel)
+        packed = PackedLinear(
+            nn.Linear(k, n, bias=False).to(torch.bfloat16), max(rows, 8), gemv_threads=threads
+        )
+        onednn.append(
+            lambda x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p.packed, None, "none", [], "")
+        )
+        rust.append(packed.rows_kernel)
     x = torch.randn(rows, k, dtype=torch.bfloat16)
     a, b = [], []
     for _ in range(3):

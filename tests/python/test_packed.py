@@ -25,12 +25,14 @@ def test_packed_linear_matches_f_linear_bit_for_bit(bias: bool) -> None:
         assert torch.equal(packed(x), F.linear(x, lin.weight, lin.bias))
 
 
-def test_pack_linears_leaves_a_tied_head_alone() -> None:
+def test_pack_linears_packs_a_tied_head_too() -> None:
     model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 32), nn.Linear(16, 50, bias=False))
     model = model.to(torch.bfloat16)
     model[2].weight = model[0].weight  # tied, as an LM head
-    assert pack_linears(model, rows=8) == 1
-    assert isinstance(model[1], PackedLinear) and isinstance(model[2], nn.Linear)
+    assert pack_linears(model, rows=8) == 2
+    assert isinstance(model[1], PackedLinear) and isinstance(model[2], PackedLinear)
+    x = torch.randn(9, 16, dtype=torch.bfloat16)
+    assert torch.equal(model[2](x), F.linear(x, model[0].weight))
 
 
 def test_same_tokens_with_and_without_packing(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,8 +8,11 @@
   plain weight. Such a call reads the whole weight for one multiply-add per weight, so it runs at
   the memory's bandwidth, and oneDNN's set-up per call (about 20 us) is a third of a 576-wide
   layer's; ``benches/gemv.py`` times both. The plain weight then stays beside the packed one (one
-  more copy of the linears' weights in RAM; ``NEO_RS_ROW_GEMV=0`` drops it). A tied LM head,
-  whose weight is the embedding's, gets only this kernel: packing it would copy the embedding.
+  more copy of the linears' weights in RAM; ``NEO_RS_ROW_GEMV=0`` drops it).
+
+A tied LM head is packed too, a copy of the embedding (57 MB for SmolLM2): unpacked, oneDNN
+reorders its 28M weights on every call, 6.9 ms of a 16-stream step's 36. Its Rust kernel reads the
+embedding itself.
 
 Under ``torch.compile`` (``worker/compiled.py``) the packed weight cannot enter the graph: an
 opaque oneDNN tensor has no fake counterpart to trace with. So the graph calls the op
@@ -24,7 +27,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from neo_rs._core import Bf16Linear
@@ -56,24 +58,19 @@ def gemv_applies() -> bool:
 
 
 class PackedLinear(nn.Module):
-    """An ``nn.Linear`` whose weight oneDNN has reordered (``pack``; the layout depends on
-    ``rows``, the usual number of rows; any number is computed exactly), and with
-    ``gemv_threads``, whose calls of up to ``GEMV_ROWS`` rows run the Rust kernel on that many
-    threads."""
+    """An ``nn.Linear`` whose weight oneDNN has reordered (the layout depends on ``rows``, the
+    usual number of rows; any number is computed exactly), and with ``gemv_threads``, whose calls
+    of up to ``GEMV_ROWS`` rows run the Rust kernel on that many threads."""
 
-    def __init__(
-        self, linear: nn.Linear, rows: int, *, pack: bool = True, gemv_threads: int | None = None
-    ) -> None:
+    def __init__(self, linear: nn.Linear, rows: int, *, gemv_threads: int | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         # Plain attributes: an opaque oneDNN tensor and a Rust object, never moved or saved.
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows) if pack else None
-        self.gemv = (
-            None if gemv_threads is None else Bf16Linear(weight, linear.bias, num_threads=gemv_threads)
-        )
-        # Kept where a kernel reads it: unpacked, or the Rust one's (a tied head's is the embedding's).
-        self.weight = linear.weight if self.packed is None or self.gemv is not None else None
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+        threads = gemv_threads
+        self.gemv = None if threads is None else Bf16Linear(weight, linear.bias, num_threads=threads)
+        self.weight = linear.weight if self.gemv is not None else None  # what the Rust kernel reads
         self.bias = linear.bias
         self.slot = -1  # its index in the table a compiled graph binds (``number_linears``)
 
@@ -86,10 +83,7 @@ class PackedLinear(nn.Module):
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv is not None and 0 < x.numel() <= GEMV_ROWS * self.in_features:
             return self.rows_kernel(x)
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        assert self.weight is not None, "an unpacked linear keeps its weight"
-        return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def rows_kernel(self, x: torch.Tensor) -> torch.Tensor:
         """The Rust kernel's output for ``x`` (any number of rows; ``linear`` sends it a few)."""
@@ -133,23 +127,16 @@ def bound_linears(linears: list[PackedLinear]) -> Iterator[None]:
 
 
 def pack_linears(model: nn.Module, rows: int, gemv_threads: int | None = None) -> int:
-    """Replace each linear that owns its weight, and pack each MoE layer's experts; returns how
-    many linears were packed. With ``gemv_threads`` (``gemv_applies``), the linears, and a tied
-    LM head, also run the Rust kernel for a few rows; the experts do not (their plain weights,
-    most of such a model, would stay in RAM twice)."""
-    shared = {
-        id(p) for m in model.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)
-    }
+    """Replace each linear (a tied LM head too), and pack each MoE layer's experts; returns how
+    many linears were packed. With ``gemv_threads`` (``gemv_applies``), the linears also run the
+    Rust kernel for a few rows; the experts do not (their plain weights, most of such a model,
+    would stay in RAM twice)."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if not isinstance(child, nn.Linear):
-                continue
-            tied = id(child.weight) in shared
-            if not tied:
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, PackedLinear(child, rows, gemv_threads=gemv_threads))
                 count += 1
-            if not tied or gemv_threads is not None:
-                setattr(parent, name, PackedLinear(child, rows, pack=not tied, gemv_threads=gemv_threads))
         if isinstance(parent, SparseMoe):
             parent.pack(PackedLinear, rows)
             count += 2 * parent.num_experts
