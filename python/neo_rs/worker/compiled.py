@@ -42,8 +42,8 @@ log = logging.getLogger(__name__)
 
 MAX_GRAPHS = 2  # one row, and any other number (Dynamo specializes one row)
 # Inductor checks the size, stride and alignment of every op's output at run time by default:
-# 300 checks a token, 0.7 ms of a single stream's 14. Our ops' fake implementations are checked
-# against the real ones by ``torch.library.opcheck`` in the tests instead (test_compiled.py).
+# 300 checks a token, 0.4 ms of a single stream's 12.5 (1.03x, alternating A/B). Our ops' fake
+# implementations are held to the real ones by ``torch.library.opcheck`` in the tests instead.
 _INDUCTOR = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
 
 
