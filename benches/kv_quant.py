@@ -14,10 +14,12 @@ With ``--weights [int8|int4|fp8|gguf]`` the same measure compares quantized weig
 1.01x for int8 and fp8, <= 1.05x for int4; gguf: a GGUF's own 4-bit blocks kept, against the
 same file dequantized). Every other run loads the weights in the model dtype (``--quantization
 none``). With ``--compiled`` it compares the compiled decoder stack with the same model op by op
-(``enforce_eager``), every decode on the device (``offload="none"``), where the stack runs.
+(``enforce_eager``), every decode on the device (``offload="none"``), where the stack runs. With
+``--row-gemv`` it compares the Rust kernel for a few rows (``model/packed.py``) with oneDNN's GEMM
+at every row count (``NEO_RS_ROW_GEMV=0``), the text as one sequence (every decode one row).
 
     python benches/kv_quant.py [--model smollm2-135m-instruct] [--dtype bfloat16] [--seqs 4]
-        [--weights [int8|int4|fp8|gguf] | --compiled]
+        [--weights [int8|int4|fp8|gguf] | --compiled | --row-gemv]
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--seqs", type=int, default=4, help="sequences the text is cut into")
+    ap.add_argument("--seqs", type=int, help="sequences the text is cut into (default 4; --row-gemv: 1)")
     ap.add_argument(
         "--weights",
         nargs="?",
@@ -99,7 +101,9 @@ def main() -> None:
         help="quantized weights (--quantization, default int8) against the model dtype's",
     )
     ap.add_argument("--compiled", action="store_true", help="the compiled decoder stack against eager")
+    ap.add_argument("--row-gemv", action="store_true", help="the Rust kernel for a few rows against oneDNN")
     args = ap.parse_args()
+    args.seqs = args.seqs or (1 if args.row_gemv else 4)
     llm = LLM(args.model, dtype=args.dtype)
     ids = llm.get_tokenizer()(TEXT.read_text())["input_ids"][:NUM_TOKENS]
     llm.shutdown()
@@ -115,6 +119,14 @@ def main() -> None:
             kv: teacher_forced(args.model, args.dtype, "auto", seqs, offload="none", enforce_eager=eager)
             for kv, eager in (("auto", True), (name, False))
         }
+    elif args.row_gemv:
+        name = "gemv"
+        print("auto: the same model with oneDNN's GEMM at every row count (NEO_RS_ROW_GEMV=0)")
+        runs = {}
+        for kv, flag in (("auto", "0"), (name, "1")):
+            os.environ["NEO_RS_ROW_GEMV"] = flag
+            runs[kv] = teacher_forced(args.model, args.dtype, "auto", seqs, offload="none")
+        os.environ["NEO_RS_ROW_GEMV"] = "0"  # the floor below runs as auto did
     elif args.weights:
         runs = {"auto": teacher_forced(args.model, args.dtype, "auto", seqs)}
         print(f"{name}: the decoder's linear weights (--quantization {name}); the host KV as auto")
