@@ -71,7 +71,7 @@ def cpu_attention(args: EngineArgs, device: torch.device) -> CpuAttention:
     ``NEO_RS_CPU_THREADS``, else every core), which work while the GPU does. On a CPU device the
     model and the kernel take turns on the same cores, so one count is both torch's intra-op
     threads and the kernel's (``cpu_threads`` or ``NEO_RS_CPU_THREADS`` when given, else torch's),
-    and blocking calls run on torch's own OpenMP threads (``rust/attn/team.rs``): never more
+    and blocking calls run on torch's own OpenMP threads (``rust/team.rs``): never more
     threads than cores, and none left spinning beside the kernel's."""
     if device.type != "cpu":
         return CpuAttention(num_threads=args.cpu_threads)
