@@ -4,6 +4,7 @@
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
+use pyo3::types::PyType;
 
 use crate::attn::DType;
 use crate::error::{ensure, NeoError, Result};
@@ -43,20 +44,21 @@ impl TensorRef {
     /// matched by identity (a per-token cost: 30 layers' attention and 120 linears a token).
     pub fn extract_view(obj: &Bound<'_, PyAny>, name: &'static str) -> PyResult<TensorRef> {
         let py = obj.py();
-        let not_a_tensor = |_| {
-            let type_name = obj.get_type().name().map(|n| n.to_string()).unwrap_or_default();
-            pyo3::exceptions::PyTypeError::new_err(format!("{name} must be a torch.Tensor, got {type_name}"))
-        };
-        let dtype = obj.getattr(intern!(py, "dtype")).map_err(not_a_tensor)?;
-        let kind = kind_of(&dtype).ok_or_else(|| {
-            let s = dtype.str().map(|s| s.to_string()).unwrap_or_default();
-            NeoError::DType(format!("{name} has unsupported dtype {s}"))
-        })?;
-        if !obj.getattr(intern!(py, "is_cpu")).map_err(not_a_tensor)?.extract::<bool>()? {
+        let torch = torch(py)?;
+        if !obj.is_instance(torch.tensor.bind(py))? {
+            let type_name = obj.get_type().name()?;
+            return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                "{name} must be a torch.Tensor, got {type_name}"
+            )));
+        }
+        let dtype = obj.getattr(intern!(py, "dtype"))?;
+        let kind = torch.kinds.iter().find(|(d, _)| d.bind(py).is(&dtype)).map(|&(_, k)| k);
+        let kind = kind.ok_or_else(|| NeoError::DType(format!("{name} has unsupported dtype {dtype}")))?;
+        if !obj.getattr(intern!(py, "is_cpu"))?.extract::<bool>()? {
             let device: String = obj.getattr(intern!(py, "device"))?.getattr(intern!(py, "type"))?.extract()?;
             return Err(NeoError::Value(format!("{name} must be a CPU tensor, got device {device}")).into());
         }
-        let addr = obj.call_method0(intern!(py, "data_ptr")).map_err(not_a_tensor)?.extract()?;
+        let addr = obj.call_method0(intern!(py, "data_ptr"))?.extract()?;
         let contiguous: bool = obj.call_method0(intern!(py, "is_contiguous"))?.extract()?;
         Ok(TensorRef {
             name,
@@ -110,24 +112,29 @@ impl TensorRef {
     }
 }
 
-/// The element type of a torch dtype object, matched by identity against torch's (looked up once).
-fn kind_of(dtype: &Bound<'_, PyAny>) -> Option<Kind> {
-    static KINDS: PyOnceLock<Vec<(Py<PyAny>, Kind)>> = PyOnceLock::new();
-    let py = dtype.py();
-    let kinds = KINDS
-        .get_or_try_init(py, || -> PyResult<_> {
-            let torch = py.import("torch")?;
-            let table = [
-                ("float32", Kind::Float(DType::F32)),
-                ("float16", Kind::Float(DType::F16)),
-                ("bfloat16", Kind::Float(DType::BF16)),
-                ("int32", Kind::Int32),
-                ("int8", Kind::Int8),
-            ];
-            table.into_iter().map(|(n, k)| Ok((torch.getattr(n)?.unbind(), k))).collect()
+/// torch's tensor type and the dtype objects of the element types we read, looked up once: every
+/// argument is then checked by type and dtype identity.
+struct Torch {
+    tensor: Py<PyType>,
+    kinds: Vec<(Py<PyAny>, Kind)>,
+}
+
+fn torch(py: Python<'_>) -> PyResult<&'static Torch> {
+    static TORCH: PyOnceLock<Torch> = PyOnceLock::new();
+    TORCH.get_or_try_init(py, || {
+        let torch = py.import("torch")?;
+        let table = [
+            ("float32", Kind::Float(DType::F32)),
+            ("float16", Kind::Float(DType::F16)),
+            ("bfloat16", Kind::Float(DType::BF16)),
+            ("int32", Kind::Int32),
+            ("int8", Kind::Int8),
+        ];
+        Ok(Torch {
+            tensor: torch.getattr("Tensor")?.cast_into::<PyType>()?.unbind(),
+            kinds: table.into_iter().map(|(n, k)| Ok((torch.getattr(n)?.unbind(), k))).collect::<PyResult<_>>()?,
         })
-        .ok()?;
-    kinds.iter().find(|(d, _)| d.bind(py).is(dtype)).map(|&(_, k)| k)
+    })
 }
 
 /// Whether two byte ranges share any byte.
