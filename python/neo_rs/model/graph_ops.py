@@ -10,7 +10,8 @@ from collections.abc import Callable
 
 import torch
 
-_LIB = torch.library.Library("neo_rs", "DEF")
+# A fragment: the CUDA modules define more ``neo_rs::`` ops through ``custom_op`` (its own fragments).
+_LIB = torch.library.Library("neo_rs", "FRAGMENT")
 
 Impl = Callable[..., torch.Tensor]
 
