@@ -1,5 +1,5 @@
 """The Rust bf16 linear for a few rows (``_core.Bf16Linear``, ``PackedLinear.rows_kernel``)
-against oneDNN's packed GEMM (``PackedLinear.linear`` without it), side by side in one process:
+against oneDNN's packed GEMM on the same linear's packed weight, side by side in one process:
 each decoder linear of SmolLM2-135M and of Llama-3.2-1B, and SmolLM2's tied LM head, at 1, 2, 4
 and 8 rows. Each is timed over enough copies of its weight (random bf16) that every call reads
 its weight from memory, as a decode does; the read bandwidth each reaches is printed beside the

@@ -68,8 +68,9 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach()
         # Plain attributes: an opaque oneDNN tensor and a Rust object, never moved or saved.
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
-        threads = gemv_threads
-        self.gemv = None if threads is None else Bf16Linear(weight, linear.bias, num_threads=threads)
+        self.gemv = (
+            None if gemv_threads is None else Bf16Linear(weight, linear.bias, num_threads=gemv_threads)
+        )
         self.weight = linear.weight if self.gemv is not None else None  # what the Rust kernel reads
         self.bias = linear.bias
         self.slot = -1  # its index in the table a compiled graph binds (``number_linears``)
