@@ -1,8 +1,9 @@
 """Weight-only int8, int4 and FP8 (``--quantization int8|int4|fp8``) against bf16 on the CPU device,
 side by side in one process: each decoder linear of SmolLM2-135M and of Llama-3.2-1B alone (bf16
-as the engine runs it: prepacked for oneDNN, the Rust kernel for a few rows; against
-``Int8Linear``, ``Int4Linear`` and ``Fp8Linear``) at 1 and 64 rows, with the weight bytes each
-reads per call and the bandwidth that makes; then decode end to end through ``LLM`` on SmolLM2
+as the engine runs it: prepacked for oneDNN, the Rust kernel for a few rows; against int8 as the
+engine runs it, ``Int8CpuLinear`` where the CPU has AVX512_BF16, and ``Int4Linear`` and
+``Fp8Linear``) at 1 and 64 rows, with the weight bytes each reads per call and the bandwidth that
+makes; then decode end to end through ``LLM`` on SmolLM2
 (real weights) and on a Llama-3.2-1B-shaped model (random weights, written once to a temporary
 directory): one stream (ms per token after the prompt) and 64 streams (tokens/s); SmolLM2 also
 with its GGUF's own Q4_1 blocks kept (``gguf``, its default, int4 in groups of 32), bf16 being
@@ -28,7 +29,7 @@ from common import cpu_line
 from neo_rs import LLM, SamplingParams
 from neo_rs.model.fp8 import Fp8Linear
 from neo_rs.model.packed import PackedLinear, gemv_applies
-from neo_rs.model.quant import Int4Linear, Int8Linear, int4_group_size
+from neo_rs.model.quant import Int4Linear, Int8CpuLinear, Int8Linear, int4_group_size
 from safetensors.torch import save_file
 from torch import nn
 
@@ -81,7 +82,10 @@ def linear_table(rows_list: list[int]) -> None:
         for lin, (k, n) in linears(shape).items():
             dense = nn.Linear(k, n, bias=False).to(torch.bfloat16)
             nn.init.normal_(dense.weight, std=0.02)
-            quantized = Int8Linear(dense), Int4Linear(dense), Fp8Linear(dense)
+            # int8 as the engine runs it here: our Rust kernel where bf16 has its Rust kernel.
+            int8 = Int8Linear(dense)
+            int8 = Int8CpuLinear(int8, gemv) if gemv is not None else int8
+            quantized = int8, Int4Linear(dense), Fp8Linear(dense)
             for rows in rows_list:
                 x = torch.randn(rows, k).to(torch.bfloat16)
                 ms = [

@@ -6,6 +6,7 @@ pub mod attn;
 pub mod config;
 pub mod error;
 pub mod gemv;
+pub mod int8;
 pub mod kv;
 pub mod sched;
 pub mod team;

@@ -48,6 +48,34 @@ class Bf16Linear:
         """``out`` (``[rows, n]``, bfloat16) = ``x`` (``[rows, k]``, bfloat16) @ weight.T + bias,
         each output summed in float32 and rounded once. GIL released."""
 
+class Int8Gemm:
+    """A weight-only int8 linear on the CPU for any number of rows, ``out = (x @ q.T) * scales +
+    bias``. ``packed`` is ``q`` (``[n, k]`` int8) in blocks of 16 output columns,
+    ``[ceil(n / 16), ceil(k / 2), 16, 2]``: for each pair of inputs, each column's two weights
+    (zeros pad ``n`` and ``k``); it is held and must not be resized in place. ``scales``
+    (float32 ``[n]``) and ``bias`` (bfloat16 ``[n]``) are copied. Each weight block is widened to
+    bfloat16 once a call and multiplied by every row (AVX512_BF16 where the CPU has it, else
+    scalar). The work is split over the calling thread's OpenMP team of ``num_threads``; ``path``
+    (``scalar``, ``avx512_bf16``) forces a kernel."""
+
+    def __init__(
+        self,
+        packed: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        n: int,
+        k: int,
+        num_threads: int,
+        path: str | None = None,
+    ) -> None: ...
+    @property
+    def path(self) -> str:
+        """The kernel this object runs."""
+    def forward(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """``out`` (``[rows, n]``, bfloat16) = (``x`` (``[rows, k]``, bfloat16) @ q.T) * scales +
+        bias, each output summed in float32, scaled and rounded once. GIL released."""
+
 class AttentionHandle:
     def wait(self) -> None:
         """Block (GIL released) until the submitted call is done; raise its error, if any."""

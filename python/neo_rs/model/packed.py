@@ -15,23 +15,23 @@ reorders its 28M weights on every call, 6.9 ms of a 16-stream step's 36. Its Rus
 embedding itself.
 
 Under ``torch.compile`` (``worker/compiled.py``) the packed weight cannot enter the graph: an
-opaque oneDNN tensor has no fake counterpart to trace with. So the graph calls the op
-``neo_rs::packed_linear`` with the linear's slot, and the op finds the linear in the table bound
-for the call (``bound_linears``)."""
+opaque oneDNN tensor has no fake counterpart to trace with. So the graph reaches the linear
+through the op ``neo_rs::packed_linear`` (``graph_ops.GraphLinear``).
+
+Weight-only int8 linears (``--quantization int8``) move to the Rust kernel ``quant.Int8CpuLinear``
+here as well, where it runs natively."""
 
 from __future__ import annotations
 
 import os
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from neo_rs._core import Bf16Linear
-from neo_rs.model.graph_ops import graph_op
+from neo_rs.model.graph_ops import GraphLinear
 from neo_rs.model.moe import SparseMoe
+from neo_rs.model.quant import Int8CpuLinear, Int8Linear
 
 # Rows up to which the Rust kernel beats oneDNN's packed GEMM on SmolLM2's shapes (at 4 rows
 # they are level, beyond it oneDNN's blocking wins): ``benches/gemv.py``.
@@ -57,7 +57,7 @@ def gemv_applies() -> bool:
     return Bf16Linear(probe, num_threads=1).path != "scalar"
 
 
-class PackedLinear(nn.Module):
+class PackedLinear(GraphLinear, nn.Module):
     """An ``nn.Linear`` whose weight oneDNN has reordered (the layout depends on ``rows``, the
     usual number of rows; any number is computed exactly), and with ``gemv_threads``, whose calls
     of up to ``GEMV_ROWS`` rows run the Rust kernel on that many threads."""
@@ -73,13 +73,6 @@ class PackedLinear(nn.Module):
         )
         self.weight = linear.weight if self.gemv is not None else None  # what the Rust kernel reads
         self.bias = linear.bias
-        self.slot = -1  # its index in the table a compiled graph binds (``number_linears``)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            assert self.slot >= 0, "a compiled model numbers its packed linears first"
-            return torch.ops.neo_rs.packed_linear(x, self.slot, self.out_features)
-        return self.linear(x)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv is not None and 0 < x.numel() <= GEMV_ROWS * self.in_features:
@@ -96,47 +89,19 @@ class PackedLinear(nn.Module):
         return out
 
 
-_bound = threading.local()
-
-
-def _packed_linear_shape(x: torch.Tensor, slot: int, out_features: int) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], out_features))
-
-
-@graph_op("packed_linear(Tensor x, int slot, int out_features) -> Tensor", _packed_linear_shape)
-def _packed_linear(x: torch.Tensor, slot: int, out_features: int) -> torch.Tensor:
-    linears: list[PackedLinear] = _bound.linears
-    return linears[slot].linear(x)
-
-
-def number_linears(model: nn.Module) -> list[PackedLinear]:
-    """The model's packed linears, each told its slot in the returned table."""
-    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    for slot, m in enumerate(linears):
-        m.slot = slot
-    return linears
-
-
-@contextmanager
-def bound_linears(linears: list[PackedLinear]) -> Iterator[None]:
-    """The table ``neo_rs::packed_linear`` reads in this thread while the block runs."""
-    _bound.linears = linears
-    try:
-        yield
-    finally:
-        _bound.linears = None
-
-
 def pack_linears(model: nn.Module, rows: int, gemv_threads: int | None = None) -> int:
     """Replace each linear (a tied LM head too), and pack each MoE layer's experts; returns how
     many linears were packed. With ``gemv_threads`` (``gemv_applies``), the linears also run the
     Rust kernel for a few rows; the experts do not (their plain weights, most of such a model,
-    would stay in RAM twice)."""
+    would stay in RAM twice). Int8 linears then move to their Rust kernel, on those threads."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(parent, name, PackedLinear(child, rows, gemv_threads=gemv_threads))
+                count += 1
+            elif isinstance(child, Int8Linear) and gemv_threads is not None:
+                setattr(parent, name, Int8CpuLinear(child, gemv_threads))
                 count += 1
         if isinstance(parent, SparseMoe):
             parent.pack(PackedLinear, rows)

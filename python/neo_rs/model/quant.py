@@ -3,7 +3,9 @@ memory; activations stay in the model dtype and the weight is read at a fraction
 bytes, which is what bounds decode at small batches:
 
 - ``--quantization int8``: int8 per output channel (symmetric, ``scale = max|row| / 127``),
-  multiplied by torch's ``_weight_int8pack_mm`` (CPU and CUDA kernels);
+  multiplied by torch's ``_weight_int8pack_mm`` (CPU and CUDA kernels); in bf16 on a CPU with
+  AVX512_BF16, by our Rust kernel (``Int8CpuLinear``), which widens each weight block once for
+  all rows where torch's widens it again for every row (1.9-2.7x faster at 64 rows);
 - ``--quantization int4``: 4 bits per weight in groups of 128 input columns (64 or 32 where the
   input width needs), asymmetric (a scale and a zero per group, round to nearest), multiplied
   by torch's tinygemm kernels (``_weight_int4pack_mm_for_cpu``; on CUDA ``_weight_int4pack_mm``
@@ -21,9 +23,11 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from neo_rs._core import Int8Gemm
 from neo_rs.cuda_runtime import runtime
 from neo_rs.errors import ModelLoadError
 from neo_rs.model.fp8 import Fp8Linear
+from neo_rs.model.graph_ops import GraphLinear
 from neo_rs.model.moe import SparseMoe
 
 log = logging.getLogger(__name__)
@@ -64,6 +68,59 @@ class Int8Linear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         """The weight the kernel multiplies by, in the scales' dtype (tests compare against it)."""
         return self.weight.to(self.scales.dtype) * self.scales[:, None]
+
+
+# Output columns per block of ``Int8Gemm``'s layout (``rust/int8``).
+INT8_COLS = 16
+
+
+def pack_int8(q: torch.Tensor) -> torch.Tensor:
+    """``q`` (``[n, k]`` int8) in ``Int8Gemm``'s layout, ``[ceil(n / 16), ceil(k / 2), 16, 2]``:
+    blocks of 16 output columns, and in each, for every pair of inputs, each column's two
+    weights; zeros pad ``n`` and ``k``."""
+    n, k = q.shape
+    blocks, pairs = -(-n // INT8_COLS), -(-k // 2)
+    padded = q.new_zeros(blocks * INT8_COLS, pairs * 2)
+    padded[:n, :k] = q
+    return padded.view(blocks, INT8_COLS, pairs, 2).transpose(1, 2).contiguous()
+
+
+class Int8CpuLinear(GraphLinear, nn.Module):
+    """An ``Int8Linear`` of a bf16 model on a CPU device with AVX512_BF16 (``packed.pack_linears``
+    makes it): the weight repacked for the Rust kernel ``Int8Gemm`` (``rust/int8``), which runs
+    any number of rows on ``threads`` of torch's OpenMP team. The same bytes as before, and the
+    same scales (their bf16 values, applied in float32 to each float32 sum)."""
+
+    weight: torch.Tensor
+    scales: torch.Tensor
+
+    def __init__(self, linear: Int8Linear, threads: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("weight", pack_int8(linear.weight))
+        self.register_buffer("scales", linear.scales)
+        self.bias = linear.bias
+        # A Rust object, never moved or saved: it holds ``weight`` itself.
+        self.gemm = Int8Gemm(
+            self.weight,
+            self.scales.float(),
+            self.bias,
+            n=self.out_features,
+            k=self.in_features,
+            num_threads=threads,
+        )
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).contiguous()
+        out = rows.new_empty(rows.shape[0], self.out_features)
+        if rows.shape[0]:
+            self.gemm.forward(rows, out)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight the kernel multiplies by, in the scales' dtype (tests compare against it)."""
+        q = self.weight.transpose(1, 2).reshape(self.weight.shape[0] * INT8_COLS, -1)
+        return q[: self.out_features, : self.in_features].to(self.scales.dtype) * self.scales[:, None]
 
 
 # int4 group sizes, largest first: the first that divides a linear's input width is its own.

@@ -1,0 +1,220 @@
+//! Weight-only int8 linears on the CPU: `out = (x · qᵀ) ⊙ scale + bias`, with `q` int8 and a
+//! scale per output column, `x` and `out` bf16. torch's `_weight_int8pack_mm` widens the weight
+//! again for every row of `x`, so at 64 rows it ran at half bf16's speed; here each weight block
+//! is widened once per call and then multiplied by every row.
+//!
+//! The weight is packed in blocks of 16 output columns (`COLS`), each block `[k / 2][16][2]`:
+//! pair `p` of a block holds, for each of its columns, that column's weights at inputs `2p` and
+//! `2p + 1` (`k` padded to even, `n` to whole blocks, with zeros). Widened to bf16 (exact: every
+//! int8 is a bf16), 32 such weights are one operand of `vdpbf16ps`, the other being the pair
+//! `x[2p], x[2p + 1]` broadcast: each f32 lane then sums its own column's products, and no lane
+//! ever needs a horizontal sum. A block's pairs are one stream, front to back, as the
+//! prefetcher likes.
+//!
+//! - A few rows (`FUSED_ROWS`): the weight is widened pair by pair in registers and used at once.
+//! - More rows: each block is widened into a thread's scratch (18 KiB for a 576-wide input), then
+//!   multiplied by the rows in tiles of up to `TILE` rows, one accumulator each.
+//!
+//! Sums are f32, then scaled, biased (f32) and rounded to bf16 once. Work is split by blocks over
+//! the calling thread's OpenMP team (`crate::team`), as `crate::gemv` does.
+
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+mod scalar;
+
+use half::bf16;
+
+use crate::error::{ensure, Result};
+pub use crate::gemv::Path;
+use crate::team::Team;
+
+/// Output columns per block: one f32 vector of sums.
+pub const COLS: usize = 16;
+/// Rows up to which the weight is widened in registers rather than into scratch.
+const FUSED_ROWS: usize = 4;
+/// Rows per pass over a widened block: one accumulator each, enough of them to hide the latency
+/// of `vdpbf16ps`, with registers left for the weight and the broadcasts.
+const TILE: usize = 12;
+
+/// An int8 linear packed for this kernel (module docs). `scales` and `bias` are f32 and padded
+/// to whole blocks (the padding's values are never stored).
+#[derive(Debug, Clone, Copy)]
+pub struct Int8Weight<'a> {
+    pub packed: &'a [i8],
+    pub n: usize,
+    pub k: usize,
+    pub scales: &'a [f32],
+    pub bias: &'a [f32],
+}
+
+impl Int8Weight<'_> {
+    pub fn blocks(&self) -> usize {
+        self.n.div_ceil(COLS)
+    }
+
+    /// Input pairs per block (`k` rounded up to even, halved).
+    pub fn pairs(&self) -> usize {
+        self.k.div_ceil(2)
+    }
+
+    pub fn check(&self) -> Result<()> {
+        let (n, k) = (self.n, self.k);
+        ensure!(n > 0 && k > 0, Shape, "a linear's weight must not be empty, got [{n}, {k}]");
+        let padded = self.blocks() * COLS;
+        ensure!(
+            self.packed.len() == padded * self.pairs() * 2,
+            Shape,
+            "packed weight holds {} values, not [{}, {}, {COLS}, 2] for a [{n}, {k}] weight",
+            self.packed.len(),
+            self.blocks(),
+            self.pairs()
+        );
+        ensure!(self.scales.len() == padded, Shape, "scales hold {} values, not {padded}", self.scales.len());
+        ensure!(self.bias.len() == padded, Shape, "bias holds {} values, not {padded}", self.bias.len());
+        Ok(())
+    }
+}
+
+/// The kernel and the threads an int8 linear runs on.
+#[derive(Clone, Copy)]
+pub struct Int8Gemm {
+    path: Path,
+    team: Option<Team>,
+}
+
+impl Int8Gemm {
+    /// `path` (default: the best this CPU has) on a team of `threads` OpenMP threads.
+    pub fn new(path: Option<Path>, threads: usize) -> Result<Int8Gemm> {
+        let path = path.unwrap_or_else(Path::best);
+        ensure!(path.is_supported(), Runtime, "this CPU cannot run the {} linear kernel", path.name());
+        Ok(Int8Gemm { path, team: Team::find(threads) })
+    }
+
+    pub fn path(&self) -> Path {
+        self.path
+    }
+
+    /// `out[m] = (x[m] · qᵀ) ⊙ scales + bias` for each of the `x.len() / k` rows of `x` (`out`:
+    /// `[rows, n]`).
+    pub fn run(&self, x: &[bf16], weight: Int8Weight<'_>, out: &mut [bf16]) -> Result<()> {
+        weight.check()?;
+        let (n, k) = (weight.n, weight.k);
+        ensure!(x.len().is_multiple_of(k) && !x.is_empty(), Shape, "x holds {} values, not rows of {k}", x.len());
+        let rows = x.len() / k;
+        ensure!(out.len() == rows * n, Shape, "out holds {} values, not {rows} x {n}", out.len());
+        let out = Out { addr: out.as_mut_ptr() as usize, n };
+        let spread = if self.path == Path::Scalar { None } else { Rows::spread(x, rows, k) };
+        let x = match &spread {
+            Some(s) => Rows { x: s, stride: s.len() / rows },
+            None => Rows { x, stride: k },
+        };
+        let block_len = weight.pairs() * 2 * COLS;
+        let block = |scratch: &mut Scratch, b: usize| {
+            let w = Block {
+                q: &weight.packed[b * block_len..(b + 1) * block_len],
+                scales: &weight.scales[b * COLS..(b + 1) * COLS],
+                bias: &weight.bias[b * COLS..(b + 1) * COLS],
+                first: b * COLS,
+                cols: COLS.min(n - b * COLS),
+            };
+            self.path.block(x, rows, k, &w, scratch, out);
+        };
+        let items = weight.blocks();
+        match self.team {
+            Some(team) if team.threads() > 1 && team.usable_here() => {
+                team.for_each_init(items, Scratch::default, block)
+            }
+            _ => {
+                let mut scratch = Scratch::default();
+                (0..items).for_each(|b| block(&mut scratch, b));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One block of a packed weight: its int8 pairs, its columns' scales and bias, and where its
+/// columns start in the output (`cols` of them are real).
+struct Block<'a> {
+    q: &'a [i8],
+    scales: &'a [f32],
+    bias: &'a [f32],
+    first: usize,
+    cols: usize,
+}
+
+/// The rows of `x`, `stride` values apart.
+#[derive(Clone, Copy)]
+struct Rows<'a> {
+    x: &'a [bf16],
+    stride: usize,
+}
+
+impl Rows<'_> {
+    /// Rows whose cache lines fall in many sets of the L1 cache. A tile reads its rows side by
+    /// side; rows 4 KiB apart (a 2,048-wide input) would all fall in one set (of 64), and twelve
+    /// of them evict each other from its eight ways. Rows a multiple of 32 lines apart (two
+    /// sets at most) are copied to a stride of an odd number of lines, which visits every set
+    /// before it repeats one; the copy costs more than it saves for rows of 16 lines (four
+    /// sets), measured on SmolLM2's 1,536-wide input.
+    fn spread(x: &[bf16], rows: usize, k: usize) -> Option<Vec<bf16>> {
+        const LINE: usize = 32; // bf16 values a line
+        let lines = k.div_ceil(LINE);
+        if rows <= FUSED_ROWS || lines.trailing_zeros() < 5 {
+            return None;
+        }
+        let stride = (lines | 1) * LINE;
+        let mut spread = vec![bf16::ZERO; rows * stride];
+        for (to, from) in spread.chunks_exact_mut(stride).zip(x.chunks_exact(k)) {
+            to[..k].copy_from_slice(from);
+        }
+        Some(spread)
+    }
+}
+
+/// A thread's room for a block widened to bf16 and its rows' partial sums.
+#[derive(Default)]
+struct Scratch {
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    wide: Vec<bf16>,
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    sums: Vec<f32>,
+}
+
+/// The output, `[rows, n]` bf16, written by blocks: each block alone writes its columns.
+#[derive(Clone, Copy)]
+struct Out {
+    addr: usize,
+    n: usize,
+}
+
+impl Out {
+    /// Row `m`'s values for `block`'s columns, from their f32 sums.
+    ///
+    /// # Safety
+    /// `m` is a row of the output, and no other thread writes `block`'s columns.
+    unsafe fn put(&self, m: usize, block: &Block<'_>, sums: &[f32; COLS]) {
+        let columns = sums.iter().zip(block.scales).zip(block.bias).take(block.cols);
+        for (c, ((sum, scale), bias)) in columns.enumerate() {
+            let value = bf16::from_f32(sum * scale + bias);
+            // SAFETY: the caller's; column `first + c` < n.
+            unsafe { *(self.addr as *mut bf16).add(m * self.n + block.first + c) = value };
+        }
+    }
+}
+
+impl Path {
+    fn block(self, x: Rows<'_>, rows: usize, k: usize, w: &Block<'_>, scratch: &mut Scratch, out: Out) {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Path::is_supported` was checked when the path was chosen (`Int8Gemm::new`);
+            // `run` checked the shapes, and each block's columns are written by this call alone.
+            Path::Avx512Bf16 => unsafe { avx512::block(x, rows, k, w, scratch, out) },
+            // SAFETY: as above.
+            _ => unsafe { scalar::block(x.x, rows, k, w, out) },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
