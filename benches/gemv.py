@@ -16,7 +16,8 @@ import time
 
 import torch
 from common import cpu_line
-from neo_rs.model.packed import PackedLinear, gemv_applies
+from neo_rs.model.packed import PackedLinear
+from neo_rs.model.rust_linears import gemv_applies
 from quant_linear import SHAPES, linears, read_gbs
 from torch import nn
 

@@ -1,8 +1,8 @@
 """Weight-only int8, int4 and FP8 (``--quantization int8|int4|fp8``) against bf16 on the CPU device,
 side by side in one process: each decoder linear of SmolLM2-135M and of Llama-3.2-1B alone (bf16
-as the engine runs it: prepacked for oneDNN, the Rust kernel for a few rows; against int8 as the
-engine runs it, ``Int8CpuLinear`` where the CPU has AVX512_BF16, and ``Int4Linear`` and
-``Fp8Linear``) at 1 and 64 rows, with the weight bytes each reads per call and the bandwidth that
+as the engine runs it: prepacked for oneDNN, the Rust kernel for a few rows; against
+``Int8Linear``, ``Int4Linear`` and ``Fp8Linear``, the first two our Rust kernel where the CPU has
+AVX512_BF16) at 1 and 64 rows, with the weight bytes each reads per call and the bandwidth that
 makes; then decode end to end through ``LLM`` on SmolLM2
 (real weights) and on a Llama-3.2-1B-shaped model (random weights, written once to a temporary
 directory): one stream (ms per token after the prompt) and 64 streams (tokens/s); SmolLM2 also
@@ -12,7 +12,7 @@ all do, and the 1B shape's smaller ones: rates above the memory's). Last, the ro
 stream: the weight bytes a token reads (the LM head stays bf16) over the measured read bandwidth,
 against the measured time.
 
-    python benches/quant_linear.py [--threads 2] [--skip-1b] [--tokens 64]
+    python benches/quant_linear.py [--threads 2] [--skip-1b] [--tokens 64] [--methods int8 int4 ...]
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ import torch
 from common import cpu_line
 from neo_rs import LLM, SamplingParams
 from neo_rs.model.fp8 import Fp8Linear
-from neo_rs.model.packed import PackedLinear, gemv_applies
-from neo_rs.model.quant import Int4Linear, Int8CpuLinear, Int8Linear, int4_group_size
+from neo_rs.model.packed import PackedLinear
+from neo_rs.model.quant import Int4Linear, Int8Linear, int4_group_size
+from neo_rs.model.rust_linears import gemv_applies
 from safetensors.torch import save_file
 from torch import nn
 
@@ -82,10 +83,7 @@ def linear_table(rows_list: list[int]) -> None:
         for lin, (k, n) in linears(shape).items():
             dense = nn.Linear(k, n, bias=False).to(torch.bfloat16)
             nn.init.normal_(dense.weight, std=0.02)
-            # int8 as the engine runs it here: our Rust kernel where bf16 has its Rust kernel.
-            int8 = Int8Linear(dense)
-            int8 = Int8CpuLinear(int8, gemv) if gemv is not None else int8
-            quantized = int8, Int4Linear(dense), Fp8Linear(dense)
+            quantized = Int8Linear(dense), Int4Linear(dense), Fp8Linear(dense)
             for rows in rows_list:
                 x = torch.randn(rows, k).to(torch.bfloat16)
                 ms = [
@@ -201,6 +199,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--skip-1b", action="store_true", help="SmolLM2 only end to end")
+    ap.add_argument(
+        "--methods",
+        nargs="+",
+        default=["int8", "int4", "fp8", "gguf"],
+        help="end to end (fp8 on the 1B shape: minutes)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"{cpu_line()}, {args.threads} threads")
@@ -216,10 +220,9 @@ def main() -> None:
             bf16 = decode(path, "none", args.threads, args.tokens)  # SmolLM2's GGUF dequantized
             one_stream[name, None] = bf16[0]
             print(f"{name:<24}{'bf16':<10}{bf16[0]:>19.1f}{bf16[1]:>18.1f}")
-            # SmolLM2's file is Q4_1: its own blocks, kept (the default), against our int4 groups.
-            for method in (
-                ("int8", "int4", "fp8", "gguf") if path.endswith("instruct") else ("int8", "int4", "fp8")
-            ):
+            # SmolLM2's file is Q4_1: its own blocks, kept (the default, ``gguf``), against our
+            # int4 groups; the random 1B shape has no file of its own.
+            for method in [m for m in args.methods if m != "gguf" or path.endswith("instruct")]:
                 q = decode(path, method, args.threads, args.tokens)
                 one_stream[name, method] = q[0]
                 print(f"{'':<24}{method:<10}{q[0]:>19.1f}{q[1]:>18.1f}")

@@ -6,8 +6,8 @@ pub mod attn;
 pub mod config;
 pub mod error;
 pub mod gemv;
-pub mod int8;
 pub mod kv;
+pub mod qlinear;
 pub mod sched;
 pub mod team;
 

@@ -48,18 +48,17 @@ class Bf16Linear:
         """``out`` (``[rows, n]``, bfloat16) = ``x`` (``[rows, k]``, bfloat16) @ weight.T + bias,
         each output summed in float32 and rounded once. GIL released."""
 
-class Int8Gemm:
-    """A weight-only int8 linear on the CPU for any number of rows, ``out = (x @ q.T) * scales +
-    bias``. ``packed`` is ``q`` (``[n, k]`` int8) in blocks of 16 output columns,
-    ``[ceil(n / 16), ceil(k / 2), 16, 2]``: for each pair of inputs, each column's two weights
-    (zeros pad ``n`` and ``k``); it is held and must not be resized in place. ``scales``
-    (float32 ``[n]``) and ``bias`` (bfloat16 ``[n]``) are copied. Each weight block is widened to
-    bfloat16 once a call and multiplied by every row (AVX512_BF16 where the CPU has it, else
-    scalar). The work is split over the calling thread's OpenMP team of ``num_threads``; ``path``
-    (``scalar``, ``avx512_bf16``) forces a kernel."""
+class QuantGemm:
+    """A weight-only int8 or int4 linear on the CPU for any number of rows, ``out = x @ W.T +
+    bias`` (AVX512_BF16 where the CPU has it, else scalar). The weight is packed in blocks of 16
+    output columns, and in each, for every pair of inputs, each column's two weights (zeros pad):
+    held, it must not be resized in place; scales, zeros and bias are copied. Each block is
+    widened to bfloat16 once a call and multiplied by every row; each output is summed in
+    float32 and rounded once. The work is split over the calling thread's OpenMP team of
+    ``num_threads``; ``path`` (``scalar``, ``avx512_bf16``) forces a kernel."""
 
-    def __init__(
-        self,
+    @staticmethod
+    def int8(
         packed: torch.Tensor,
         scales: torch.Tensor,
         bias: torch.Tensor | None = None,
@@ -68,13 +67,32 @@ class Int8Gemm:
         k: int,
         num_threads: int,
         path: str | None = None,
-    ) -> None: ...
+    ) -> QuantGemm:
+        """``W = q * scales[:, None]``: ``packed`` int8 ``[ceil(n / 16), ceil(k / 2), 16, 2]``,
+        ``scales`` float32 ``[n]`` (applied to the float32 sums), ``bias`` bfloat16 ``[n]``."""
+    @staticmethod
+    def int4(
+        packed: torch.Tensor,
+        groups: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        n: int,
+        k: int,
+        group: int,
+        num_threads: int,
+        path: str | None = None,
+    ) -> QuantGemm:
+        """``W = (q - 8) * scale + zero`` per ``group`` inputs (even, dividing ``k``): ``packed``
+        uint8 ``[ceil(n / 16), k / 2, 16]`` (byte ``j`` of a pair: lane ``j`` in its low nibble,
+        lane ``16 + j`` in its high one), ``groups`` bfloat16 ``[ceil(n / 16), k / group, 2,
+        16]`` (each block's and group's 16 scales, then 16 zeros), ``bias`` bfloat16 ``[n]``.
+        Each weight is computed in float32 and rounded to bfloat16 before its products."""
     @property
     def path(self) -> str:
         """The kernel this object runs."""
     def forward(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        """``out`` (``[rows, n]``, bfloat16) = (``x`` (``[rows, k]``, bfloat16) @ q.T) * scales +
-        bias, each output summed in float32, scaled and rounded once. GIL released."""
+        """``out`` (``[rows, n]``, bfloat16) = ``x`` (``[rows, k]``, bfloat16) @ W.T + bias.
+        GIL released."""
 
 class AttentionHandle:
     def wait(self) -> None:

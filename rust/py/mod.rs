@@ -5,6 +5,7 @@
 
 mod attn;
 mod gemv;
+mod qlinear;
 mod quant;
 mod sched;
 mod tensor;
@@ -62,7 +63,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quant::quantize_rows, m)?)?;
     m.add_function(wrap_pyfunction!(quant::dequantize_rows, m)?)?;
     m.add_class::<gemv::Bf16Linear>()?;
-    m.add_class::<gemv::Int8Gemm>()?;
+    m.add_class::<qlinear::QuantGemm>()?;
     m.add_class::<attn::CpuAttention>()?;
     m.add_class::<attn::AttentionHandle>()?;
     m.add_class::<sched::Scheduler>()?;

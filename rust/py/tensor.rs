@@ -14,8 +14,10 @@ use crate::error::{ensure, NeoError, Result};
 pub(crate) enum Kind {
     Float(DType),
     Int32,
-    /// int8 KV pools (their scales are float32 tensors beside them).
+    /// int8 KV pools (their scales are float32 tensors beside them), int8 weights.
     Int8,
+    /// Packed int4 weights.
+    UInt8,
 }
 
 /// A CPU tensor seen as (address, shape, element type); contiguous unless taken by
@@ -78,7 +80,7 @@ impl TensorRef {
         match self.kind {
             Kind::Float(d) => d.size_bytes(),
             Kind::Int32 => 4,
-            Kind::Int8 => 1,
+            Kind::Int8 | Kind::UInt8 => 1,
         }
     }
 
@@ -129,6 +131,7 @@ fn torch(py: Python<'_>) -> PyResult<&'static Torch> {
             ("bfloat16", Kind::Float(DType::BF16)),
             ("int32", Kind::Int32),
             ("int8", Kind::Int8),
+            ("uint8", Kind::UInt8),
         ];
         Ok(Torch {
             tensor: torch.getattr("Tensor")?.cast_into::<PyType>()?.unbind(),

@@ -12,7 +12,8 @@ from neo_rs import LLM, SamplingParams
 from neo_rs._core import Bf16Linear
 from neo_rs.errors import DTypeError, InvalidArgumentError, ShapeError
 from neo_rs.model.graph_ops import bound_linears, number_linears
-from neo_rs.model.packed import GEMV_ROWS, PackedLinear, gemv_applies, pack_linears, packing_applies
+from neo_rs.model.packed import GEMV_ROWS, PackedLinear, pack_linears, packing_applies
+from neo_rs.model.rust_linears import gemv_applies
 from torch import nn
 
 PATHS = ["scalar"] + (["avx512_bf16"] if gemv_applies() else [])

@@ -18,8 +18,8 @@ Under ``torch.compile`` (``worker/compiled.py``) the packed weight cannot enter 
 opaque oneDNN tensor has no fake counterpart to trace with. So the graph reaches the linear
 through the op ``neo_rs::packed_linear`` (``graph_ops.GraphLinear``).
 
-Weight-only int8 linears (``--quantization int8``) move to the Rust kernel ``quant.Int8CpuLinear``
-here as well, where it runs natively."""
+Weight-only int8 and int4 linears that run our Rust kernel (``quant``) are told the threads
+here too."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from torch import nn
 from neo_rs._core import Bf16Linear
 from neo_rs.model.graph_ops import GraphLinear
 from neo_rs.model.moe import SparseMoe
-from neo_rs.model.quant import Int8CpuLinear, Int8Linear
+from neo_rs.model.quant import Int4Linear, Int8Linear
 
 # Rows up to which the Rust kernel beats oneDNN's packed GEMM on SmolLM2's shapes (at 4 rows
 # they are level, beyond it oneDNN's blocking wins): ``benches/gemv.py``.
@@ -46,15 +46,6 @@ def packing_applies(device: torch.device, dtype: torch.dtype) -> bool:
         and os.environ.get("NEO_RS_PACK_LINEARS", "1") != "0"
         and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     )
-
-
-def gemv_applies() -> bool:
-    """The Rust kernel runs natively here (AVX512_BF16; its scalar path is only a reference),
-    unless turned off."""
-    if os.environ.get("NEO_RS_ROW_GEMV", "1") == "0":
-        return False
-    probe = torch.zeros(1, 1, dtype=torch.bfloat16)
-    return Bf16Linear(probe, num_threads=1).path != "scalar"
 
 
 class PackedLinear(GraphLinear, nn.Module):
@@ -93,16 +84,15 @@ def pack_linears(model: nn.Module, rows: int, gemv_threads: int | None = None) -
     """Replace each linear (a tied LM head too), and pack each MoE layer's experts; returns how
     many linears were packed. With ``gemv_threads`` (``gemv_applies``), the linears also run the
     Rust kernel for a few rows; the experts do not (their plain weights, most of such a model,
-    would stay in RAM twice). Int8 linears then move to their Rust kernel, on those threads."""
+    would stay in RAM twice). Int8 and int4 linears that run our kernel run it on those threads."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(parent, name, PackedLinear(child, rows, gemv_threads=gemv_threads))
                 count += 1
-            elif isinstance(child, Int8Linear) and gemv_threads is not None:
-                setattr(parent, name, Int8CpuLinear(child, gemv_threads))
-                count += 1
+            elif isinstance(child, Int8Linear | Int4Linear) and child.gemm is not None and gemv_threads:
+                child.use_threads(gemv_threads)
         if isinstance(parent, SparseMoe):
             parent.pack(PackedLinear, rows)
             count += 2 * parent.num_experts

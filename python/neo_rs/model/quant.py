@@ -3,13 +3,16 @@ memory; activations stay in the model dtype and the weight is read at a fraction
 bytes, which is what bounds decode at small batches:
 
 - ``--quantization int8``: int8 per output channel (symmetric, ``scale = max|row| / 127``),
-  multiplied by torch's ``_weight_int8pack_mm`` (CPU and CUDA kernels); in bf16 on a CPU with
-  AVX512_BF16, by our Rust kernel (``Int8CpuLinear``), which widens each weight block once for
-  all rows where torch's widens it again for every row (1.9-2.7x faster at 64 rows);
+  multiplied by torch's ``_weight_int8pack_mm`` (CPU and CUDA kernels);
 - ``--quantization int4``: 4 bits per weight in groups of 128 input columns (64 or 32 where the
   input width needs), asymmetric (a scale and a zero per group, round to nearest), multiplied
   by torch's tinygemm kernels (``_weight_int4pack_mm_for_cpu``; on CUDA ``_weight_int4pack_mm``
   from sm_80 in bfloat16, else our Triton kernel, ``cuda/int4_gemm.py``).
+
+Except in bf16 on a CPU with AVX512_BF16 (``rust_linears.quant_kernel_applies``): there both are
+packed at load for our Rust kernel (``_core.QuantGemm``, ``rust/qlinear/``), which widens each
+block of the weight once a call for all rows, where torch's kernels widen it again for every row.
+The compiled graph reaches it through ``neo_rs::packed_linear`` (``graph_ops.GraphLinear``).
 
 The embeddings and the LM head stay unquantized, as vLLM keeps them, and so do an MoE layer's
 experts (not yet quantized; the log says so)."""
@@ -23,12 +26,13 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from neo_rs._core import Int8Gemm
+from neo_rs._core import QuantGemm
 from neo_rs.cuda_runtime import runtime
 from neo_rs.errors import ModelLoadError
 from neo_rs.model.fp8 import Fp8Linear
 from neo_rs.model.graph_ops import GraphLinear
 from neo_rs.model.moe import SparseMoe
+from neo_rs.model.rust_linears import quant_kernel_applies
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +46,46 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to(torch.int8), scale
 
 
-class Int8Linear(nn.Module):
+# Output columns per block of ``QuantGemm``'s layouts (``rust/qlinear``).
+QUANT_COLS = 16
+
+
+def pack_int8(q: torch.Tensor) -> torch.Tensor:
+    """``q`` (``[n, k]`` int8) in ``QuantGemm``'s int8 layout, ``[ceil(n / 16), ceil(k / 2), 16,
+    2]``: blocks of 16 output columns, and in each, for every pair of inputs, each column's two
+    weights; zeros pad ``n`` and ``k``."""
+    n, k = q.shape
+    blocks, pairs = -(-n // QUANT_COLS), -(-k // 2)
+    padded = q.new_zeros(blocks * QUANT_COLS, pairs * 2)
+    padded[:n, :k] = q
+    return padded.view(blocks, QUANT_COLS, pairs, 2).transpose(1, 2).contiguous()
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """``q`` (``[n, k]``, 0..15, ``k`` even) in ``QuantGemm``'s int4 layout, uint8 ``[ceil(n /
+    16), k / 2, 16]``: as int8's (lane ``2c + i`` of a pair is column ``c``'s input ``2p + i``),
+    lane ``j`` in byte ``j``'s low nibble and lane ``16 + j`` in its high one."""
+    n, k = q.shape
+    blocks = -(-n // QUANT_COLS)
+    padded = q.new_zeros(blocks * QUANT_COLS, k, dtype=torch.uint8)
+    padded[:n] = q
+    lanes = padded.view(blocks, QUANT_COLS, k // 2, 2).transpose(1, 2).reshape(blocks, k // 2, 2 * QUANT_COLS)
+    return (lanes[..., :QUANT_COLS] | lanes[..., QUANT_COLS:] << 4).contiguous()
+
+
+def _run(gemm: QuantGemm, x: torch.Tensor, in_features: int, out_features: int) -> torch.Tensor:
+    """``gemm`` over ``x``'s rows (any leading shape)."""
+    rows = x.reshape(-1, in_features).contiguous()
+    out = rows.new_empty(rows.shape[0], out_features)
+    if rows.shape[0]:
+        gemm.forward(rows, out)
+    return out.view(*x.shape[:-1], out_features)
+
+
+class Int8Linear(GraphLinear, nn.Module):
     """An ``nn.Linear`` whose weight is int8 with a scale per output row (in the model dtype, as
-    the kernel takes them); the output is in the input's dtype."""
+    the kernels take them); the output is in the input's dtype. The weight is in torch's layout,
+    or packed for our kernel where it runs (``gemm``: our kernel's object, else None)."""
 
     weight: torch.Tensor
     scales: torch.Tensor
@@ -54,73 +95,40 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         like = linear.weight if home is None else home  # see Int4Linear
         q, scale = quantize_int8(linear.weight)
-        self.register_buffer("weight", q.to(like.device))
+        ours = quant_kernel_applies(like.device, like.dtype)
+        self.register_buffer("weight", pack_int8(q) if ours else q.to(like.device))
         self.register_buffer("scales", scale.to(like.device, like.dtype))
         self.bias = linear.bias
+        self.gemm: QuantGemm | None = None
+        if ours:
+            self.use_threads(torch.get_num_threads())
+
+    def use_threads(self, threads: int) -> None:
+        """Our kernel, on ``threads`` of torch's OpenMP team (``packed.pack_linears``: the engine's)."""
+        n, k = self.out_features, self.in_features
+        self.gemm = QuantGemm.int8(self.weight, self.scales.float(), self.bias, n=n, k=k, num_threads=threads)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemm is not None:
+            return GraphLinear.forward(self, x)
         rows = x.reshape(-1, self.in_features)
         y = torch._weight_int8pack_mm(rows, self.weight, self.scales)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def dequantized(self) -> torch.Tensor:
-        """The weight the kernel multiplies by, in the scales' dtype (tests compare against it)."""
-        return self.weight.to(self.scales.dtype) * self.scales[:, None]
-
-
-# Output columns per block of ``Int8Gemm``'s layout (``rust/int8``).
-INT8_COLS = 16
-
-
-def pack_int8(q: torch.Tensor) -> torch.Tensor:
-    """``q`` (``[n, k]`` int8) in ``Int8Gemm``'s layout, ``[ceil(n / 16), ceil(k / 2), 16, 2]``:
-    blocks of 16 output columns, and in each, for every pair of inputs, each column's two
-    weights; zeros pad ``n`` and ``k``."""
-    n, k = q.shape
-    blocks, pairs = -(-n // INT8_COLS), -(-k // 2)
-    padded = q.new_zeros(blocks * INT8_COLS, pairs * 2)
-    padded[:n, :k] = q
-    return padded.view(blocks, INT8_COLS, pairs, 2).transpose(1, 2).contiguous()
-
-
-class Int8CpuLinear(GraphLinear, nn.Module):
-    """An ``Int8Linear`` of a bf16 model on a CPU device with AVX512_BF16 (``packed.pack_linears``
-    makes it): the weight repacked for the Rust kernel ``Int8Gemm`` (``rust/int8``), which runs
-    any number of rows on ``threads`` of torch's OpenMP team. The same bytes as before, and the
-    same scales (their bf16 values, applied in float32 to each float32 sum)."""
-
-    weight: torch.Tensor
-    scales: torch.Tensor
-
-    def __init__(self, linear: Int8Linear, threads: int) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("weight", pack_int8(linear.weight))
-        self.register_buffer("scales", linear.scales)
-        self.bias = linear.bias
-        # A Rust object, never moved or saved: it holds ``weight`` itself.
-        self.gemm = Int8Gemm(
-            self.weight,
-            self.scales.float(),
-            self.bias,
-            n=self.out_features,
-            k=self.in_features,
-            num_threads=threads,
-        )
-
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).contiguous()
-        out = rows.new_empty(rows.shape[0], self.out_features)
-        if rows.shape[0]:
-            self.gemm.forward(rows, out)
-        return out.view(*x.shape[:-1], self.out_features)
+        assert self.gemm is not None, "our kernel's path only"
+        return _run(self.gemm, x, self.in_features, self.out_features)
 
     def dequantized(self) -> torch.Tensor:
         """The weight the kernel multiplies by, in the scales' dtype (tests compare against it)."""
-        q = self.weight.transpose(1, 2).reshape(self.weight.shape[0] * INT8_COLS, -1)
-        return q[: self.out_features, : self.in_features].to(self.scales.dtype) * self.scales[:, None]
+        q = self.weight
+        if self.gemm is not None:  # unpacked
+            q = q.transpose(1, 2).reshape(q.shape[0] * QUANT_COLS, -1)[
+                : self.out_features, : self.in_features
+            ]
+        return q.to(self.scales.dtype) * self.scales[:, None]
 
 
 # int4 group sizes, largest first: the first that divides a linear's input width is its own.
@@ -198,11 +206,12 @@ class Int4Blocks(NamedTuple):
         return out
 
 
-class Int4Linear(nn.Module):
-    """An ``nn.Linear`` whose weight is held as tinygemm's packed int4, with a scale and a zero
-    per group and output row (``[in / group, out, 2]``, the model dtype); the output is in the
-    input's dtype. ``blocks``: already quantized (a GGUF's, GPTQ's, AWQ's; the input is gathered
-    into their column order first, if any), else ``linear``'s weight is quantized."""
+class Int4Linear(GraphLinear, nn.Module):
+    """An ``nn.Linear`` whose weight is held as tinygemm's packed int4 (or ours where our kernel
+    runs; ``gemm``: its object, else None), with a scale and a zero per group and output row
+    (``[in / group, out, 2]``, the model dtype); the output is in the input's dtype. ``blocks``:
+    already quantized (a GGUF's, GPTQ's, AWQ's; the input is gathered into their column order
+    first, if any), else ``linear``'s weight is quantized."""
 
     packed: torch.Tensor
     scales_zeros: torch.Tensor
@@ -228,7 +237,12 @@ class Int4Linear(nn.Module):
         # Packed where q is (the host, for a checkpoint's blocks) and only then moved: the device
         # never holds a wider copy of the weight than its packed bytes.
         q = q.to(torch.int32)
-        if device.type == "cuda" and tinygemm_runs(device, dtype):
+        self.gemm: QuantGemm | None = None
+        ours = quant_kernel_applies(device, dtype)
+        if ours:
+            self.register_buffer("packed", pack_int4(q))
+            self._mm = self._ours
+        elif device.type == "cuda" and tinygemm_runs(device, dtype):
             pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(device, torch.uint8)
             self.register_buffer("packed", torch._convert_weight_to_int4pack(pairs, _CUDA_INNER_K_TILES))
             self._mm = torch._weight_int4pack_mm
@@ -241,8 +255,31 @@ class Int4Linear(nn.Module):
             self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q.to(device), 1))
             self._mm = torch._weight_int4pack_mm_for_cpu
         self.bias = linear.bias
+        if ours:
+            self.use_threads(torch.get_num_threads())
+
+    def use_threads(self, threads: int) -> None:
+        """Our kernel, on ``threads`` of torch's OpenMP team (``packed.pack_linears``: the engine's).
+        It takes the scales and zeros per block of 16 columns and group, ``[16 scales, 16 zeros]``."""
+        n, k, groups = self.out_features, self.in_features, self.scales_zeros.shape[0]
+        blocks = -(-n // QUANT_COLS)
+        padded = self.scales_zeros.new_zeros(groups, blocks * QUANT_COLS, 2)
+        padded[:, :n] = self.scales_zeros
+        by_block = padded.view(groups, blocks, QUANT_COLS, 2).permute(1, 0, 3, 2).contiguous()
+        self.gemm = QuantGemm.int4(
+            self.packed, by_block, None, n=n, k=k, group=self.group, num_threads=threads
+        )
+
+    def _ours(self, rows: torch.Tensor, packed: torch.Tensor, group: int, sz: torch.Tensor) -> torch.Tensor:
+        assert self.gemm is not None, "use_threads() made it"
+        return _run(self.gemm, rows, self.in_features, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemm is not None:
+            return GraphLinear.forward(self, x)
+        return self.linear(x)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.order is not None:
             rows = rows.index_select(1, self.order)

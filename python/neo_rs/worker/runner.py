@@ -31,9 +31,10 @@ from neo_rs.model.fp8_checkpoint import load_fp8_linears
 from neo_rs.model.gguf_blocks import GgufBlocks
 from neo_rs.model.gptq_awq import load_packed_linears
 from neo_rs.model.loader import empty_model, load_model, shard_files
-from neo_rs.model.packed import GEMV_ROWS, gemv_applies, pack_linears, packing_applies
+from neo_rs.model.packed import GEMV_ROWS, pack_linears, packing_applies
 from neo_rs.model.prequantized import quantize_at_load
 from neo_rs.model.quant import quantizer, warn_unquantized_experts
+from neo_rs.model.rust_linears import gemv_applies
 from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel, rank_device
 from neo_rs.timing import HostWaits, MeasuredTimes, StageClock
 from neo_rs.worker.compiled import CompiledDecode, why_eager

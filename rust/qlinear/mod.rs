@@ -1,22 +1,32 @@
-//! Weight-only int8 linears on the CPU: `out = (x · qᵀ) ⊙ scale + bias`, with `q` int8 and a
-//! scale per output column, `x` and `out` bf16. torch's `_weight_int8pack_mm` widens the weight
-//! again for every row of `x`, so at 64 rows it ran at half bf16's speed; here each weight block
-//! is widened once per call and then multiplied by every row.
+//! Weight-only quantized linears on the CPU, int8 and int4: `out = x · Wᵀ + bias` with `x` and
+//! `out` bf16 and `W` kept as its int8 or 4-bit values. torch's kernels (`_weight_int8pack_mm`,
+//! tinygemm's `_weight_int4pack_mm_for_cpu`) widen the weight again for every row of `x`, so at
+//! 64 rows they ran at 0.4-0.6x bf16's speed; here each weight block is widened once a call and
+//! then multiplied by every row.
 //!
-//! The weight is packed in blocks of 16 output columns (`COLS`), each block `[k / 2][16][2]`:
-//! pair `p` of a block holds, for each of its columns, that column's weights at inputs `2p` and
-//! `2p + 1` (`k` padded to even, `n` to whole blocks, with zeros). Widened to bf16 (exact: every
-//! int8 is a bf16), 32 such weights are one operand of `vdpbf16ps`, the other being the pair
-//! `x[2p], x[2p + 1]` broadcast: each f32 lane then sums its own column's products, and no lane
-//! ever needs a horizontal sum. A block's pairs are one stream, front to back, as the
-//! prefetcher likes.
+//! The weight is packed in blocks of 16 output columns (`COLS`). Pair `p` of a block holds, for
+//! each of its columns, that column's weights at inputs `2p` and `2p + 1` (`k` padded to even,
+//! `n` to whole blocks, with zeros): 32 weights, lane `2c + i` column `c`'s input `2p + i`.
+//! Widened to bf16, they are one operand of `vdpbf16ps`, the other being the pair `x[2p], x[2p +
+//! 1]` broadcast: each f32 lane then sums its own column's products, and no lane ever needs a
+//! horizontal sum. A block's pairs are one stream, front to back, as the prefetcher likes.
+//!
+//! - `Format::Int8`: a pair is 32 bytes in lane order; `w = q · scale` with a scale per column,
+//!   applied to the f32 sums (widening is exact: every int8 is a bf16).
+//! - `Format::Int4`: a pair is 16 bytes, byte `j` holding lane `j` in its low nibble and lane
+//!   `16 + j` in its high one; `w = (q - 8) · scale + zero` with a bf16 scale and zero per column
+//!   and group of inputs, stored per block and group (`[16 scales, 16 zeros]`). The tiled kernel
+//!   widens `w` in f32 and rounds it to bf16, as tinygemm's bf16 kernel does. The fused one,
+//!   bound by its instructions at one row, multiplies `128 + q` instead (a bf16 whose bits are
+//!   `0x4300 | q`: two logic instructions a pair, no conversions) and applies each group's scale
+//!   and zero to the f32 sums: `x · w = scale · (x · (128 + q)) + (zero - 136 · scale) · Σx`.
 //!
 //! - A few rows (`FUSED_ROWS`): the weight is widened pair by pair in registers and used at once.
 //! - More rows: each block is widened into a thread's scratch (18 KiB for a 576-wide input), then
 //!   multiplied by the rows in tiles of up to `TILE` rows, one accumulator each.
 //!
-//! Sums are f32, then scaled, biased (f32) and rounded to bf16 once. Work is split by blocks over
-//! the calling thread's OpenMP team (`crate::team`), as `crate::gemv` does.
+//! Sums are f32, then scaled (int8), biased (f32) and rounded to bf16 once. Work is split by
+//! blocks over the calling thread's OpenMP team (`crate::team`), as `crate::gemv` does.
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
@@ -36,18 +46,49 @@ const FUSED_ROWS: usize = 4;
 /// of `vdpbf16ps`, with registers left for the weight and the broadcasts.
 const TILE: usize = 12;
 
-/// An int8 linear packed for this kernel (module docs). `scales` and `bias` are f32 and padded
-/// to whole blocks (the padding's values are never stored).
+/// How a packed weight holds its values (module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    Int8,
+    /// A scale and a zero per `group` inputs (even) and column.
+    Int4 {
+        group: usize,
+    },
+}
+
+impl Format {
+    /// Bytes of a block's pair.
+    pub fn pair_bytes(self) -> usize {
+        match self {
+            Format::Int8 => 2 * COLS,
+            Format::Int4 { .. } => COLS,
+        }
+    }
+
+    /// Pairs per group of scales (an int8 block is one group).
+    fn group_pairs(self, pairs: usize) -> usize {
+        match self {
+            Format::Int8 => pairs,
+            Format::Int4 { group } => group / 2,
+        }
+    }
+}
+
+/// A linear packed for this kernel (module docs). `groups`: int4's scales and zeros, `[blocks][k
+/// / group][2][COLS]` (empty for int8); `scales` (int8's per column; ones for int4) and `bias`
+/// are f32 and padded to whole blocks (the padding's values are never stored).
 #[derive(Debug, Clone, Copy)]
-pub struct Int8Weight<'a> {
-    pub packed: &'a [i8],
+pub struct QuantWeight<'a> {
+    pub format: Format,
+    pub packed: &'a [u8],
+    pub groups: &'a [bf16],
     pub n: usize,
     pub k: usize,
     pub scales: &'a [f32],
     pub bias: &'a [f32],
 }
 
-impl Int8Weight<'_> {
+impl QuantWeight<'_> {
     pub fn blocks(&self) -> usize {
         self.n.div_ceil(COLS)
     }
@@ -57,61 +98,83 @@ impl Int8Weight<'_> {
         self.k.div_ceil(2)
     }
 
+    /// Values of `groups` per block.
+    fn group_len(&self) -> usize {
+        match self.format {
+            Format::Int8 => 0,
+            Format::Int4 { group } => self.k / group * 2 * COLS,
+        }
+    }
+
     pub fn check(&self) -> Result<()> {
         let (n, k) = (self.n, self.k);
         ensure!(n > 0 && k > 0, Shape, "a linear's weight must not be empty, got [{n}, {k}]");
+        if let Format::Int4 { group } = self.format {
+            ensure!(
+                group > 0 && group.is_multiple_of(2) && k.is_multiple_of(group),
+                Shape,
+                "int4 groups must be even and divide the input width {k}, got {group}"
+            );
+        }
         let padded = self.blocks() * COLS;
+        let bytes = self.blocks() * self.pairs() * self.format.pair_bytes();
         ensure!(
-            self.packed.len() == padded * self.pairs() * 2,
+            self.packed.len() == bytes,
             Shape,
-            "packed weight holds {} values, not [{}, {}, {COLS}, 2] for a [{n}, {k}] weight",
-            self.packed.len(),
-            self.blocks(),
-            self.pairs()
+            "packed weight holds {} bytes, not the {bytes} of a [{n}, {k}] weight",
+            self.packed.len()
         );
+        let group_len = self.blocks() * self.group_len();
+        ensure!(self.groups.len() == group_len, Shape, "groups hold {} values, not {group_len}", self.groups.len());
         ensure!(self.scales.len() == padded, Shape, "scales hold {} values, not {padded}", self.scales.len());
         ensure!(self.bias.len() == padded, Shape, "bias holds {} values, not {padded}", self.bias.len());
         Ok(())
     }
 }
 
-/// The kernel and the threads an int8 linear runs on.
+/// The kernel and the threads a quantized linear runs on.
 #[derive(Clone, Copy)]
-pub struct Int8Gemm {
+pub struct QuantGemm {
     path: Path,
     team: Option<Team>,
 }
 
-impl Int8Gemm {
+impl QuantGemm {
     /// `path` (default: the best this CPU has) on a team of `threads` OpenMP threads.
-    pub fn new(path: Option<Path>, threads: usize) -> Result<Int8Gemm> {
+    pub fn new(path: Option<Path>, threads: usize) -> Result<QuantGemm> {
         let path = path.unwrap_or_else(Path::best);
         ensure!(path.is_supported(), Runtime, "this CPU cannot run the {} linear kernel", path.name());
-        Ok(Int8Gemm { path, team: Team::find(threads) })
+        Ok(QuantGemm { path, team: Team::find(threads) })
     }
 
     pub fn path(&self) -> Path {
         self.path
     }
 
-    /// `out[m] = (x[m] · qᵀ) ⊙ scales + bias` for each of the `x.len() / k` rows of `x` (`out`:
-    /// `[rows, n]`).
-    pub fn run(&self, x: &[bf16], weight: Int8Weight<'_>, out: &mut [bf16]) -> Result<()> {
+    /// `out[m] = x[m] · Wᵀ + bias` for each of the `x.len() / k` rows of `x` (`out`: `[rows, n]`).
+    pub fn run(&self, x: &[bf16], weight: QuantWeight<'_>, out: &mut [bf16]) -> Result<()> {
         weight.check()?;
         let (n, k) = (weight.n, weight.k);
         ensure!(x.len().is_multiple_of(k) && !x.is_empty(), Shape, "x holds {} values, not rows of {k}", x.len());
         let rows = x.len() / k;
         ensure!(out.len() == rows * n, Shape, "out holds {} values, not {rows} x {n}", out.len());
         let out = Out { addr: out.as_mut_ptr() as usize, n };
-        let spread = if self.path == Path::Scalar { None } else { Rows::spread(x, rows, k) };
-        let x = match &spread {
-            Some(s) => Rows { x: s, stride: s.len() / rows },
-            None => Rows { x, stride: k },
+        let simd = self.path != Path::Scalar;
+        let spread = if simd { Rows::spread(x, rows, k) } else { None };
+        let group_sums = match weight.format {
+            Format::Int4 { group } if simd && rows <= FUSED_ROWS => Rows::group_sums(x, k, group),
+            _ => Vec::new(),
         };
-        let block_len = weight.pairs() * 2 * COLS;
+        let x = match &spread {
+            Some(s) => Rows { x: s, stride: s.len() / rows, group_sums: &group_sums },
+            None => Rows { x, stride: k, group_sums: &group_sums },
+        };
+        let (block_len, group_len) = (weight.pairs() * weight.format.pair_bytes(), weight.group_len());
         let block = |scratch: &mut Scratch, b: usize| {
             let w = Block {
+                format: weight.format,
                 q: &weight.packed[b * block_len..(b + 1) * block_len],
+                groups: &weight.groups[b * group_len..(b + 1) * group_len],
                 scales: &weight.scales[b * COLS..(b + 1) * COLS],
                 bias: &weight.bias[b * COLS..(b + 1) * COLS],
                 first: b * COLS,
@@ -133,24 +196,34 @@ impl Int8Gemm {
     }
 }
 
-/// One block of a packed weight: its int8 pairs, its columns' scales and bias, and where its
-/// columns start in the output (`cols` of them are real).
+/// One block of a packed weight: its pairs (and int4's groups), its columns' scales and bias,
+/// and where its columns start in the output (`cols` of them are real).
 struct Block<'a> {
-    q: &'a [i8],
+    format: Format,
+    q: &'a [u8],
+    groups: &'a [bf16],
     scales: &'a [f32],
     bias: &'a [f32],
     first: usize,
     cols: usize,
 }
 
-/// The rows of `x`, `stride` values apart.
+/// The rows of `x`, `stride` values apart, and for int4's fused kernel each row's sum over each
+/// group of inputs (`[rows][k / group]`; empty otherwise).
 #[derive(Clone, Copy)]
 struct Rows<'a> {
     x: &'a [bf16],
     stride: usize,
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    group_sums: &'a [f32],
 }
 
 impl Rows<'_> {
+    /// Each row's sum over each group of `group` inputs.
+    fn group_sums(x: &[bf16], k: usize, group: usize) -> Vec<f32> {
+        x.chunks_exact(k).flat_map(|row| row.chunks_exact(group).map(|g| g.iter().map(|v| v.to_f32()).sum())).collect()
+    }
+
     /// Rows whose cache lines fall in many sets of the L1 cache. A tile reads its rows side by
     /// side; rows 4 KiB apart (a 2,048-wide input) would all fall in one set (of 64), and twelve
     /// of them evict each other from its eight ways. Rows a multiple of 32 lines apart (two
@@ -207,7 +280,7 @@ impl Path {
     fn block(self, x: Rows<'_>, rows: usize, k: usize, w: &Block<'_>, scratch: &mut Scratch, out: Out) {
         match self {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: `Path::is_supported` was checked when the path was chosen (`Int8Gemm::new`);
+            // SAFETY: `Path::is_supported` was checked when the path was chosen (`QuantGemm::new`);
             // `run` checked the shapes, and each block's columns are written by this call alone.
             Path::Avx512Bf16 => unsafe { avx512::block(x, rows, k, w, scratch, out) },
             // SAFETY: as above.

@@ -1,0 +1,37 @@
+//! The reference: each weight as the SIMD paths widen it, each product in f32, summed in input
+//! order.
+
+use half::bf16;
+
+use super::{Block, Format, Out, COLS};
+
+/// # Safety
+/// As `Out::put`: this call alone writes `w`'s columns, for `rows` rows of `k` values of `x`.
+pub(super) unsafe fn block(x: &[bf16], rows: usize, k: usize, w: &Block<'_>, out: Out) {
+    for (m, xm) in x.chunks_exact(k).take(rows).enumerate() {
+        let mut sums = [0.0f32; COLS];
+        for (c, sum) in sums.iter_mut().enumerate() {
+            for (i, v) in xm.iter().enumerate() {
+                *sum += v.to_f32() * weight(w, c, i);
+            }
+        }
+        // SAFETY: the caller's.
+        unsafe { out.put(m, w, &sums) };
+    }
+}
+
+/// Column `c`'s weight at input `i`: int8's `q` (its scale comes after the sum), int4's `(q - 8)
+/// · scale + zero` in f32 (as fused multiply-adds) rounded to bf16.
+fn weight(w: &Block<'_>, c: usize, i: usize) -> f32 {
+    let (p, lane) = (i / 2, 2 * c + i % 2);
+    match w.format {
+        Format::Int8 => f32::from(w.q[p * 2 * COLS + lane] as i8),
+        Format::Int4 { group } => {
+            let byte = w.q[p * COLS + lane % COLS];
+            let q = if lane < COLS { byte & 15 } else { byte >> 4 };
+            let g = &w.groups[i / group * 2 * COLS..];
+            let (scale, zero) = (g[c].to_f32(), g[COLS + c].to_f32());
+            bf16::from_f32(f32::from(q).mul_add(scale, (-8.0f32).mul_add(scale, zero))).to_f32()
+        }
+    }
+}

@@ -1,0 +1,239 @@
+use half::bf16;
+use proptest::prelude::*;
+
+use super::{Format, Path, QuantGemm, QuantWeight, COLS};
+
+/// Values a bf16 holds exactly, and int8 weights, from a seeded generator.
+fn noise(len: usize, seed: u64) -> impl Iterator<Item = u64> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len).map(move |_| {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s >> 40
+    })
+}
+
+fn xs(len: usize, seed: u64) -> Vec<bf16> {
+    noise(len, seed).map(|v| bf16::from_f32((v as f32 / (1u64 << 24) as f32 - 0.5) * 4.0)).collect()
+}
+
+fn qs(len: usize, seed: u64) -> Vec<i8> {
+    noise(len, seed).map(|v| (v % 255) as i8).map(|v| v.max(-127)).collect()
+}
+
+/// `q` (`[n, k]`, row-major) in the kernel's int8 layout.
+fn pack8(q: &[i8], n: usize, k: usize) -> Vec<u8> {
+    let (blocks, pairs) = (n.div_ceil(COLS), k.div_ceil(2));
+    let mut packed = vec![0; blocks * pairs * 2 * COLS];
+    for (r, row) in q.chunks_exact(k).enumerate() {
+        for (i, &v) in row.iter().enumerate() {
+            packed[((r / COLS) * pairs + i / 2) * 2 * COLS + (r % COLS) * 2 + i % 2] = v as u8;
+        }
+    }
+    packed
+}
+
+/// `q` (`[n, k]`, 0..15) in the kernel's int4 layout: lane `L` of pair `p` (column `L / 2`, input
+/// `2p + L % 2`) in byte `L % 16`, low nibble for lanes below 16.
+fn pack4(q: &[i8], n: usize, k: usize) -> Vec<u8> {
+    let (blocks, pairs) = (n.div_ceil(COLS), k / 2);
+    let mut packed = vec![0u8; blocks * pairs * COLS];
+    for (r, row) in q.chunks_exact(k).enumerate() {
+        for (i, &v) in row.iter().enumerate() {
+            let lane = (r % COLS) * 2 + i % 2;
+            let shift = if lane < COLS { 0 } else { 4 };
+            packed[((r / COLS) * pairs + i / 2) * COLS + lane % COLS] |= (v as u8) << shift;
+        }
+    }
+    packed
+}
+
+struct Case {
+    format: Format,
+    x: Vec<bf16>,
+    /// int8 values, or int4's 0..15.
+    q: Vec<i8>,
+    packed: Vec<u8>,
+    /// int4: per block and group, 16 scales then 16 zeros.
+    groups: Vec<bf16>,
+    scales: Vec<f32>,
+    bias: Vec<f32>,
+    rows: usize,
+    n: usize,
+    k: usize,
+}
+
+impl Case {
+    fn new(rows: usize, n: usize, k: usize, seed: u64) -> Case {
+        Case::with(Format::Int8, rows, n, k, seed)
+    }
+
+    fn with(format: Format, rows: usize, n: usize, k: usize, seed: u64) -> Case {
+        let padded = n.div_ceil(COLS) * COLS;
+        let bias = xs(padded, seed + 3).iter().map(|b| b.to_f32()).collect();
+        let (packed, q, groups, scales) = match format {
+            Format::Int8 => {
+                let q = qs(n * k, seed + 1);
+                let scales = noise(padded, seed + 2).map(|v| v as f32 / (1u64 << 30) as f32).collect();
+                (pack8(&q, n, k), q, Vec::new(), scales)
+            }
+            Format::Int4 { group } => {
+                let q: Vec<i8> = noise(n * k, seed + 1).map(|v| (v % 16) as i8).collect();
+                let groups = xs(padded / COLS * (k / group) * 2 * COLS, seed + 2);
+                (pack4(&q, n, k), q, groups, vec![1.0; padded])
+            }
+        };
+        Case { format, x: xs(rows * k, seed), q, packed, groups, scales, bias, rows, n, k }
+    }
+
+    fn weight(&self) -> QuantWeight<'_> {
+        QuantWeight {
+            format: self.format,
+            packed: &self.packed,
+            groups: &self.groups,
+            n: self.n,
+            k: self.k,
+            scales: &self.scales,
+            bias: &self.bias,
+        }
+    }
+
+    /// Column `c`'s weight at input `i` in f64, and a bound on how far the kernel's widened
+    /// weight is from it (int4: one bf16 rounding, after f32 ones of its terms).
+    fn weight_at(&self, c: usize, i: usize) -> (f64, f64) {
+        let q = f64::from(self.q[c * self.k + i]);
+        let Format::Int4 { group } = self.format else { return (q, 0.0) };
+        let g = &self.groups[((c / COLS) * (self.k / group) + i / group) * 2 * COLS..];
+        let (scale, zero) = (f64::from(g[c % COLS].to_f32()), f64::from(g[COLS + c % COLS].to_f32()));
+        let w = (q - 8.0) * scale + zero;
+        (w, w.abs() * 2f64.powi(-8) + (zero.abs() + 23.0 * scale.abs()) * 2f64.powi(-22))
+    }
+
+    /// Each output in f64 before its one rounding to bf16, and the bound on the f32 result's
+    /// error before that rounding: the widened weights', then `k` roundings of at most 2^-24 of
+    /// the running sum (never more than the sum of the products' magnitudes), then the
+    /// scaling's and the bias's.
+    fn reference(&self, m: usize, c: usize) -> (f64, f64) {
+        let xm = &self.x[m * self.k..][..self.k];
+        let (mut sum, mut mag, mut widened) = (0.0, 0.0, 0.0);
+        for (i, a) in xm.iter().enumerate() {
+            let (a, (w, off)) = (f64::from(a.to_f32()), self.weight_at(c, i));
+            sum += a * w;
+            mag += (a * w).abs() + a.abs() * off;
+            widened += a.abs() * off;
+        }
+        let scale = f64::from(self.scales[c]);
+        let value = sum * scale + f64::from(self.bias[c]);
+        let eps = 2f64.powi(-24);
+        let bound = widened * scale + mag * scale * (self.k as f64 + 1.0) * eps + (value.abs() + mag * scale) * eps;
+        (value, bound)
+    }
+
+    /// The kernel's output against the reference: at most the f32 error plus one bf16 rounding.
+    fn check(&self, path: Path, threads: usize) {
+        let gemm = QuantGemm::new(Some(path), threads).unwrap();
+        let mut out = vec![bf16::NAN; self.rows * self.n];
+        gemm.run(&self.x, self.weight(), &mut out).unwrap();
+        for m in 0..self.rows {
+            for c in 0..self.n {
+                let (want, bound) = self.reference(m, c);
+                let got = f64::from(out[m * self.n + c].to_f32());
+                let bound = bound + (want.abs() + bound) * 2f64.powi(-8);
+                assert!(
+                    (got - want).abs() <= bound,
+                    "{} {:?} rows={} n={} k={}: row {m}, column {c}: {got} vs {want} (bound {bound})",
+                    path.name(),
+                    self.format,
+                    self.rows,
+                    self.n,
+                    self.k
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn every_path_matches_the_f64_outputs() {
+    for path in Path::ALL.into_iter().filter(|p| p.is_supported()) {
+        // Rows on both sides of the fused kernel's limit and of a tile; widths with a partial
+        // block; odd and even inputs, below and above the fused kernel's unrolling.
+        for (rows, n, k) in [
+            (1, 1, 1),
+            (1, 5, 31),
+            (2, 16, 32),
+            (3, 17, 33),
+            (4, 40, 576),
+            (5, 16, 7),
+            (12, 3, 100),
+            (13, 33, 64),
+            (30, 20, 9),
+            (13, 20, 601),
+        ] {
+            Case::new(rows, n, k, (rows * 1000 + n * 10 + k) as u64).check(path, 1);
+        }
+        // int4: groups of 2 to 128 inputs, one group to many, both kernels and several tiles.
+        for (rows, n, k, group) in
+            [(1, 16, 2, 2), (2, 17, 64, 32), (4, 40, 576, 64), (5, 16, 8, 4), (13, 33, 256, 128), (30, 20, 1024, 128)]
+        {
+            Case::with(Format::Int4 { group }, rows, n, k, (rows * 1000 + n * 10 + k) as u64).check(path, 1);
+        }
+    }
+}
+
+#[test]
+fn an_odd_input_width_never_reads_past_a_row() {
+    // Row 1 starts with an infinity right after row 0's last value: row 0 must not meet it
+    // (through the pad weight, 0, it would make a NaN). Fused and tiled rows.
+    for path in Path::ALL.into_iter().filter(|p| p.is_supported()) {
+        for rows in [2, 8] {
+            let mut case = Case::new(rows, 16, 5, 7);
+            case.x[5] = bf16::INFINITY;
+            let gemm = QuantGemm::new(Some(path), 1).unwrap();
+            let mut out = vec![bf16::NAN; rows * 16];
+            gemm.run(&case.x, case.weight(), &mut out).unwrap();
+            case.rows = 1;
+            case.x.truncate(5);
+            let mut row0 = vec![bf16::NAN; 16];
+            gemm.run(&case.x, case.weight(), &mut row0).unwrap();
+            assert_eq!(out[..16], row0[..], "{} rows={rows}", path.name());
+            case.check(path, 1);
+        }
+    }
+}
+
+#[test]
+fn run_refuses_shapes_that_do_not_fit() {
+    let case = Case::new(2, 3, 4, 1);
+    let gemm = QuantGemm::new(Some(Path::Scalar), 1).unwrap();
+    let mut out = vec![bf16::ZERO; 6];
+    assert!(gemm.run(&case.x, case.weight(), &mut out).is_ok());
+    assert!(gemm.run(&case.x[..7], case.weight(), &mut out).is_err(), "x not whole rows");
+    assert!(gemm.run(&case.x, case.weight(), &mut out[..5]).is_err(), "out too short");
+    assert!(gemm.run(&case.x, QuantWeight { n: 17, ..case.weight() }, &mut out).is_err(), "weight too short");
+    assert!(gemm.run(&case.x, QuantWeight { scales: &case.scales[..3], ..case.weight() }, &mut out).is_err());
+    assert!(gemm.run(&case.x, QuantWeight { bias: &case.bias[..3], ..case.weight() }, &mut out).is_err());
+    let case = Case::with(Format::Int4 { group: 4 }, 2, 3, 8, 1);
+    assert!(gemm.run(&case.x, case.weight(), &mut out).is_ok());
+    let groups = QuantWeight { groups: &case.groups[..30], ..case.weight() };
+    assert!(gemm.run(&case.x, groups, &mut out).is_err(), "groups too short");
+    let odd = QuantWeight { format: Format::Int4 { group: 3 }, ..case.weight() };
+    assert!(gemm.run(&case.x, odd, &mut out).is_err(), "an odd group");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    #[test]
+    fn the_best_path_matches_the_f64_outputs(rows in 1usize..40, n in 1usize..50, k in 1usize..300, seed in 0u64..1000) {
+        Case::new(rows, n, k, seed).check(Path::best(), 1);
+    }
+
+    #[test]
+    fn the_best_path_matches_the_f64_int4_outputs(
+        rows in 1usize..40, n in 1usize..50, groups in 1usize..6, half_group in 1usize..40, seed in 0u64..1000,
+    ) {
+        let group = 2 * half_group;
+        Case::with(Format::Int4 { group }, rows, n, group * groups, seed).check(Path::best(), 1);
+    }
+}

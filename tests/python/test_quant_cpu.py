@@ -1,0 +1,215 @@
+"""Our Rust kernel for int8 and int4 weights (``_core.QuantGemm``, run by ``quant.Int8Linear`` and
+``quant.Int4Linear`` in bf16 on a CPU with AVX512_BF16): the float32 sums of ``x`` by the weight
+(int8's scaled after, int4's widened to bf16 first), rounded once, for any number of rows (the
+fused path up to 4, the tiled path past it, tiles split evenly); the same bits on any number of
+threads; typed errors; and the engine's quantized linears running it, eager and compiled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from neo_rs import LLM, SamplingParams
+from neo_rs._core import QuantGemm
+from neo_rs.errors import DTypeError, ShapeError
+from neo_rs.model.graph_ops import bound_linears, number_linears
+from neo_rs.model.packed import packing_applies
+from neo_rs.model.quant import Int4Linear, Int8Linear, pack_int4, pack_int8, quantize_int4
+from neo_rs.model.rust_linears import gemv_applies
+from torch import nn
+
+PATHS = ["scalar"] + (["avx512_bf16"] if gemv_applies() else [])
+
+
+def _linear(n: int, k: int, bias: bool, seed: int) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(k, n, bias=bias).to(torch.bfloat16)
+
+
+def _close(
+    out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, widened: bool
+) -> None:
+    """``out`` is ``x @ w.T + bias`` in float32 rounded once to bf16: within a bf16 step of it,
+    plus what summing ``k`` products in another order can move an f32 sum, plus (``widened``:
+    int4's weights rounded to bf16 before the products) a bf16 step of each product."""
+    b = 0 if bias is None else bias.float()
+    ref = F.linear(x.float(), w.float()) + b
+    magnitude = F.linear(x.float().abs(), w.float().abs())
+    bound = ref.abs() * 2**-7 + magnitude * ((x.shape[-1] + 2) * 2**-24 + (2**-8 if widened else 0))
+    assert ((out.float() - ref).abs() <= bound).all(), ((out.float() - ref).abs() - bound).max()
+
+
+def _int8(n: int, k: int, bias: bool, seed: int, path: str | None = None, threads: int = 2):  # noqa: ANN202
+    lin = Int8Linear(_linear(n, k, bias, seed).float())  # torch's layout: the plain int8 rows
+    gemm = QuantGemm.int8(
+        pack_int8(lin.weight), lin.scales, None if lin.bias is None else lin.bias.bfloat16(),
+        n=n, k=k, num_threads=threads, path=path,
+    )  # fmt: skip
+    return gemm, lin.weight.float() * lin.scales[:, None], lin.bias
+
+
+def _int4(n: int, k: int, group: int, bias: bool, seed: int, path: str | None = None, threads: int = 2):  # noqa: ANN202
+    lin = _linear(n, k, bias, seed)
+    q, scale, zero = quantize_int4(lin.weight, group)
+    s, z = scale.bfloat16(), zero.bfloat16()
+    blocks = -(-n // 16)
+    groups = torch.zeros(blocks * 16, k // group, 2, dtype=torch.bfloat16)
+    groups[:n, :, 0], groups[:n, :, 1] = s, z
+    groups = groups.view(blocks, 16, k // group, 2).permute(0, 2, 3, 1).contiguous()
+    gemm = QuantGemm.int4(
+        pack_int4(q), groups, lin.bias, n=n, k=k, group=group, num_threads=threads, path=path
+    )
+    w = (q.float() - 8).view(n, -1, group) * s.float()[..., None] + z.float()[..., None]
+    return gemm, w.view(n, k), lin.bias
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_the_kernel_sums_by_the_quantized_weight(path: str, bias: bool, fmt: str) -> None:
+    # A partial block of columns; int8 with an odd input width, int4 with groups of 32.
+    n, k = 83, (201 if fmt == "int8" else 192)
+    gemm, w, b = _int8(n, k, bias, 0, path) if fmt == "int8" else _int4(n, k, 32, bias, 0, path)
+    assert gemm.path == path
+    for rows in (1, 2, 4, 5, 13, 16, 40):  # fused; tiled: one tile, two even ones, several
+        x = torch.randn(rows, k, dtype=torch.bfloat16)
+        out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16)
+        gemm.forward(x, out)
+        _close(out, x, w, b, widened=fmt == "int4")
+
+
+@pytest.mark.parametrize("rows", [1, 24])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_threads_split_the_blocks_without_changing_a_bit(rows: int, fmt: str) -> None:
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    outs = []
+    for threads in (1, 2, 3):  # 63 blocks of 16 columns, the last short
+        gemm = (_int8 if fmt == "int8" else lambda *a, **kw: _int4(1000, 96, 32, *a[2:], **kw))(
+            1000, 96, False, 1, threads=threads
+        )[0]
+        out = torch.empty(rows, 1000, dtype=torch.bfloat16)
+        gemm.forward(x, out)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_refuses_what_it_cannot_take() -> None:
+    lin = Int8Linear(_linear(8, 16, False, 2).float())
+    packed, scales = pack_int8(lin.weight), lin.scales
+    gemm = QuantGemm.int8(packed, scales, n=8, k=16, num_threads=1)
+    x, out = torch.randn(2, 16, dtype=torch.bfloat16), torch.empty(2, 8, dtype=torch.bfloat16)
+    with pytest.raises(DTypeError, match="packed must be Int8"):
+        QuantGemm.int8(packed.float(), scales, n=8, k=16, num_threads=1)
+    with pytest.raises(ShapeError, match="packed must have shape"):
+        QuantGemm.int8(packed, scales, n=17, k=16, num_threads=1)
+    with pytest.raises(DTypeError, match="scales must be float32"):
+        QuantGemm.int8(packed, scales.bfloat16(), n=8, k=16, num_threads=1)
+    with pytest.raises(ShapeError, match="bias must have shape"):
+        QuantGemm.int8(packed, scales, torch.zeros(7, dtype=torch.bfloat16), n=8, k=16, num_threads=1)
+    groups = torch.zeros(1, 1, 2, 16, dtype=torch.bfloat16)
+    packed4 = torch.zeros(1, 8, 16, dtype=torch.uint8)
+    assert QuantGemm.int4(packed4, groups, n=8, k=16, group=16, num_threads=1).path
+    with pytest.raises(ShapeError, match="group 5 must be even"):
+        QuantGemm.int4(packed4, groups, n=8, k=16, group=5, num_threads=1)
+    with pytest.raises(DTypeError, match="packed must be UInt8"):
+        QuantGemm.int4(packed4.view(torch.int8), groups, n=8, k=16, group=16, num_threads=1)
+    with pytest.raises(ShapeError, match="groups must have shape"):
+        QuantGemm.int4(packed4, groups, n=8, k=16, group=8, num_threads=1)
+    with pytest.raises(DTypeError):
+        gemm.forward(x.float(), out)
+    with pytest.raises(ShapeError):
+        gemm.forward(torch.randn(2, 15, dtype=torch.bfloat16), out)
+    with pytest.raises(ShapeError):
+        gemm.forward(x, torch.empty(3, 8, dtype=torch.bfloat16))
+    gemm.forward(x, out)  # and it still works
+
+
+needs_kernel = pytest.mark.skipif(
+    not (gemv_applies() and packing_applies(torch.device("cpu"), torch.bfloat16)),
+    reason="the Rust linears run only where the CPU has AVX512_BF16",
+)
+
+
+@needs_kernel
+def test_the_modules_pack_for_it_and_keep_every_weight() -> None:
+    lin = _linear(37, 64, True, 3)
+    int8, torch8 = Int8Linear(lin), Int8Linear(lin.float())
+    assert int8.gemm is not None and torch8.gemm is None
+    assert int8.weight.shape == (3, 32, 16, 2) and int8.weight.dtype == torch.int8
+    # The same int8 rows, unpacked, and the same scales (in bf16).
+    plain = torch8.weight.to(torch.bfloat16) * torch8.scales.to(torch.bfloat16)[:, None]
+    assert torch.equal(int8.dequantized(), plain)
+    lin4 = _linear(48, 64, True, 4)
+    int4 = Int4Linear(lin4)
+    assert int4.gemm is not None and int4.packed.shape == (3, 32, 16) and int4.packed.dtype == torch.uint8
+    q = quantize_int4(lin4.weight, int4.group)[0]
+    # int8's scales apply to the float32 sums: its weight is the rows times the scales in f32.
+    w8 = torch8.weight.float() * int8.scales.float()[:, None]
+    for module, w, b, widened in (
+        (int8, w8, lin.bias, False),
+        (int4, int4.dequantized(q), lin4.bias, True),
+    ):
+        for rows in (0, 1, 6):
+            x = torch.randn(2, rows, 64, dtype=torch.bfloat16)
+            out = module(x)
+            assert out.shape == (2, rows, module.out_features)
+            if rows:
+                _close(out.reshape(-1, module.out_features), x.reshape(-1, 64), w, b, widened)
+
+
+PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@needs_kernel
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_the_engines_quantized_linears_run_it(
+    monkeypatch: pytest.MonkeyPatch, checkpoints, method: str
+) -> None:
+    """bf16 on the CPU: each quantized decoder linear runs our kernel (with the Rust linears off,
+    torch's), for one stream and a batch, with the same tokens: the demo model's logits are far
+    apart (its widths are no int4 group's: int4 runs a tiny Llama 3), so a bf16 rounding here and
+    there changes none."""
+    model = None if method == "int8" else str(checkpoints["llama3"])
+    runs = {}
+    prompts = ["one stream", "a batch of", "three prompts"]
+    for flag in ("0", "1"):
+        monkeypatch.setenv("NEO_RS_ROW_GEMV", flag)
+        with LLM(model, dtype="bfloat16", quantization=method, num_gpu_blocks=64) as llm:
+            qkv = llm.engine.runner.model.decoder_layers[0].qkv_proj
+            assert (qkv.gemm is not None) == (flag == "1")
+            outs = llm.generate(prompts, PARAMS, use_tqdm=False)
+            runs[flag] = [o.outputs[0].token_ids for o in outs]
+    assert runs["0"] == runs["1"]
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", [Int8Linear, Int4Linear])
+def test_the_compiled_stack_runs_it(monkeypatch: pytest.MonkeyPatch, checkpoints, kind: type) -> None:
+    """The graph's ``neo_rs::packed_linear`` nodes reach our kernel, with eager's tokens."""
+    calls = []
+    real = kind.linear
+    monkeypatch.setattr(kind, "linear", lambda self, x: (calls.append(1), real(self, x))[1])
+    tokens = {}
+    method = "int8" if kind is Int8Linear else "int4"
+    model = None if method == "int8" else str(checkpoints["llama3"])  # as above
+    for eager in (True, False):
+        with LLM(model, dtype="bfloat16", quantization=method, enforce_eager=eager, num_gpu_blocks=64) as llm:
+            compiled = llm.engine.runner.compiled
+            assert (compiled is None) == eager
+            calls.clear()
+            tokens[eager] = llm.generate(["one stream"], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+            assert calls
+            if compiled is not None:
+                assert compiled.runs == 11 and compiled.graphs == 2
+    assert tokens[True] == tokens[False]
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 7])
+def test_the_graph_op_keeps_its_fake_shapes(rows: int) -> None:
+    lin = _linear(48, 64, True, 5)
+    table = number_linears(nn.Sequential(Int8Linear(lin), Int4Linear(lin)))
+    with bound_linears(table):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        for slot in (0, 1):
+            torch.library.opcheck(torch.ops.neo_rs.packed_linear.default, (x, slot, 48))
