@@ -103,7 +103,8 @@ impl Weight<'_> {
     }
 }
 
-/// The kernel and the threads a linear runs on.
+/// The kernel path and the threads a CPU linear runs on: bf16 here (`run`), int8 and int4 in
+/// `crate::qlinear` (`run_quantized`).
 #[derive(Clone, Copy)]
 pub struct Gemv {
     path: Path,
@@ -145,15 +146,20 @@ impl Gemv {
                 }
             }
         };
-        let items = n.div_ceil(BLOCK);
+        self.for_each_init(n.div_ceil(BLOCK), Vec::new, block);
+        Ok(())
+    }
+
+    /// `f(state, i)` for every `i` in `0..n`, on the team where it has threads to share and this
+    /// thread may lead it, else on this thread alone.
+    pub(crate) fn for_each_init<S>(&self, n: usize, init: impl Fn() -> S + Sync, f: impl Fn(&mut S, usize) + Sync) {
         match self.team {
-            Some(team) if team.threads() > 1 && team.usable_here() => team.for_each_init(items, Vec::new, block),
+            Some(team) if team.threads() > 1 && team.usable_here() => team.for_each_init(n, init, f),
             _ => {
-                let mut sums = Vec::new();
-                (0..items).for_each(|i| block(&mut sums, i));
+                let mut state = init();
+                (0..n).for_each(|i| f(&mut state, i));
             }
         }
-        Ok(())
     }
 }
 

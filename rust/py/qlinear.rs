@@ -9,12 +9,12 @@ use super::gemv::{require_bf16, rows_in_out};
 use super::tensor::{Kind, TensorRef};
 use crate::attn::DType;
 use crate::error::{ensure, Result};
-use crate::qlinear::{Format, Path, QuantGemm as Kernel, QuantWeight, COLS};
+use crate::qlinear::{Format, Gemv, Path, QuantWeight, COLS};
 
 /// A weight-only quantized linear on the CPU for any number of rows, `out = x · Wᵀ + bias`.
 #[pyclass(frozen, module = "neo_rs._core")]
 pub(crate) struct QuantGemm {
-    kernel: Kernel,
+    kernel: Gemv,
     format: Format,
     _packed: Py<PyAny>,
     packed: TensorRef,
@@ -81,7 +81,7 @@ impl QuantGemm {
         let mut scales_f32 = copied::<f32>(&s, n);
         scales_f32.resize(padded, 0.0);
         Ok(QuantGemm {
-            kernel: Kernel::new(path.map(Path::parse).transpose()?, num_threads)?,
+            kernel: Gemv::new(path.map(Path::parse).transpose()?, num_threads)?,
             format: Format::Int8,
             _packed: packed.clone().unbind(),
             packed: q,
@@ -123,7 +123,7 @@ impl QuantGemm {
         let shape = [blocks, k / group, 2, COLS];
         ensure!(g.shape == shape, Shape, "groups must have shape {shape:?}, got {:?}", g.shape);
         Ok(QuantGemm {
-            kernel: Kernel::new(path.map(Path::parse).transpose()?, num_threads)?,
+            kernel: Gemv::new(path.map(Path::parse).transpose()?, num_threads)?,
             format: Format::Int4 { group },
             _packed: packed.clone().unbind(),
             packed: q,
@@ -159,7 +159,7 @@ impl QuantGemm {
                 )
             };
             let (groups, scales, bias) = (&self.groups[..], &self.scales[..], &self.bias[..]);
-            kernel.run(x, QuantWeight { format: self.format, packed, groups, n, k, scales, bias }, out)
+            kernel.run_quantized(x, QuantWeight { format: self.format, packed, groups, n, k, scales, bias }, out)
         })?;
         Ok(())
     }

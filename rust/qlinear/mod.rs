@@ -35,8 +35,7 @@ mod scalar;
 use half::bf16;
 
 use crate::error::{ensure, Result};
-pub use crate::gemv::Path;
-use crate::team::Team;
+pub use crate::gemv::{Gemv, Path};
 
 /// Output columns per block: one f32 vector of sums.
 pub const COLS: usize = 16;
@@ -132,34 +131,17 @@ impl QuantWeight<'_> {
     }
 }
 
-/// The kernel and the threads a quantized linear runs on.
-#[derive(Clone, Copy)]
-pub struct QuantGemm {
-    path: Path,
-    team: Option<Team>,
-}
-
-impl QuantGemm {
-    /// `path` (default: the best this CPU has) on a team of `threads` OpenMP threads.
-    pub fn new(path: Option<Path>, threads: usize) -> Result<QuantGemm> {
-        let path = path.unwrap_or_else(Path::best);
-        ensure!(path.is_supported(), Runtime, "this CPU cannot run the {} linear kernel", path.name());
-        Ok(QuantGemm { path, team: Team::find(threads) })
-    }
-
-    pub fn path(&self) -> Path {
-        self.path
-    }
-
+impl Gemv {
     /// `out[m] = x[m] · Wᵀ + bias` for each of the `x.len() / k` rows of `x` (`out`: `[rows, n]`).
-    pub fn run(&self, x: &[bf16], weight: QuantWeight<'_>, out: &mut [bf16]) -> Result<()> {
+    pub fn run_quantized(&self, x: &[bf16], weight: QuantWeight<'_>, out: &mut [bf16]) -> Result<()> {
         weight.check()?;
         let (n, k) = (weight.n, weight.k);
         ensure!(x.len().is_multiple_of(k) && !x.is_empty(), Shape, "x holds {} values, not rows of {k}", x.len());
         let rows = x.len() / k;
         ensure!(out.len() == rows * n, Shape, "out holds {} values, not {rows} x {n}", out.len());
         let out = Out { addr: out.as_mut_ptr() as usize, n };
-        let simd = self.path != Path::Scalar;
+        let path = self.path();
+        let simd = path != Path::Scalar;
         let spread = if simd { Rows::spread(x, rows, k) } else { None };
         let group_sums = match weight.format {
             Format::Int4 { group } if simd && rows <= FUSED_ROWS => Rows::group_sums(x, k, group),
@@ -180,18 +162,9 @@ impl QuantGemm {
                 first: b * COLS,
                 cols: COLS.min(n - b * COLS),
             };
-            self.path.block(x, rows, k, &w, scratch, out);
+            path.block(x, rows, k, &w, scratch, out);
         };
-        let items = weight.blocks();
-        match self.team {
-            Some(team) if team.threads() > 1 && team.usable_here() => {
-                team.for_each_init(items, Scratch::default, block)
-            }
-            _ => {
-                let mut scratch = Scratch::default();
-                (0..items).for_each(|b| block(&mut scratch, b));
-            }
-        }
+        self.for_each_init(weight.blocks(), Scratch::default, block);
         Ok(())
     }
 }
@@ -280,7 +253,7 @@ impl Path {
     fn block(self, x: Rows<'_>, rows: usize, k: usize, w: &Block<'_>, scratch: &mut Scratch, out: Out) {
         match self {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: `Path::is_supported` was checked when the path was chosen (`QuantGemm::new`);
+            // SAFETY: `Path::is_supported` was checked when the path was chosen (`Gemv::new`);
             // `run` checked the shapes, and each block's columns are written by this call alone.
             Path::Avx512Bf16 => unsafe { avx512::block(x, rows, k, w, scratch, out) },
             // SAFETY: as above.

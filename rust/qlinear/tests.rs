@@ -1,7 +1,7 @@
 use half::bf16;
 use proptest::prelude::*;
 
-use super::{Format, Path, QuantGemm, QuantWeight, COLS};
+use super::{Format, Gemv, Path, QuantWeight, COLS};
 
 /// Values a bf16 holds exactly, and int8 weights, from a seeded generator.
 fn noise(len: usize, seed: u64) -> impl Iterator<Item = u64> {
@@ -132,9 +132,9 @@ impl Case {
 
     /// The kernel's output against the reference: at most the f32 error plus one bf16 rounding.
     fn check(&self, path: Path, threads: usize) {
-        let gemm = QuantGemm::new(Some(path), threads).unwrap();
+        let gemm = Gemv::new(Some(path), threads).unwrap();
         let mut out = vec![bf16::NAN; self.rows * self.n];
-        gemm.run(&self.x, self.weight(), &mut out).unwrap();
+        gemm.run_quantized(&self.x, self.weight(), &mut out).unwrap();
         for m in 0..self.rows {
             for c in 0..self.n {
                 let (want, bound) = self.reference(m, c);
@@ -190,13 +190,13 @@ fn an_odd_input_width_never_reads_past_a_row() {
         for rows in [2, 8] {
             let mut case = Case::new(rows, 16, 5, 7);
             case.x[5] = bf16::INFINITY;
-            let gemm = QuantGemm::new(Some(path), 1).unwrap();
+            let gemm = Gemv::new(Some(path), 1).unwrap();
             let mut out = vec![bf16::NAN; rows * 16];
-            gemm.run(&case.x, case.weight(), &mut out).unwrap();
+            gemm.run_quantized(&case.x, case.weight(), &mut out).unwrap();
             case.rows = 1;
             case.x.truncate(5);
             let mut row0 = vec![bf16::NAN; 16];
-            gemm.run(&case.x, case.weight(), &mut row0).unwrap();
+            gemm.run_quantized(&case.x, case.weight(), &mut row0).unwrap();
             assert_eq!(out[..16], row0[..], "{} rows={rows}", path.name());
             case.check(path, 1);
         }
@@ -206,20 +206,20 @@ fn an_odd_input_width_never_reads_past_a_row() {
 #[test]
 fn run_refuses_shapes_that_do_not_fit() {
     let case = Case::new(2, 3, 4, 1);
-    let gemm = QuantGemm::new(Some(Path::Scalar), 1).unwrap();
+    let gemm = Gemv::new(Some(Path::Scalar), 1).unwrap();
     let mut out = vec![bf16::ZERO; 6];
-    assert!(gemm.run(&case.x, case.weight(), &mut out).is_ok());
-    assert!(gemm.run(&case.x[..7], case.weight(), &mut out).is_err(), "x not whole rows");
-    assert!(gemm.run(&case.x, case.weight(), &mut out[..5]).is_err(), "out too short");
-    assert!(gemm.run(&case.x, QuantWeight { n: 17, ..case.weight() }, &mut out).is_err(), "weight too short");
-    assert!(gemm.run(&case.x, QuantWeight { scales: &case.scales[..3], ..case.weight() }, &mut out).is_err());
-    assert!(gemm.run(&case.x, QuantWeight { bias: &case.bias[..3], ..case.weight() }, &mut out).is_err());
+    assert!(gemm.run_quantized(&case.x, case.weight(), &mut out).is_ok());
+    assert!(gemm.run_quantized(&case.x[..7], case.weight(), &mut out).is_err(), "x not whole rows");
+    assert!(gemm.run_quantized(&case.x, case.weight(), &mut out[..5]).is_err(), "out too short");
+    assert!(gemm.run_quantized(&case.x, QuantWeight { n: 17, ..case.weight() }, &mut out).is_err(), "weight too short");
+    assert!(gemm.run_quantized(&case.x, QuantWeight { scales: &case.scales[..3], ..case.weight() }, &mut out).is_err());
+    assert!(gemm.run_quantized(&case.x, QuantWeight { bias: &case.bias[..3], ..case.weight() }, &mut out).is_err());
     let case = Case::with(Format::Int4 { group: 4 }, 2, 3, 8, 1);
-    assert!(gemm.run(&case.x, case.weight(), &mut out).is_ok());
+    assert!(gemm.run_quantized(&case.x, case.weight(), &mut out).is_ok());
     let groups = QuantWeight { groups: &case.groups[..30], ..case.weight() };
-    assert!(gemm.run(&case.x, groups, &mut out).is_err(), "groups too short");
+    assert!(gemm.run_quantized(&case.x, groups, &mut out).is_err(), "groups too short");
     let odd = QuantWeight { format: Format::Int4 { group: 3 }, ..case.weight() };
-    assert!(gemm.run(&case.x, odd, &mut out).is_err(), "an odd group");
+    assert!(gemm.run_quantized(&case.x, odd, &mut out).is_err(), "an odd group");
 }
 
 proptest! {
