@@ -26,7 +26,7 @@ pub(super) unsafe fn block(x: Rows<'_>, rows: usize, k: usize, w: &Block<'_>, sc
     assert!(w.q.len() >= pairs * w.format.pair_bytes(), "block: a block shorter than its shape");
     let group_pairs = w.format.group_pairs(pairs);
     let int4 = matches!(w.format, Format::Int4 { .. });
-    assert!(!int4 || w.groups.len() >= pairs.div_ceil(group_pairs) * PAIR, "block: groups shorter than their shape");
+    assert!(!int4 || w.groups.len() >= pairs / group_pairs * PAIR, "block: groups shorter than their shape");
     let x = x.as_ptr();
     if rows <= FUSED_ROWS {
         // SAFETY: rows of `k` values `stride` apart, `pairs` pairs of `w` and its groups, each
@@ -45,40 +45,78 @@ pub(super) unsafe fn block(x: Rows<'_>, rows: usize, k: usize, w: &Block<'_>, sc
     }
     scratch.wide.resize(pairs * PAIR, bf16::ZERO);
     scratch.sums.resize(rows * COLS, 0.0);
-    for (g, wide) in scratch.wide.chunks_mut(group_pairs * PAIR).enumerate() {
-        // SAFETY: group `g` and its pairs (asserted), into their values of the scratch.
+    let shifts = nibble_shifts();
+    for (p, wide) in scratch.wide.chunks_exact_mut(PAIR).enumerate() {
+        // SAFETY: pair `p` of the block (asserted) into its values of the scratch.
         unsafe {
-            let params = if int4 { group(w, g) } else { Group::none() };
-            for (i, wide) in wide.chunks_exact_mut(PAIR).enumerate() {
-                let v = widen(w, &params, g * group_pairs + i, int4);
-                _mm512_storeu_si512(wide.as_mut_ptr().cast(), bits(v));
-            }
+            let v = if int4 { exact4(w.q.as_ptr().add(p * COLS), shifts) } else { widen8(w.q.as_ptr().add(p * PAIR)) };
+            _mm512_storeu_si512(wide.as_mut_ptr().cast(), bits(v));
         }
     }
-    let tiles = [
-        tile::<1>, tile::<2>, tile::<3>, tile::<4>, tile::<5>, tile::<6>, tile::<7>, tile::<8>, tile::<9>, tile::<10>,
-        tile::<11>, tile::<12>,
-    ];
     // Tiles of even sizes: 16 rows as 8 + 8 rather than 12 + 4, whose 4 chains of `vdpbf16ps`
     // would wait on their own latency.
     let tile_rows = rows.div_ceil(rows.div_ceil(TILE));
     // The pairs in chunks that stay in L1 while every tile of rows passes over them (a whole
-    // widened block of a 2,048-wide input, 64 KiB, would be read from L2 by each tile).
+    // widened block of a 2,048-wide input, 64 KiB, would be read from L2 by each tile); int4's
+    // chunks hold whole groups.
+    let chunk_pairs = group_pairs * (CHUNK / group_pairs).max(1);
     let mut p0 = 0;
     while p0 < pairs {
-        let chunk = Chunk { p0, p1: (p0 + CHUNK).min(pairs), k, stride };
+        let chunk = Chunk { p0, p1: (p0 + chunk_pairs).min(pairs), k, stride };
         let mut m = 0;
         while m < rows {
             let c = tile_rows.min(rows - m);
             let sums = scratch.sums[m * COLS..].as_mut_ptr();
-            // SAFETY: rows `m .. m + c` (asserted), the widened pairs and `c * COLS` sums (sized
-            // above); the features and the columns are the caller's.
-            unsafe { tiles[c - 1](x.add(m * stride), chunk, scratch.wide.as_ptr(), sums, w, out, m) };
+            let wide = scratch.wide.as_ptr();
+            // SAFETY: rows `m .. m + c` (asserted) and their group sums, the widened pairs and
+            // `c * COLS` sums (sized above); the features and the columns are the caller's.
+            unsafe {
+                let x = x.add(m * stride);
+                match w.format {
+                    Format::Int8 => TILES8[c - 1](x, chunk, wide, sums, w, out, m),
+                    Format::Int4 { group } => {
+                        assert!(group_sums.len() >= rows * (k / group), "block: no group sums of the rows");
+                        let group_sums = group_sums.as_ptr().add(m * (k / group));
+                        TILES4[c - 1](x, chunk, wide, sums, group_sums, group, w, out, m)
+                    }
+                }
+            };
             m += c;
         }
         p0 = chunk.p1;
     }
 }
+
+type Tile8 = unsafe fn(*const bf16, Chunk, *const bf16, *mut f32, &Block<'_>, Out, usize);
+type Tile4 = unsafe fn(*const bf16, Chunk, *const bf16, *mut f32, *const f32, usize, &Block<'_>, Out, usize);
+const TILES8: [Tile8; TILE] = [
+    tile8::<1>,
+    tile8::<2>,
+    tile8::<3>,
+    tile8::<4>,
+    tile8::<5>,
+    tile8::<6>,
+    tile8::<7>,
+    tile8::<8>,
+    tile8::<9>,
+    tile8::<10>,
+    tile8::<11>,
+    tile8::<12>,
+];
+const TILES4: [Tile4; TILE] = [
+    tile4::<1>,
+    tile4::<2>,
+    tile4::<3>,
+    tile4::<4>,
+    tile4::<5>,
+    tile4::<6>,
+    tile4::<7>,
+    tile4::<8>,
+    tile4::<9>,
+    tile4::<10>,
+    tile4::<11>,
+    tile4::<12>,
+];
 
 /// Pairs `p0 .. p1` of a block whose input is `k` wide, for rows `stride` apart.
 #[derive(Clone, Copy)]
@@ -97,7 +135,6 @@ struct Chunk {
 unsafe fn fused8<const M: usize>(x: *const bf16, stride: usize, k: usize, w: &Block<'_>, out: Out) {
     let mut acc = [[_mm512_setzero_ps(); M]; SETS];
     let full = k / 2;
-    let none = Group::none();
     let row = |m: usize| x.wrapping_add(m * stride);
     // SAFETY: pairs below `k.div_ceil(2)` of the block, values below `k` of the rows: the
     // caller's.
@@ -105,7 +142,7 @@ unsafe fn fused8<const M: usize>(x: *const bf16, stride: usize, k: usize, w: &Bl
         let mut p = 0;
         while p + SETS <= full {
             for (s, set) in acc.iter_mut().enumerate() {
-                let wv = widen(w, &none, p + s, false);
+                let wv = widen8(w.q.as_ptr().add((p + s) * PAIR));
                 for (m, a) in set.iter_mut().enumerate() {
                     *a = _mm512_dpbf16_ps(*a, wv, both(row(m).add(2 * (p + s))));
                 }
@@ -113,14 +150,14 @@ unsafe fn fused8<const M: usize>(x: *const bf16, stride: usize, k: usize, w: &Bl
             p += SETS;
         }
         for p in p..full {
-            let wv = widen(w, &none, p, false);
+            let wv = widen8(w.q.as_ptr().add(p * PAIR));
             for (m, a) in acc[0].iter_mut().enumerate() {
                 *a = _mm512_dpbf16_ps(*a, wv, both(row(m).add(2 * p)));
             }
         }
         if k % 2 == 1 {
             // An odd `k`'s last input.
-            let wv = widen(w, &none, full, false);
+            let wv = widen8(w.q.as_ptr().add(full * PAIR));
             for (m, a) in acc[0].iter_mut().enumerate() {
                 *a = _mm512_dpbf16_ps(*a, wv, last(row(m).add(k - 1)));
             }
@@ -150,8 +187,7 @@ unsafe fn fused4<const M: usize>(
     let (groups, group_pairs) = (k / group, group / 2);
     let mut acc = [_mm512_setzero_ps(); M];
     let row = |m: usize| x.wrapping_add(m * stride);
-    // Shift the upper 16 lanes' bytes by 4: their high nibbles.
-    let shifts = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4));
+    let shifts = nibble_shifts();
     // SAFETY: the block's pairs and groups, the rows' values below `k` and their group sums: the
     // caller's.
     unsafe {
@@ -174,9 +210,7 @@ unsafe fn fused4<const M: usize>(
                     *a = _mm512_dpbf16_ps(*a, wv, both(row(m).add(2 * p)));
                 }
             }
-            let scale = widen_bf16(w.groups.as_ptr().add(g * PAIR));
-            let zero =
-                _mm512_fnmadd_ps(_mm512_set1_ps(136.0), scale, widen_bf16(w.groups.as_ptr().add(g * PAIR + COLS)));
+            let (scale, zero) = group_params(w, g);
             for (m, (a, dot)) in acc.iter_mut().zip(sum_sets(dots)).enumerate() {
                 *a = _mm512_fmadd_ps(scale, dot, *a);
                 *a = _mm512_fmadd_ps(zero, _mm512_set1_ps(*sums.add(m * groups + g)), *a);
@@ -229,7 +263,7 @@ unsafe fn widen_bf16(v: *const bf16) -> __m512 {
 /// # Safety
 /// As `block`'s: `M` rows of `x`, `chunk.stride` apart; the widened pairs; `M * COLS` sums.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn tile<const M: usize>(
+unsafe fn tile8<const M: usize>(
     x: *const bf16,
     chunk: Chunk,
     wide: *const bf16,
@@ -271,65 +305,61 @@ unsafe fn tile<const M: usize>(
     }
 }
 
-/// An int4 group's scales and zeros for the 32 lanes of a pair (lane `2c + i`: column `c`), low
-/// and high half, the zeros less 8 scales (`w = q · scale + (zero - 8 · scale)`).
-#[derive(Clone, Copy)]
-struct Group {
-    scale: [__m512; 2],
-    zero: [__m512; 2],
-}
-
-impl Group {
-    /// For int8, whose pairs need none.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    fn none() -> Group {
-        Group { scale: [_mm512_setzero_ps(); 2], zero: [_mm512_setzero_ps(); 2] }
+/// Each row's sum over each group of `group` inputs (`[rows][k / group]`), by `vdpbf16ps`
+/// against ones.
+///
+/// # Safety
+/// The CPU must have AVX512F, AVX512BW and AVX512_BF16.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+pub(super) unsafe fn group_sums(x: &[bf16], k: usize, group: usize) -> Vec<f32> {
+    let ones = bh(_mm512_set1_epi16(0x3F80)); // bf16 1.0
+    let mut sums = Vec::with_capacity(x.len() / group);
+    for g in x.chunks_exact(group).take(x.len() / k * (k / group)) {
+        let mut acc = _mm512_setzero_ps();
+        for c in g.chunks(32) {
+            let mask = if c.len() == 32 { u32::MAX } else { (1u32 << c.len()) - 1 };
+            // SAFETY: the mask keeps the load inside the chunk.
+            let v = bh(unsafe { _mm512_maskz_loadu_epi16(mask, c.as_ptr().cast()) });
+            acc = _mm512_dpbf16_ps(acc, v, ones);
+        }
+        sums.push(_mm512_reduce_add_ps(acc));
     }
+    sums
 }
 
-/// Group `g`'s `Group` from its 16 bf16 scales and 16 zeros.
+/// Group `g`'s 16 scales, and its 16 zeros less 136 scales (`x · w = scale · (x · (128 + q)) +
+/// (zero - 136 · scale) · Σx`), one lane a column.
 ///
 /// # Safety
 /// `w.groups` holds group `g`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn group(w: &Block<'_>, g: usize) -> Group {
+unsafe fn group_params(w: &Block<'_>, g: usize) -> (__m512, __m512) {
     // SAFETY: the caller's 32 values of group `g`.
-    let load = |at: usize| unsafe { widen_bf16(w.groups.as_ptr().add(g * PAIR + at)) };
-    let (scale, zero) = (load(0), load(COLS));
-    let zero = _mm512_fnmadd_ps(_mm512_set1_ps(8.0), scale, zero);
-    // Lane `2c + i` of a pair: column `c` (0-7 in the low half, 8-15 in the high).
-    let low = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    let high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
-    let spread = |v| [_mm512_permutexvar_ps(low, v), _mm512_permutexvar_ps(high, v)];
-    Group { scale: spread(scale), zero: spread(zero) }
+    let (scale, zero) =
+        unsafe { (widen_bf16(w.groups.as_ptr().add(g * PAIR)), widen_bf16(w.groups.as_ptr().add(g * PAIR + COLS))) };
+    (scale, _mm512_fnmadd_ps(_mm512_set1_ps(136.0), scale, zero))
 }
 
-/// Pair `p` of the block as 32 bf16: int8 exactly (an int8 needs 7 bits of significand); int4
-/// as `q · scale + zero` of `params` in f32, rounded.
+/// An int8 pair as 32 bf16, exactly (an int8 needs 7 bits of significand).
 ///
 /// # Safety
-/// The block holds pair `p`.
+/// `q` points at the pair's 32 bytes.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn widen(w: &Block<'_>, params: &Group, p: usize, int4: bool) -> __m512bh {
-    // SAFETY: the caller's pair.
-    let (lo, hi) = unsafe {
-        if int4 {
-            let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(w.q.as_ptr().add(p * COLS).cast()));
-            let lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
-            let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(bytes));
-            (_mm512_fmadd_ps(lo, params.scale[0], params.zero[0]), _mm512_fmadd_ps(hi, params.scale[1], params.zero[1]))
-        } else {
-            let q = w.q.as_ptr().add(p * PAIR);
-            let lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(q.cast()));
-            let hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(q.add(16).cast()));
-            (_mm512_cvtepi32_ps(lo), _mm512_cvtepi32_ps(hi))
-        }
-    };
+unsafe fn widen8(q: *const u8) -> __m512bh {
+    // SAFETY: the caller's 32 bytes.
+    let (lo, hi) = unsafe { (_mm_loadu_si128(q.cast()), _mm_loadu_si128(q.add(16).cast())) };
+    let (lo, hi) = (_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)));
     // The second operand fills the low half.
     _mm512_cvtne2ps_pbh(hi, lo)
+}
+
+/// Shifts for `exact4`: the upper 16 lanes take their bytes' high nibbles.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+fn nibble_shifts() -> __m512i {
+    _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4))
 }
 
 /// `x[0], x[1]` in every 32-bit lane.
@@ -361,6 +391,59 @@ unsafe fn store(out: Out, m: usize, w: &Block<'_>, sums: __m512) {
         let half = std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(value));
         let dst = (out.addr as *mut bf16).add(m * out.n + w.first);
         _mm512_mask_storeu_epi16(dst.cast(), (1u32 << w.cols) - 1, _mm512_castsi256_si512(half));
+    }
+}
+
+/// An int4 tile: as `tile8`, over the block widened to `128 + q` in `wide`, each group's sums
+/// scaled and offset by the rows' `group_sums` (`[M][k / group]`) as in `fused4`. `chunk` holds
+/// whole groups.
+///
+/// # Safety
+/// As `tile8`'s, and the rows' group sums.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn tile4<const M: usize>(
+    x: *const bf16,
+    chunk: Chunk,
+    wide: *const bf16,
+    sums: *mut f32,
+    group_sums: *const f32,
+    group: usize,
+    w: &Block<'_>,
+    out: Out,
+    m0: usize,
+) {
+    let Chunk { p0, p1, k, stride } = chunk;
+    let (groups, group_pairs) = (k / group, group / 2);
+    let mut acc = [_mm512_setzero_ps(); M];
+    // SAFETY: the caller's rows, pairs, groups and sums.
+    unsafe {
+        if p0 > 0 {
+            for (m, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_loadu_ps(sums.add(m * COLS));
+            }
+        }
+        for g in p0 / group_pairs..p1 / group_pairs {
+            let mut dots = [_mm512_setzero_ps(); M];
+            for p in g * group_pairs..(g + 1) * group_pairs {
+                let wv = bh(_mm512_loadu_si512(wide.add(p * PAIR).cast()));
+                for (m, d) in dots.iter_mut().enumerate() {
+                    *d = _mm512_dpbf16_ps(*d, wv, both(x.add(m * stride + 2 * p)));
+                }
+            }
+            let (scale, zero) = group_params(w, g);
+            for (m, (a, d)) in acc.iter_mut().zip(dots).enumerate() {
+                *a = _mm512_fmadd_ps(scale, d, *a);
+                *a = _mm512_fmadd_ps(zero, _mm512_set1_ps(*group_sums.add(m * groups + g)), *a);
+            }
+        }
+        for (m, a) in acc.into_iter().enumerate() {
+            if p1 == k / 2 {
+                store(out, m0 + m, w, a);
+            } else {
+                _mm512_storeu_ps(sums.add(m * COLS), a);
+            }
+        }
     }
 }
 

@@ -15,11 +15,12 @@
 //!   applied to the f32 sums (widening is exact: every int8 is a bf16).
 //! - `Format::Int4`: a pair is 16 bytes, byte `j` holding lane `j` in its low nibble and lane
 //!   `16 + j` in its high one; `w = (q - 8) · scale + zero` with a bf16 scale and zero per column
-//!   and group of inputs, stored per block and group (`[16 scales, 16 zeros]`). The tiled kernel
-//!   widens `w` in f32 and rounds it to bf16, as tinygemm's bf16 kernel does. The fused one,
-//!   bound by its instructions at one row, multiplies `128 + q` instead (a bf16 whose bits are
-//!   `0x4300 | q`: two logic instructions a pair, no conversions) and applies each group's scale
-//!   and zero to the f32 sums: `x · w = scale · (x · (128 + q)) + (zero - 136 · scale) · Σx`.
+//!   and group of inputs, stored per block and group (`[16 scales, 16 zeros]`). The kernels
+//!   multiply `128 + q`, exact as a bf16 whose bits are `0x4300 | q` (a few logic instructions a
+//!   pair, no conversions), and apply each group's scale and zero to the f32 sums with the row's
+//!   sum over the group: `x · w = scale · (x · (128 + q)) + (zero - 136 · scale) · Σx`. Rounding
+//!   `w` itself to bf16 instead, as a first version did, moved SmolLM2's logits enough to flip a
+//!   near-tied greedy token against torch's kernel, which keeps `w` in f32.
 //!
 //! - A few rows (`FUSED_ROWS`): the weight is widened pair by pair in registers and used at once.
 //! - More rows: each block is widened into a thread's scratch (18 KiB for a 576-wide input), then
@@ -143,8 +144,10 @@ impl Gemv {
         let path = self.path();
         let simd = path != Path::Scalar;
         let spread = if simd { Rows::spread(x, rows, k) } else { None };
-        let group_sums = match weight.format {
-            Format::Int4 { group } if simd && rows <= FUSED_ROWS => Rows::group_sums(x, k, group),
+        let group_sums = match (weight.format, path) {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the path was checked when it was chosen (`Gemv::new`).
+            (Format::Int4 { group }, Path::Avx512Bf16) => unsafe { avx512::group_sums(x, k, group) },
             _ => Vec::new(),
         };
         let x = match &spread {
@@ -181,8 +184,8 @@ struct Block<'a> {
     cols: usize,
 }
 
-/// The rows of `x`, `stride` values apart, and for int4's fused kernel each row's sum over each
-/// group of inputs (`[rows][k / group]`; empty otherwise).
+/// The rows of `x`, `stride` values apart, and for int4 each row's sum over each group of
+/// inputs (`[rows][k / group]`; empty otherwise).
 #[derive(Clone, Copy)]
 struct Rows<'a> {
     x: &'a [bf16],
@@ -192,11 +195,6 @@ struct Rows<'a> {
 }
 
 impl Rows<'_> {
-    /// Each row's sum over each group of `group` inputs.
-    fn group_sums(x: &[bf16], k: usize, group: usize) -> Vec<f32> {
-        x.chunks_exact(k).flat_map(|row| row.chunks_exact(group).map(|g| g.iter().map(|v| v.to_f32()).sum())).collect()
-    }
-
     /// Rows whose cache lines fall in many sets of the L1 cache. A tile reads its rows side by
     /// side; rows 4 KiB apart (a 2,048-wide input) would all fall in one set (of 64), and twelve
     /// of them evict each other from its eight ways. Rows a multiple of 32 lines apart (two

@@ -21,7 +21,7 @@ pub(super) unsafe fn block(x: &[bf16], rows: usize, k: usize, w: &Block<'_>, out
 }
 
 /// Column `c`'s weight at input `i`: int8's `q` (its scale comes after the sum), int4's `(q - 8)
-/// · scale + zero` in f32 (as fused multiply-adds) rounded to bf16.
+/// · scale + zero` in f32.
 fn weight(w: &Block<'_>, c: usize, i: usize) -> f32 {
     let (p, lane) = (i / 2, 2 * c + i % 2);
     match w.format {
@@ -31,7 +31,7 @@ fn weight(w: &Block<'_>, c: usize, i: usize) -> f32 {
             let q = if lane < COLS { byte & 15 } else { byte >> 4 };
             let g = &w.groups[i / group * 2 * COLS..];
             let (scale, zero) = (g[c].to_f32(), g[COLS + c].to_f32());
-            bf16::from_f32(f32::from(q).mul_add(scale, (-8.0f32).mul_add(scale, zero))).to_f32()
+            f32::from(q).mul_add(scale, (-8.0f32).mul_add(scale, zero))
         }
     }
 }

@@ -99,8 +99,9 @@ impl Case {
         }
     }
 
-    /// Column `c`'s weight at input `i` in f64, and a bound on how far the kernel's widened
-    /// weight is from it (int4: one bf16 rounding, after f32 ones of its terms).
+    /// Column `c`'s weight at input `i` in f64, and a bound on how far what the kernels sum is
+    /// from it (int4: the f32 roundings of its terms, and of the group sums offset by `128 · Σx`
+    /// that the SIMD path cancels, within a bf16 step of each product).
     fn weight_at(&self, c: usize, i: usize) -> (f64, f64) {
         let q = f64::from(self.q[c * self.k + i]);
         let Format::Int4 { group } = self.format else { return (q, 0.0) };
