@@ -86,7 +86,8 @@ class QuantGemm:
         uint8 ``[ceil(n / 16), k / 2, 16]`` (byte ``j`` of a pair: lane ``j`` in its low nibble,
         lane ``16 + j`` in its high one), ``groups`` bfloat16 ``[ceil(n / 16), k / group, 2,
         16]`` (each block's and group's 16 scales, then 16 zeros), ``bias`` bfloat16 ``[n]``.
-        Each weight is computed in float32 and rounded to bfloat16 before its products."""
+        The products are of ``x`` and ``128 + q`` (exact in bfloat16); each group's scale and
+        zero apply to the float32 sums."""
     @property
     def path(self) -> str:
         """The kernel this object runs."""

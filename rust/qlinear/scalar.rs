@@ -1,5 +1,5 @@
-//! The reference: each weight as the SIMD paths widen it, each product in f32, summed in input
-//! order.
+//! The reference: each weight in f32 (int8's `q`, int4's `(q - 8) · scale + zero`), each product
+//! in f32, summed in input order.
 
 use half::bf16;
 

@@ -1,6 +1,6 @@
 """Our Rust kernel for int8 and int4 weights (``_core.QuantGemm``, run by ``quant.Int8Linear`` and
 ``quant.Int4Linear`` in bf16 on a CPU with AVX512_BF16): the float32 sums of ``x`` by the weight
-(int8's scaled after, int4's widened to bf16 first), rounded once, for any number of rows (the
+(int8's and int4's scales applied to float32 sums), rounded once, for any number of rows (the
 fused path up to 4, the tiled path past it, tiles split evenly); the same bits on any number of
 threads; typed errors; and the engine's quantized linears running it, eager and compiled."""
 
@@ -31,7 +31,8 @@ def _close(
 ) -> None:
     """``out`` is ``x @ w.T + bias`` in float32 rounded once to bf16: within a bf16 step of it,
     plus what summing ``k`` products in another order can move an f32 sum, plus (``widened``:
-    int4's weights rounded to bf16 before the products) a bf16 step of each product."""
+    int4, whose group sums are offset by ``128 * sum(x)`` and cancelled in f32) a bf16 step of
+    each product, a loose bound on that cancellation."""
     b = 0 if bias is None else bias.float()
     ref = F.linear(x.float(), w.float()) + b
     magnitude = F.linear(x.float().abs(), w.float().abs())
