@@ -49,8 +49,8 @@ class Bf16Linear:
         each output summed in float32 and rounded once. GIL released."""
 
 class QuantGemm:
-    """A weight-only int8 or int4 linear on the CPU for any number of rows, ``out = x @ W.T +
-    bias`` (AVX512_BF16 where the CPU has it, else scalar). The weight is packed in blocks of 16
+    """A weight-only int8, int4 or grouped int8 linear on the CPU for any number of rows, ``out =
+    x @ W.T + bias`` (AVX512_BF16 where the CPU has it, else scalar). The weight is packed in blocks of 16
     output columns, and in each, for every pair of inputs, each column's two weights (zeros pad):
     held, it must not be resized in place; scales, zeros and bias are copied. Each block is
     widened to bfloat16 once a call and multiplied by every row; each output is summed in
@@ -71,7 +71,7 @@ class QuantGemm:
         """``W = q * scales[:, None]``: ``packed`` int8 ``[ceil(n / 16), ceil(k / 2), 16, 2]``,
         ``scales`` float32 ``[n]`` (applied to the float32 sums), ``bias`` bfloat16 ``[n]``."""
     @staticmethod
-    def int4(
+    def grouped(
         packed: torch.Tensor,
         groups: torch.Tensor,
         bias: torch.Tensor | None = None,
@@ -79,15 +79,17 @@ class QuantGemm:
         n: int,
         k: int,
         group: int,
+        bits: int,
         num_threads: int,
         path: str | None = None,
     ) -> QuantGemm:
-        """``W = (q - 8) * scale + zero`` per ``group`` inputs (even, dividing ``k``): ``packed``
-        uint8 ``[ceil(n / 16), k / 2, 16]`` (byte ``j`` of a pair: lane ``j`` in its low nibble,
-        lane ``16 + j`` in its high one), ``groups`` bfloat16 ``[ceil(n / 16), k / group, 2,
-        16]`` (each block's and group's 16 scales, then 16 zeros), ``bias`` bfloat16 ``[n]``.
-        The products are of ``x`` and ``128 + q`` (exact in bfloat16); each group's scale and
-        zero apply to the float32 sums."""
+        """A scale and a zero per ``group`` inputs (even, dividing ``k``) and column, ``groups``
+        bfloat16 ``[ceil(n / 16), k / group, 2, 16]`` (each block's and group's 16 scales, then
+        16 zeros), applied to the float32 sums; ``bias`` bfloat16 ``[n]``. ``bits`` 4: ``W = (q
+        - 8) * scale + zero``, ``packed`` uint8 ``[ceil(n / 16), k / 2, 16]`` (byte ``j`` of a
+        pair: lane ``j`` in its low nibble, lane ``16 + j`` in its high one), the products of
+        ``x`` and ``128 + q`` (exact in bfloat16). ``bits`` 8: ``W = q * scale + zero`` (GGUF's
+        5- to 8-bit blocks), ``packed`` int8 as ``int8``'s."""
     @property
     def path(self) -> str:
         """The kernel this object runs."""

@@ -1,4 +1,4 @@
-//! `QuantGemm` for Python: a weight-only int8 or int4 linear (`crate::qlinear`), its packed
+//! `QuantGemm` for Python: a weight-only int8, int4 or grouped int8 linear (`crate::qlinear`), its packed
 //! weight held and checked once, its scales and bias copied, so each `forward` checks only its
 //! `x` and `out`.
 
@@ -20,7 +20,7 @@ pub(crate) struct QuantGemm {
     packed: TensorRef,
     n: usize,
     k: usize,
-    /// int4's scales and zeros, per block and group.
+    /// The grouped formats' scales and zeros, per block and group.
     groups: Vec<bf16>,
     /// f32, padded to whole blocks of `COLS` columns.
     scales: Vec<f32>,
@@ -93,20 +93,23 @@ impl QuantGemm {
         })
     }
 
-    /// An int4 linear, `w = (q - 8) · scale + zero` per `group` inputs: `packed`, uint8 `[ceil(n
-    /// / 16), k / 2, 16]` (`crate::qlinear`'s int4 layout); `groups`: bfloat16 `[ceil(n / 16), k
-    /// / group, 2, 16]`, each block's and group's 16 scales, then 16 zeros; `bias`: bfloat16
-    /// `[n]`. As `int8` otherwise.
+    /// A linear with a scale and a zero per `group` inputs and column: `bits` 4, int4's `w = (q -
+    /// 8) · scale + zero` with `packed` uint8 `[ceil(n / 16), k / 2, 16]` (`crate::qlinear`'s
+    /// int4 layout); `bits` 8, grouped int8's `w = q · scale + zero` with `packed` in `int8`'s
+    /// layout (GGUF's 5- to 8-bit blocks). `groups`: bfloat16 `[ceil(n / 16), k / group, 2,
+    /// 16]`, each block's and group's 16 scales, then 16 zeros; `bias`: bfloat16 `[n]`. As
+    /// `int8` otherwise.
     #[staticmethod]
-    #[pyo3(signature = (packed, groups, bias=None, *, n, k, group, num_threads, path=None))]
+    #[pyo3(signature = (packed, groups, bias=None, *, n, k, group, bits, num_threads, path=None))]
     #[allow(clippy::too_many_arguments)]
-    fn int4(
+    fn grouped(
         packed: &Bound<'_, PyAny>,
         groups: &Bound<'_, PyAny>,
         bias: Option<&Bound<'_, PyAny>>,
         n: usize,
         k: usize,
         group: usize,
+        bits: u32,
         num_threads: usize,
         path: Option<&str>,
     ) -> PyResult<Self> {
@@ -117,14 +120,18 @@ impl QuantGemm {
             "group {group} must be even and divide k = {k}"
         );
         let blocks = n.div_ceil(COLS);
-        let q = packed_ref(packed, Kind::UInt8, &[blocks, k / 2, COLS])?;
+        let (format, q) = match bits {
+            4 => (Format::Int4 { group }, packed_ref(packed, Kind::UInt8, &[blocks, k / 2, COLS])?),
+            8 => (Format::GroupedInt8 { group }, packed_ref(packed, Kind::Int8, &[blocks, k / 2, COLS, 2])?),
+            _ => return Err(crate::error::NeoError::Value(format!("bits must be 4 or 8, got {bits}")).into()),
+        };
         let g = TensorRef::extract(groups, "groups")?;
         require_bf16(&g)?;
         let shape = [blocks, k / group, 2, COLS];
         ensure!(g.shape == shape, Shape, "groups must have shape {shape:?}, got {:?}", g.shape);
         Ok(QuantGemm {
             kernel: Gemv::new(path.map(Path::parse).transpose()?, num_threads)?,
-            format: Format::Int4 { group },
+            format,
             _packed: packed.clone().unbind(),
             packed: q,
             n,

@@ -25,20 +25,20 @@ pub(super) unsafe fn block(x: Rows<'_>, rows: usize, k: usize, w: &Block<'_>, sc
     assert!(stride >= k && x.len() >= (rows - 1) * stride + k, "block: rows shorter than their shapes");
     assert!(w.q.len() >= pairs * w.format.pair_bytes(), "block: a block shorter than its shape");
     let group_pairs = w.format.group_pairs(pairs);
+    let group = w.format.group();
     let int4 = matches!(w.format, Format::Int4 { .. });
-    assert!(!int4 || w.groups.len() >= pairs / group_pairs * PAIR, "block: groups shorter than their shape");
+    assert!(group.is_none() || w.groups.len() >= pairs / group_pairs * PAIR, "block: groups shorter than their shape");
+    if let Some(group) = group {
+        assert!(group_sums.len() >= rows * (k / group), "block: no group sums of the rows");
+    }
     let x = x.as_ptr();
     if rows <= FUSED_ROWS {
         // SAFETY: rows of `k` values `stride` apart, `pairs` pairs of `w` and its groups, each
         // row's group sums (asserted); the features and the columns are the caller's.
         unsafe {
-            match w.format {
-                Format::Int8 => [fused8::<1>, fused8::<2>, fused8::<3>, fused8::<4>][rows - 1](x, stride, k, w, out),
-                Format::Int4 { group } => {
-                    assert!(group_sums.len() >= rows * (k / group), "block: no group sums of the rows");
-                    let sums = group_sums.as_ptr();
-                    [fused4::<1>, fused4::<2>, fused4::<3>, fused4::<4>][rows - 1](x, stride, k, group, sums, w, out)
-                }
+            match group {
+                None => [fused8::<1>, fused8::<2>, fused8::<3>, fused8::<4>][rows - 1](x, stride, k, w, out),
+                Some(group) => FUSED[usize::from(int4)][rows - 1](x, stride, k, group, group_sums.as_ptr(), w, out),
             }
         };
         return;
@@ -57,8 +57,8 @@ pub(super) unsafe fn block(x: Rows<'_>, rows: usize, k: usize, w: &Block<'_>, sc
     // would wait on their own latency.
     let tile_rows = rows.div_ceil(rows.div_ceil(TILE));
     // The pairs in chunks that stay in L1 while every tile of rows passes over them (a whole
-    // widened block of a 2,048-wide input, 64 KiB, would be read from L2 by each tile); int4's
-    // chunks hold whole groups.
+    // widened block of a 2,048-wide input, 64 KiB, would be read from L2 by each tile); the
+    // grouped formats' chunks hold whole groups.
     let chunk_pairs = group_pairs * (CHUNK / group_pairs).max(1);
     let mut p0 = 0;
     while p0 < pairs {
@@ -72,12 +72,11 @@ pub(super) unsafe fn block(x: Rows<'_>, rows: usize, k: usize, w: &Block<'_>, sc
             // `c * COLS` sums (sized above); the features and the columns are the caller's.
             unsafe {
                 let x = x.add(m * stride);
-                match w.format {
-                    Format::Int8 => TILES8[c - 1](x, chunk, wide, sums, w, out, m),
-                    Format::Int4 { group } => {
-                        assert!(group_sums.len() >= rows * (k / group), "block: no group sums of the rows");
+                match group {
+                    None => TILES8[c - 1](x, chunk, wide, sums, w, out, m),
+                    Some(group) => {
                         let group_sums = group_sums.as_ptr().add(m * (k / group));
-                        TILES4[c - 1](x, chunk, wide, sums, group_sums, group, w, out, m)
+                        TILES_GROUPED[usize::from(int4)][c - 1](x, chunk, wide, sums, group_sums, group, w, out, m)
                     }
                 }
             };
@@ -88,7 +87,8 @@ pub(super) unsafe fn block(x: Rows<'_>, rows: usize, k: usize, w: &Block<'_>, sc
 }
 
 type Tile8 = unsafe fn(*const bf16, Chunk, *const bf16, *mut f32, &Block<'_>, Out, usize);
-type Tile4 = unsafe fn(*const bf16, Chunk, *const bf16, *mut f32, *const f32, usize, &Block<'_>, Out, usize);
+type TileGrouped = unsafe fn(*const bf16, Chunk, *const bf16, *mut f32, *const f32, usize, &Block<'_>, Out, usize);
+type FusedGrouped = unsafe fn(*const bf16, usize, usize, usize, *const f32, &Block<'_>, Out);
 const TILES8: [Tile8; TILE] = [
     tile8::<1>,
     tile8::<2>,
@@ -103,20 +103,29 @@ const TILES8: [Tile8; TILE] = [
     tile8::<11>,
     tile8::<12>,
 ];
-const TILES4: [Tile4; TILE] = [
-    tile4::<1>,
-    tile4::<2>,
-    tile4::<3>,
-    tile4::<4>,
-    tile4::<5>,
-    tile4::<6>,
-    tile4::<7>,
-    tile4::<8>,
-    tile4::<9>,
-    tile4::<10>,
-    tile4::<11>,
-    tile4::<12>,
+/// The grouped formats' kernels, grouped int8's first, then int4's.
+const TILES_GROUPED: [[TileGrouped; TILE]; 2] = [tiles_grouped::<false>(), tiles_grouped::<true>()];
+const FUSED: [[FusedGrouped; FUSED_ROWS]; 2] = [
+    [fused_grouped::<false, 1>, fused_grouped::<false, 2>, fused_grouped::<false, 3>, fused_grouped::<false, 4>],
+    [fused_grouped::<true, 1>, fused_grouped::<true, 2>, fused_grouped::<true, 3>, fused_grouped::<true, 4>],
 ];
+
+const fn tiles_grouped<const INT4: bool>() -> [TileGrouped; TILE] {
+    [
+        tile_grouped::<INT4, 1>,
+        tile_grouped::<INT4, 2>,
+        tile_grouped::<INT4, 3>,
+        tile_grouped::<INT4, 4>,
+        tile_grouped::<INT4, 5>,
+        tile_grouped::<INT4, 6>,
+        tile_grouped::<INT4, 7>,
+        tile_grouped::<INT4, 8>,
+        tile_grouped::<INT4, 9>,
+        tile_grouped::<INT4, 10>,
+        tile_grouped::<INT4, 11>,
+        tile_grouped::<INT4, 12>,
+    ]
+}
 
 /// Pairs `p0 .. p1` of a block whose input is `k` wide, for rows `stride` apart.
 #[derive(Clone, Copy)]
@@ -168,14 +177,14 @@ unsafe fn fused8<const M: usize>(x: *const bf16, stride: usize, k: usize, w: &Bl
     }
 }
 
-/// Rows `0 .. M` against an int4 block: each group's `x · (128 + q)` summed in registers, then
-/// scaled and offset by the group's `Σx` (`sums`: `[M][k / group]`) into the rows' sums (module
-/// docs of `super`).
+/// Rows `0 .. M` against a grouped block (`INT4`: int4's, else grouped int8's): each group's
+/// `x · v` summed in registers (`v`: the widened values, `wide::<INT4>`), then scaled and offset
+/// by the group's `Σx` (`sums`: `[M][k / group]`) into the rows' sums (module docs of `super`).
 ///
 /// # Safety
 /// As `block`'s: `M` rows of `x`, `stride` apart, and their group sums.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn fused4<const M: usize>(
+unsafe fn fused_grouped<const INT4: bool, const M: usize>(
     x: *const bf16,
     stride: usize,
     k: usize,
@@ -197,7 +206,7 @@ unsafe fn fused4<const M: usize>(
             let mut p = start;
             while p + SETS <= end {
                 for (s, set) in dots.iter_mut().enumerate() {
-                    let wv = exact4(w.q.as_ptr().add((p + s) * COLS), shifts);
+                    let wv = wide::<INT4>(w.q.as_ptr(), p + s, shifts);
                     for (m, a) in set.iter_mut().enumerate() {
                         *a = _mm512_dpbf16_ps(*a, wv, both(row(m).add(2 * (p + s))));
                     }
@@ -205,12 +214,12 @@ unsafe fn fused4<const M: usize>(
                 p += SETS;
             }
             for p in p..end {
-                let wv = exact4(w.q.as_ptr().add(p * COLS), shifts);
+                let wv = wide::<INT4>(w.q.as_ptr(), p, shifts);
                 for (m, a) in dots[0].iter_mut().enumerate() {
                     *a = _mm512_dpbf16_ps(*a, wv, both(row(m).add(2 * p)));
                 }
             }
-            let (scale, zero) = group_params(w, g);
+            let (scale, zero) = group_params::<INT4>(w, g);
             for (m, (a, dot)) in acc.iter_mut().zip(sum_sets(dots)).enumerate() {
                 *a = _mm512_fmadd_ps(scale, dot, *a);
                 *a = _mm512_fmadd_ps(zero, _mm512_set1_ps(*sums.add(m * groups + g)), *a);
@@ -228,6 +237,23 @@ unsafe fn fused4<const M: usize>(
 fn sum_sets<const M: usize>(sets: [[__m512; M]; SETS]) -> [__m512; M] {
     let [s0, s1, s2, s3] = sets;
     std::array::from_fn(|m| _mm512_add_ps(_mm512_add_ps(s0[m], s1[m]), _mm512_add_ps(s2[m], s3[m])))
+}
+
+/// Pair `p` of a grouped block as bf16: int4's `128 + q` (`INT4`), else grouped int8's `q`.
+///
+/// # Safety
+/// `q` points at the block's pairs, of which `p` is one.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn wide<const INT4: bool>(q: *const u8, p: usize, shifts: __m512i) -> __m512bh {
+    // SAFETY: the caller's pair.
+    unsafe {
+        if INT4 {
+            exact4(q.add(p * COLS), shifts)
+        } else {
+            widen8(q.add(p * PAIR))
+        }
+    }
 }
 
 /// An int4 pair as the bf16 values `128 + q` (exact: the bits `0x4300 | q`).
@@ -327,18 +353,18 @@ pub(super) unsafe fn group_sums(x: &[bf16], k: usize, group: usize) -> Vec<f32> 
     sums
 }
 
-/// Group `g`'s 16 scales, and its 16 zeros less 136 scales (`x · w = scale · (x · (128 + q)) +
-/// (zero - 136 · scale) · Σx`), one lane a column.
+/// Group `g`'s 16 scales, and its 16 zeros (int4's less 136 scales: `x · w = scale · (x · (128 +
+/// q)) + (zero - 136 · scale) · Σx`), one lane a column.
 ///
 /// # Safety
 /// `w.groups` holds group `g`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn group_params(w: &Block<'_>, g: usize) -> (__m512, __m512) {
+unsafe fn group_params<const INT4: bool>(w: &Block<'_>, g: usize) -> (__m512, __m512) {
     // SAFETY: the caller's 32 values of group `g`.
     let (scale, zero) =
         unsafe { (widen_bf16(w.groups.as_ptr().add(g * PAIR)), widen_bf16(w.groups.as_ptr().add(g * PAIR + COLS))) };
-    (scale, _mm512_fnmadd_ps(_mm512_set1_ps(136.0), scale, zero))
+    (scale, if INT4 { _mm512_fnmadd_ps(_mm512_set1_ps(136.0), scale, zero) } else { zero })
 }
 
 /// An int8 pair as 32 bf16, exactly (an int8 needs 7 bits of significand).
@@ -394,15 +420,15 @@ unsafe fn store(out: Out, m: usize, w: &Block<'_>, sums: __m512) {
     }
 }
 
-/// An int4 tile: as `tile8`, over the block widened to `128 + q` in `wide`, each group's sums
-/// scaled and offset by the rows' `group_sums` (`[M][k / group]`) as in `fused4`. `chunk` holds
-/// whole groups.
+/// A grouped tile: as `tile8`, over the block widened in `wide` (`wide::<INT4>`'s values), each
+/// group's sums scaled and offset by the rows' `group_sums` (`[M][k / group]`) as in
+/// `fused_grouped`. `chunk` holds whole groups.
 ///
 /// # Safety
 /// As `tile8`'s, and the rows' group sums.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn tile4<const M: usize>(
+unsafe fn tile_grouped<const INT4: bool, const M: usize>(
     x: *const bf16,
     chunk: Chunk,
     wide: *const bf16,
@@ -431,7 +457,7 @@ unsafe fn tile4<const M: usize>(
                     *d = _mm512_dpbf16_ps(*d, wv, both(x.add(m * stride + 2 * p)));
                 }
             }
-            let (scale, zero) = group_params(w, g);
+            let (scale, zero) = group_params::<INT4>(w, g);
             for (m, (a, d)) in acc.iter_mut().zip(dots).enumerate() {
                 *a = _mm512_fmadd_ps(scale, d, *a);
                 *a = _mm512_fmadd_ps(zero, _mm512_set1_ps(*group_sums.add(m * groups + g)), *a);

@@ -21,6 +21,9 @@
 //!   sum over the group: `x · w = scale · (x · (128 + q)) + (zero - 136 · scale) · Σx`. Rounding
 //!   `w` itself to bf16 instead, as a first version did, moved SmolLM2's logits enough to flip a
 //!   near-tied greedy token against torch's kernel, which keeps `w` in f32.
+//! - `Format::GroupedInt8`: int8's pairs with int4's groups, `w = q · scale + zero` (`q` any
+//!   int8), for blocks of 5 to 8 bits with a scale (and offset) per 16 or 32 inputs, such as
+//!   GGUF's Q8_0, Q5_* and Q6_K: `x · w = scale · (x · q) + zero · Σx`.
 //!
 //! - A few rows (`FUSED_ROWS`): the weight is widened pair by pair in registers and used at once.
 //! - More rows: each block is widened into a thread's scratch (18 KiB for a 576-wide input), then
@@ -54,28 +57,38 @@ pub enum Format {
     Int4 {
         group: usize,
     },
+    /// int8 values with a scale and a zero per `group` inputs (even) and column.
+    GroupedInt8 {
+        group: usize,
+    },
 }
 
 impl Format {
     /// Bytes of a block's pair.
     pub fn pair_bytes(self) -> usize {
         match self {
-            Format::Int8 => 2 * COLS,
+            Format::Int8 | Format::GroupedInt8 { .. } => 2 * COLS,
             Format::Int4 { .. } => COLS,
+        }
+    }
+
+    /// Inputs per group of scales and zeros (none: a scale per column).
+    pub fn group(self) -> Option<usize> {
+        match self {
+            Format::Int8 => None,
+            Format::Int4 { group } | Format::GroupedInt8 { group } => Some(group),
         }
     }
 
     /// Pairs per group of scales (an int8 block is one group).
     fn group_pairs(self, pairs: usize) -> usize {
-        match self {
-            Format::Int8 => pairs,
-            Format::Int4 { group } => group / 2,
-        }
+        self.group().map_or(pairs, |group| group / 2)
     }
 }
 
-/// A linear packed for this kernel (module docs). `groups`: int4's scales and zeros, `[blocks][k
-/// / group][2][COLS]` (empty for int8); `scales` (int8's per column; ones for int4) and `bias`
+/// A linear packed for this kernel (module docs). `groups`: the grouped formats' scales and
+/// zeros, `[blocks][k / group][2][COLS]` (empty for int8); `scales` (int8's per column; ones for
+/// the grouped formats) and `bias`
 /// are f32 and padded to whole blocks (the padding's values are never stored).
 #[derive(Debug, Clone, Copy)]
 pub struct QuantWeight<'a> {
@@ -100,20 +113,17 @@ impl QuantWeight<'_> {
 
     /// Values of `groups` per block.
     fn group_len(&self) -> usize {
-        match self.format {
-            Format::Int8 => 0,
-            Format::Int4 { group } => self.k / group * 2 * COLS,
-        }
+        self.format.group().map_or(0, |group| self.k / group * 2 * COLS)
     }
 
     pub fn check(&self) -> Result<()> {
         let (n, k) = (self.n, self.k);
         ensure!(n > 0 && k > 0, Shape, "a linear's weight must not be empty, got [{n}, {k}]");
-        if let Format::Int4 { group } = self.format {
+        if let Some(group) = self.format.group() {
             ensure!(
                 group > 0 && group.is_multiple_of(2) && k.is_multiple_of(group),
                 Shape,
-                "int4 groups must be even and divide the input width {k}, got {group}"
+                "groups must be even and divide the input width {k}, got {group}"
             );
         }
         let padded = self.blocks() * COLS;
@@ -144,10 +154,10 @@ impl Gemv {
         let path = self.path();
         let simd = path != Path::Scalar;
         let spread = if simd { Rows::spread(x, rows, k) } else { None };
-        let group_sums = match (weight.format, path) {
+        let group_sums = match (weight.format.group(), path) {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the path was checked when it was chosen (`Gemv::new`).
-            (Format::Int4 { group }, Path::Avx512Bf16) => unsafe { avx512::group_sums(x, k, group) },
+            (Some(group), Path::Avx512Bf16) => unsafe { avx512::group_sums(x, k, group) },
             _ => Vec::new(),
         };
         let x = match &spread {
@@ -172,7 +182,7 @@ impl Gemv {
     }
 }
 
-/// One block of a packed weight: its pairs (and int4's groups), its columns' scales and bias,
+/// One block of a packed weight: its pairs (and the grouped formats' groups), its columns' scales and bias,
 /// and where its columns start in the output (`cols` of them are real).
 struct Block<'a> {
     format: Format,
@@ -184,8 +194,8 @@ struct Block<'a> {
     cols: usize,
 }
 
-/// The rows of `x`, `stride` values apart, and for int4 each row's sum over each group of
-/// inputs (`[rows][k / group]`; empty otherwise).
+/// The rows of `x`, `stride` values apart, and for the grouped formats each row's sum over each
+/// group of inputs (`[rows][k / group]`; empty otherwise).
 #[derive(Clone, Copy)]
 struct Rows<'a> {
     x: &'a [bf16],

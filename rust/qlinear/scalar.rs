@@ -1,5 +1,5 @@
-//! The reference: each weight in f32 (int8's `q`, int4's `(q - 8) · scale + zero`), each product
-//! in f32, summed in input order.
+//! The reference: each weight in f32 (int8's `q`, int4's `(q - 8) · scale + zero`, grouped
+//! int8's `q · scale + zero`), each product in f32, summed in input order.
 
 use half::bf16;
 
@@ -21,17 +21,24 @@ pub(super) unsafe fn block(x: &[bf16], rows: usize, k: usize, w: &Block<'_>, out
 }
 
 /// Column `c`'s weight at input `i`: int8's `q` (its scale comes after the sum), int4's `(q - 8)
-/// · scale + zero` in f32.
+/// · scale + zero` and grouped int8's `q · scale + zero` in f32.
 fn weight(w: &Block<'_>, c: usize, i: usize) -> f32 {
     let (p, lane) = (i / 2, 2 * c + i % 2);
+    let params = |group: usize| {
+        let g = &w.groups[i / group * 2 * COLS..];
+        (g[c].to_f32(), g[COLS + c].to_f32())
+    };
     match w.format {
         Format::Int8 => f32::from(w.q[p * 2 * COLS + lane] as i8),
         Format::Int4 { group } => {
             let byte = w.q[p * COLS + lane % COLS];
             let q = if lane < COLS { byte & 15 } else { byte >> 4 };
-            let g = &w.groups[i / group * 2 * COLS..];
-            let (scale, zero) = (g[c].to_f32(), g[COLS + c].to_f32());
+            let (scale, zero) = params(group);
             f32::from(q).mul_add(scale, (-8.0f32).mul_add(scale, zero))
+        }
+        Format::GroupedInt8 { group } => {
+            let (scale, zero) = params(group);
+            f32::from(w.q[p * 2 * COLS + lane] as i8).mul_add(scale, zero)
         }
     }
 }

@@ -83,6 +83,12 @@ impl Case {
                 let groups = xs(padded / COLS * (k / group) * 2 * COLS, seed + 2);
                 (pack4(&q, n, k), q, groups, vec![1.0; padded])
             }
+            Format::GroupedInt8 { group } => {
+                // Every int8, -128 included.
+                let q: Vec<i8> = noise(n * k, seed + 1).map(|v| v as u8 as i8).collect();
+                let groups = xs(padded / COLS * (k / group) * 2 * COLS, seed + 2);
+                (pack8(&q, n, k), q, groups, vec![1.0; padded])
+            }
         };
         Case { format, x: xs(rows * k, seed), q, packed, groups, scales, bias, rows, n, k }
     }
@@ -100,15 +106,18 @@ impl Case {
     }
 
     /// Column `c`'s weight at input `i` in f64, and a bound on how far what the kernels sum is
-    /// from it (int4: the f32 roundings of its terms, and of the group sums offset by `128 · Σx`
-    /// that the SIMD path cancels, within a bf16 step of each product).
+    /// from it (the grouped formats: the f32 roundings of its terms, and of int4's group sums
+    /// offset by `128 · Σx` that the SIMD path cancels, within a bf16 step of each product).
     fn weight_at(&self, c: usize, i: usize) -> (f64, f64) {
         let q = f64::from(self.q[c * self.k + i]);
-        let Format::Int4 { group } = self.format else { return (q, 0.0) };
+        let Some(group) = self.format.group() else { return (q, 0.0) };
         let g = &self.groups[((c / COLS) * (self.k / group) + i / group) * 2 * COLS..];
         let (scale, zero) = (f64::from(g[c % COLS].to_f32()), f64::from(g[COLS + c % COLS].to_f32()));
-        let w = (q - 8.0) * scale + zero;
-        (w, w.abs() * 2f64.powi(-8) + (zero.abs() + 23.0 * scale.abs()) * 2f64.powi(-22))
+        let (w, offset) = match self.format {
+            Format::Int4 { .. } => ((q - 8.0) * scale + zero, 23.0),
+            _ => (q * scale + zero, 0.0),
+        };
+        (w, w.abs() * 2f64.powi(-8) + (zero.abs() + offset * scale.abs()) * 2f64.powi(-22))
     }
 
     /// Each output in f64 before its one rounding to bf16, and the bound on the f32 result's
@@ -174,11 +183,22 @@ fn every_path_matches_the_f64_outputs() {
         ] {
             Case::new(rows, n, k, (rows * 1000 + n * 10 + k) as u64).check(path, 1);
         }
-        // int4: groups of 2 to 128 inputs, one group to many, both kernels and several tiles.
-        for (rows, n, k, group) in
-            [(1, 16, 2, 2), (2, 17, 64, 32), (4, 40, 576, 64), (5, 16, 8, 4), (13, 33, 256, 128), (30, 20, 1024, 128)]
-        {
-            Case::with(Format::Int4 { group }, rows, n, k, (rows * 1000 + n * 10 + k) as u64).check(path, 1);
+        // The grouped formats: groups of 2 to 128 inputs, one group to many, both kernels and
+        // several tiles.
+        for (rows, n, k, group) in [
+            (1, 16, 2, 2),
+            (2, 17, 64, 32),
+            (4, 40, 576, 64),
+            (5, 16, 8, 4),
+            (3, 20, 96, 16),
+            (13, 33, 256, 128),
+            (30, 20, 1024, 128),
+            (7, 18, 512, 16),
+        ] {
+            let seed = (rows * 1000 + n * 10 + k) as u64;
+            for format in [Format::Int4 { group }, Format::GroupedInt8 { group }] {
+                Case::with(format, rows, n, k, seed).check(path, 1);
+            }
         }
     }
 }
@@ -221,6 +241,12 @@ fn run_refuses_shapes_that_do_not_fit() {
     assert!(gemm.run_quantized(&case.x, groups, &mut out).is_err(), "groups too short");
     let odd = QuantWeight { format: Format::Int4 { group: 3 }, ..case.weight() };
     assert!(gemm.run_quantized(&case.x, odd, &mut out).is_err(), "an odd group");
+    let case = Case::with(Format::GroupedInt8 { group: 4 }, 2, 3, 8, 1);
+    assert!(gemm.run_quantized(&case.x, case.weight(), &mut out).is_ok());
+    let wider = QuantWeight { format: Format::GroupedInt8 { group: 16 }, ..case.weight() };
+    assert!(gemm.run_quantized(&case.x, wider, &mut out).is_err(), "a group wider than the input");
+    let int4 = QuantWeight { format: Format::Int4 { group: 4 }, ..case.weight() };
+    assert!(gemm.run_quantized(&case.x, int4, &mut out).is_err(), "int8 bytes read as int4's");
 }
 
 proptest! {
@@ -236,5 +262,13 @@ proptest! {
     ) {
         let group = 2 * half_group;
         Case::with(Format::Int4 { group }, rows, n, group * groups, seed).check(Path::best(), 1);
+    }
+
+    #[test]
+    fn the_best_path_matches_the_f64_grouped_int8_outputs(
+        rows in 1usize..40, n in 1usize..50, groups in 1usize..6, half_group in 1usize..40, seed in 0u64..1000,
+    ) {
+        let group = 2 * half_group;
+        Case::with(Format::GroupedInt8 { group }, rows, n, group * groups, seed).check(Path::best(), 1);
     }
 }

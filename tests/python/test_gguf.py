@@ -49,10 +49,12 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _tensor(
-    rng: np.random.Generator, shape: tuple[int, int], qtype: str, realistic: bool = False
+    rng: np.random.Generator, shape: tuple[int, int], qtype: str, realistic: bool = False, pow2: bool = False
 ) -> tuple[np.ndarray, Q | None]:
     """A tensor of ``shape`` stored as ``qtype``: floats, or random blocks with sane scales
-    (``realistic``: normal floats quantized by ``gguf``, for the types it quantizes)."""
+    (``realistic``: normal floats quantized by ``gguf``, for the types it quantizes; ``pow2``:
+    scales, and Q6_K's sub-scales, that are powers of two, so that Q8_0's, Q5_*'s and Q6_K's
+    weights are exact in bfloat16)."""
     if qtype in ("F32", "F16"):
         return (rng.standard_normal(shape) * 0.05).astype(np.float32 if qtype == "F32" else np.float16), None
     if qtype == "BF16" or (realistic and qtype in ("Q4_0", "Q4_1", "Q8_0")):
@@ -63,7 +65,12 @@ def _tensor(
     blocks = rng.integers(0, 256, (shape[0] * shape[1] // block, size), dtype=np.uint8)
     for off in _F16_FIELDS[qtype]:
         scale = (rng.uniform(0.2, 1.0, len(blocks)) * _SCALE_SIZE.get(qtype, 0.01)).astype(np.float16)
+        if pow2:
+            scale = np.exp2(np.round(np.log2(scale.astype(np.float32)))).astype(np.float16)
         blocks[:, off : off + 2] = scale.view(np.uint8).reshape(-1, 2)
+    if pow2 and qtype == "Q6_K":
+        sub = rng.choice(np.array([1, 2, 4, 8, -1, -2, -4, -8], dtype=np.int8), (len(blocks), 16))
+        blocks[:, 192:208] = sub.view(np.uint8)
     return blocks.reshape(shape[0], -1), Q[qtype]
 
 
@@ -75,10 +82,11 @@ def write_gguf(
     rope_freqs: np.ndarray | None = None,
     rope_factors: tuple[np.ndarray, np.ndarray] | None = None,
     realistic: bool = False,
+    pow2: bool = False,
 ) -> Path:
     """A tiny GGUF of ``arch`` (Qwen3's with q/k norms, Qwen3-MoE's with stacked experts, Phi-3's
     with fused projections, Gemma's with four norms per layer and a window) with a byte-level
-    tokenizer; 2-D tensors cycle through ``types`` (``realistic``: see ``_tensor``)."""
+    tokenizer; 2-D tensors cycle through ``types`` (``realistic``, ``pow2``: see ``_tensor``)."""
     rng = np.random.default_rng(seed)
     types = types or QUANT_TYPES
     w = gguf.GGUFWriter(str(path), arch)
@@ -130,10 +138,10 @@ def write_gguf(
 
     def add(name: str, shape: tuple[int, ...]) -> None:
         if len(shape) == 3:  # stacked experts: one type for the whole tensor
-            parts = [_tensor(rng, shape[1:], qtype, realistic) for qtype in [next(kinds)] * shape[0]]
+            parts = [_tensor(rng, shape[1:], qtype, realistic, pow2) for qtype in [next(kinds)] * shape[0]]
             w.add_tensor(name, np.stack([d for d, _ in parts]), raw_dtype=parts[0][1])
             return
-        data, raw_dtype = _tensor(rng, shape, next(kinds), realistic)
+        data, raw_dtype = _tensor(rng, shape, next(kinds), realistic, pow2)
         w.add_tensor(name, data, raw_dtype=raw_dtype)
 
     for name in ("token_embd.weight",) if gemma else ("token_embd.weight", "output.weight"):  # Gemma ties

@@ -146,10 +146,12 @@ MODES = {
 }
 
 
-def tokens_and_count(model: Path, kind: type, offload: str, **kw: object) -> tuple[list[list[int]], int]:
-    """Greedy tokens of ``PROMPTS`` on ``model`` in float32, in ``MODES[offload]`` (every block
+def tokens_and_count(
+    model: Path, kind: type, offload: str, dtype: str = "float32", **kw: object
+) -> tuple[list[list[int]], int]:
+    """Greedy tokens of ``PROMPTS`` on ``model`` in ``dtype``, in ``MODES[offload]`` (every block
     back in its pool after), and how many ``kind`` modules its model holds."""
-    with LLM(str(model), dtype="float32", **MODES[offload], **kw) as llm:
+    with LLM(str(model), dtype=dtype, **MODES[offload], **kw) as llm:
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert_all_blocks_free(llm.engine)
         count = sum(isinstance(m, kind) for m in llm.engine.runner.model.modules())

@@ -1,6 +1,7 @@
-"""Our Rust kernel for int8 and int4 weights (``_core.QuantGemm``, run by ``quant.Int8Linear`` and
-``quant.Int4Linear`` in bf16 on a CPU with AVX512_BF16): the float32 sums of ``x`` by the weight
-(int8's and int4's scales applied to float32 sums), rounded once, for any number of rows (the
+"""Our Rust kernel for int8, int4 and grouped int8 weights (``_core.QuantGemm``, run by
+``quant.Int8Linear``, ``quant.Int4Linear`` and ``quant.GroupedInt8Linear`` in bf16 on a CPU with
+AVX512_BF16): the float32 sums of ``x`` by the weight (the scales and zeros applied to float32
+sums), rounded once, for any number of rows (the
 fused path up to 4, the tiled path past it, tiles split evenly); the same bits on any number of
 threads; typed errors; and the engine's quantized linears running it, eager and compiled."""
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from neo_rs import LLM, SamplingParams
+from neo_rs import LLM, InvalidArgumentError, SamplingParams
 from neo_rs._core import QuantGemm
 from neo_rs.errors import DTypeError, ShapeError
 from neo_rs.model.graph_ops import bound_linears, number_linears
@@ -49,45 +50,63 @@ def _int8(n: int, k: int, bias: bool, seed: int, path: str | None = None, thread
     return gemm, lin.weight.float() * lin.scales[:, None], lin.bias
 
 
-def _int4(n: int, k: int, group: int, bias: bool, seed: int, path: str | None = None, threads: int = 2):  # noqa: ANN202
+def _grouped(
+    n: int, k: int, group: int, bits: int, bias: bool, seed: int, path: str | None = None, threads: int = 2
+):  # noqa: ANN202
+    """``bits`` 4: the linear quantized to int4; 8: any int8 values, a scale and an offset per group."""
     lin = _linear(n, k, bias, seed)
-    q, scale, zero = quantize_int4(lin.weight, group)
+    if bits == 4:
+        q, scale, zero = quantize_int4(lin.weight, group)
+        packed, values = pack_int4(q), q.float() - 8
+    else:
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+        scale, zero = (
+            torch.rand(n, k // group, generator=g) * 1e-3,
+            torch.randn(n, k // group, generator=g) * 1e-2,
+        )
+        packed, values = pack_int8(q), q.float()
     s, z = scale.bfloat16(), zero.bfloat16()
     blocks = -(-n // 16)
     groups = torch.zeros(blocks * 16, k // group, 2, dtype=torch.bfloat16)
     groups[:n, :, 0], groups[:n, :, 1] = s, z
     groups = groups.view(blocks, 16, k // group, 2).permute(0, 2, 3, 1).contiguous()
-    gemm = QuantGemm.int4(
-        pack_int4(q), groups, lin.bias, n=n, k=k, group=group, num_threads=threads, path=path
+    gemm = QuantGemm.grouped(
+        packed, groups, lin.bias, n=n, k=k, group=group, bits=bits, num_threads=threads, path=path
     )
-    w = (q.float() - 8).view(n, -1, group) * s.float()[..., None] + z.float()[..., None]
+    w = values.view(n, -1, group) * s.float()[..., None] + z.float()[..., None]
     return gemm, w.view(n, k), lin.bias
 
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "grouped int8"])
 def test_the_kernel_sums_by_the_quantized_weight(path: str, bias: bool, fmt: str) -> None:
-    # A partial block of columns; int8 with an odd input width, int4 with groups of 32.
+    # A partial block of columns; int8 with an odd input width, int4 in groups of 32, grouped
+    # int8 in 16s (Q6_K's).
     n, k = 83, (201 if fmt == "int8" else 192)
-    gemm, w, b = _int8(n, k, bias, 0, path) if fmt == "int8" else _int4(n, k, 32, bias, 0, path)
+    if fmt == "int8":
+        gemm, w, b = _int8(n, k, bias, 0, path)
+    else:
+        gemm, w, b = _grouped(n, k, 32 if fmt == "int4" else 16, 4 if fmt == "int4" else 8, bias, 0, path)
     assert gemm.path == path
     for rows in (1, 2, 4, 5, 13, 16, 40):  # fused; tiled: one tile, two even ones, several
         x = torch.randn(rows, k, dtype=torch.bfloat16)
         out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16)
         gemm.forward(x, out)
-        _close(out, x, w, b, widened=fmt == "int4")
+        _close(out, x, w, b, widened=fmt != "int8")
 
 
 @pytest.mark.parametrize("rows", [1, 24])
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "grouped int8"])
 def test_threads_split_the_blocks_without_changing_a_bit(rows: int, fmt: str) -> None:
     x = torch.randn(rows, 96, dtype=torch.bfloat16)
     outs = []
     for threads in (1, 2, 3):  # 63 blocks of 16 columns, the last short
-        gemm = (_int8 if fmt == "int8" else lambda *a, **kw: _int4(1000, 96, 32, *a[2:], **kw))(
-            1000, 96, False, 1, threads=threads
-        )[0]
+        if fmt == "int8":
+            gemm = _int8(1000, 96, False, 1, threads=threads)[0]
+        else:
+            gemm = _grouped(1000, 96, 32, 4 if fmt == "int4" else 8, False, 1, threads=threads)[0]
         out = torch.empty(rows, 1000, dtype=torch.bfloat16)
         gemm.forward(x, out)
         outs.append(out)
@@ -109,13 +128,19 @@ def test_refuses_what_it_cannot_take() -> None:
         QuantGemm.int8(packed, scales, torch.zeros(7, dtype=torch.bfloat16), n=8, k=16, num_threads=1)
     groups = torch.zeros(1, 1, 2, 16, dtype=torch.bfloat16)
     packed4 = torch.zeros(1, 8, 16, dtype=torch.uint8)
-    assert QuantGemm.int4(packed4, groups, n=8, k=16, group=16, num_threads=1).path
+    assert QuantGemm.grouped(packed4, groups, n=8, k=16, group=16, bits=4, num_threads=1).path
     with pytest.raises(ShapeError, match="group 5 must be even"):
-        QuantGemm.int4(packed4, groups, n=8, k=16, group=5, num_threads=1)
+        QuantGemm.grouped(packed4, groups, n=8, k=16, group=5, bits=4, num_threads=1)
     with pytest.raises(DTypeError, match="packed must be UInt8"):
-        QuantGemm.int4(packed4.view(torch.int8), groups, n=8, k=16, group=16, num_threads=1)
+        QuantGemm.grouped(packed4.view(torch.int8), groups, n=8, k=16, group=16, bits=4, num_threads=1)
     with pytest.raises(ShapeError, match="groups must have shape"):
-        QuantGemm.int4(packed4, groups, n=8, k=16, group=8, num_threads=1)
+        QuantGemm.grouped(packed4, groups, n=8, k=16, group=8, bits=4, num_threads=1)
+    packed8 = torch.zeros(1, 8, 16, 2, dtype=torch.int8)
+    assert QuantGemm.grouped(packed8, groups, n=8, k=16, group=16, bits=8, num_threads=1).path
+    with pytest.raises(DTypeError, match="packed must be Int8"):
+        QuantGemm.grouped(packed4, groups, n=8, k=16, group=16, bits=8, num_threads=1)
+    with pytest.raises(InvalidArgumentError, match="bits must be 4 or 8, got 5"):
+        QuantGemm.grouped(packed8, groups, n=8, k=16, group=16, bits=5, num_threads=1)
     with pytest.raises(DTypeError):
         gemm.forward(x.float(), out)
     with pytest.raises(ShapeError):

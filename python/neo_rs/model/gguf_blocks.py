@@ -1,9 +1,16 @@
-"""GGUF's 4-bit block types kept quantized (``--quantization gguf``, inferred for a ``.gguf``
-model): Q4_0, Q4_1 and Q4_K store each block of 32 weights of a row as 4-bit values ``q`` with
-one scale and one offset (Q4_K's come from its super-block's 6-bit sub-scales), which is exactly
-``Int4Linear``'s form in groups of 32, ``w = (q - 8) * scale + zero``. So the decoder linears
-whose every part the file stores so are rebuilt from the file's blocks, with no requantization
-(the scales in the model dtype); the others keep the weights the conversion dequantized.
+"""GGUF's block types kept quantized (``--quantization gguf``, inferred for a ``.gguf`` model):
+- Q4_0, Q4_1 and Q4_K store each block of 32 weights of a row as 4-bit values ``q`` with one
+  scale and one offset (Q4_K's come from its super-block's 6-bit sub-scales), which is exactly
+  ``Int4Linear``'s form in groups of 32, ``w = (q - 8) * scale + zero``;
+- Q8_0, Q5_0, Q5_1, Q5_K (groups of 32) and Q6_K (of 16) store values of 5 to 8 bits with a
+  scale (and Q5_1's and Q5_K's offset) per group: ``GroupedInt8Linear``'s ``w = q * scale +
+  zero`` with ``q`` an int8. Only our CPU kernel runs that form (``quant_kernel_applies``);
+  elsewhere these types are dequantized at load, and the log says so.
+
+So the decoder linears whose every part the file stores in a kept type are rebuilt from the
+file's blocks, with no requantization (the scales in the model dtype; a linear with 4- and 6-bit
+parts, as Q4_K_M files fuse, as grouped int8 in groups of 16); the others keep the weights the
+conversion dequantized.
 
 The loader reads the converted checkpoint (``gguf.py``) but for the linears kept here
 (``GgufBlocks.weights``), which it leaves unallocated; ``GgufBlocks.keep`` then builds them from
@@ -29,11 +36,13 @@ from neo_rs.model.gguf import (
     weight_tensors,
 )
 from neo_rs.model.prequantized import build_linears, linear_parts
-from neo_rs.model.quant import Int4Blocks, decoder_linears
+from neo_rs.model.quant import Int4Blocks, Int8Blocks, decoder_linears
 from neo_rs.parallel.shards import TpShard
 
 GROUP = 32
-KEPT_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+INT8_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
+KEPT_TYPES = INT4_TYPES + INT8_TYPES
 
 
 def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -74,13 +83,77 @@ def int4_blocks(tensor: Any) -> Int4Blocks:
     )
 
 
-class GgufBlocks:
-    """GGUF ``path``'s 4-bit blocks for rank ``shard``: ``weights``, our weights
-    (``layers.N.qkv_proj.weight``...) whose every part the file stores in a kept type, for the
-    loader to leave unallocated; then ``keep`` builds those linears. The file is opened once (its
-    metadata takes seconds to parse)."""
+def _five_bits(low: np.ndarray, high: np.ndarray, count: int) -> np.ndarray:
+    """Q5_0/Q5_1's 32 values a block (uint8 ``[n, 32]``): element ``j``'s low 4 bits in byte
+    ``j % 16`` of ``low`` (its high nibble from 16 on), its fifth in bit ``j`` of ``high``'s
+    little-endian 32 bits."""
+    nibbles = (low.reshape(-1, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)) & 0x0F
+    bits = (high.copy().view("<u4") >> np.arange(count, dtype=np.uint32)) & 1
+    return nibbles.reshape(-1, count) | (bits.astype(np.uint8) << 4)
 
-    def __init__(self, path: str | Path, cfg: ModelConfig, shard: TpShard) -> None:
+
+def int8_blocks(tensor: Any) -> Int8Blocks:
+    """A Q8_0, Q5_0, Q5_1, Q5_K or Q6_K tensor of ``[rows, cols]`` as ``(q, scale, zero)``: ``q``
+    int8 ``[rows, cols]``, ``scale`` and ``zero`` float32 ``[rows, cols / group]`` (groups of
+    32, Q6_K's of 16), such that ``q * scale + zero`` is what ``gguf`` dequantizes (exactly, in
+    float32: the same products, and Q5_K's offset subtracted as it subtracts it)."""
+    kind = tensor.tensor_type.name
+    rows = int(tensor.shape[-1])
+    raw = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1)
+    if kind == "Q8_0":  # d, then 32 int8
+        blocks = raw.reshape(-1, 34)
+        q = blocks[:, 2:].view(np.int8)
+        scale, zero = _f16(blocks, 0), np.zeros((len(blocks), 1), np.float32)
+    elif kind in ("Q5_0", "Q5_1"):  # d (and Q5_1's m), 4 bytes of fifth bits, 16 of nibbles
+        at = 2 if kind == "Q5_0" else 4
+        blocks = raw.reshape(-1, at + 20)
+        q = _five_bits(blocks[:, at + 4 :], blocks[:, at : at + 4], 32).astype(np.int8)
+        scale = _f16(blocks, 0)
+        if kind == "Q5_0":
+            q, zero = q - 16, np.zeros_like(scale)
+        else:
+            zero = _f16(blocks, 2)
+    elif kind == "Q5_K":
+        # Super-blocks of 256: d, dmin, 12 bytes of 6-bit sub-scales and mins, 32 bytes of fifth
+        # bits (bit s of byte j: sub-block s's element j), 128 of nibbles as Q4_K's.
+        from gguf.quants import Q4_K
+
+        blocks = raw.reshape(-1, 176)
+        sc, mn = Q4_K.get_scale_min(blocks[:, 4:16])
+        scale = _f16(blocks, 0) * sc.astype(np.float32)
+        zero = -(_f16(blocks, 2) * mn.astype(np.float32))
+        low = (
+            blocks[:, 48:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        ) & 0x0F
+        high = (blocks[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+        q = (low.reshape(-1, 8, 32) | high << 4).astype(np.int8)
+    else:  # Q6_K: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 sub-scales, d
+        blocks = raw.reshape(-1, 210)
+        low = (
+            blocks[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        ) & 0x0F
+        high = (
+            blocks[:, 128:192].reshape(-1, 2, 1, 32)
+            >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+        ) & 3
+        q = (low.reshape(-1, 8, 32) | high.reshape(-1, 8, 32) << 4).astype(np.int8) - 32
+        scale = _f16(blocks, 208) * blocks[:, 192:208].view(np.int8).astype(np.float32)
+        zero = np.zeros_like(scale)
+    q_t, scale_t, zero_t = (
+        torch.from_numpy(np.ascontiguousarray(a).reshape(rows, -1)) for a in (q, scale, zero)
+    )
+    return Int8Blocks(q_t, scale_t, zero_t)
+
+
+class GgufBlocks:
+    """GGUF ``path``'s blocks for rank ``shard``: ``weights``, our weights
+    (``layers.N.qkv_proj.weight``...) whose every part the file stores in a kept type (the 5- to
+    8-bit ones only where ``grouped_int8``: our kernel runs), for the loader to leave
+    unallocated; then ``keep`` builds those linears. ``dequantized_types``: the file's 5- to 8-bit
+    types of decoder linears left to the loader for want of the kernel. The file is opened once
+    (its metadata takes seconds to parse)."""
+
+    def __init__(self, path: str | Path, cfg: ModelConfig, shard: TpShard, grouped_int8: bool) -> None:
         reader = open_gguf(path)
         self.permuted = GGUF_MODEL_TYPES[architecture(reader)] in PERMUTED_QK
         self.heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
@@ -92,23 +165,26 @@ class GgufBlocks:
             if kind is not None and name.endswith(".weight")
         }
         self.parts = linear_parts(cfg, shard, ((name, key) for key, (name, _, _) in self.tensors.items()))
-        self.weights = {
-            f"{ours}.weight"
+        self.kept_types = KEPT_TYPES if grouped_int8 else INT4_TYPES
+        types = {
+            ours: {self.tensors[key][1].tensor_type.name for _, key in found}
             for ours, found in self.parts.items()
-            if all(self.tensors[key][1].tensor_type.name in KEPT_TYPES for _, key in found)
         }
+        self.weights = {f"{ours}.weight" for ours, kinds in types.items() if kinds <= set(self.kept_types)}
+        self.dequantized_types = sorted(set().union(*types.values()) & set(KEPT_TYPES) - set(self.kept_types))
 
     def _read(self, key: str) -> Int4Blocks | None:
         _, tensor, kind = self.tensors[key]
-        if tensor.tensor_type.name not in KEPT_TYPES:
+        name = tensor.tensor_type.name
+        if name not in self.kept_types:
             return None
-        blocks = int4_blocks(tensor)
+        blocks = int4_blocks(tensor) if name in INT4_TYPES else int8_blocks(tensor)
         if self.permuted and kind in self.heads:  # rows: each row's groups move with it
-            return Int4Blocks(*(unpermute_qk(b, self.heads[kind]) for b in blocks[:3]))
+            return type(blocks)(*(unpermute_qk(b, self.heads[kind]) for b in blocks[:3]))
         return blocks
 
     def keep(self, model: nn.Module) -> tuple[int, int]:
-        """Build each of ``model``'s linears ``weights`` names as an ``Int4Linear`` of the file's
-        blocks; returns (kept, left as floats)."""
+        """Build each of ``model``'s linears ``weights`` names from the file's blocks
+        (``quant.kept_linear``); returns (kept, left as floats)."""
         kept, _, _ = build_linears(model, self.parts, self._read, keep=True)
         return kept, len(list(decoder_linears(model)))

@@ -31,7 +31,7 @@ from torch import nn
 from neo_rs._core import Bf16Linear
 from neo_rs.model.graph_ops import GraphLinear
 from neo_rs.model.moe import SparseMoe
-from neo_rs.model.quant import Int4Linear, Int8Linear
+from neo_rs.model.quant import GroupedInt8Linear, Int4Linear, Int8Linear
 
 # Rows up to which the Rust kernel beats oneDNN's packed GEMM on SmolLM2's shapes (at 4 rows
 # they are level, beyond it oneDNN's blocking wins): ``benches/gemv.py``.
@@ -91,7 +91,11 @@ def pack_linears(model: nn.Module, rows: int, gemv_threads: int | None = None) -
             if isinstance(child, nn.Linear):
                 setattr(parent, name, PackedLinear(child, rows, gemv_threads=gemv_threads))
                 count += 1
-            elif isinstance(child, Int8Linear | Int4Linear) and child.gemm is not None and gemv_threads:
+            elif (
+                isinstance(child, Int8Linear | Int4Linear | GroupedInt8Linear)
+                and child.gemm is not None
+                and gemv_threads
+            ):
                 child.use_threads(gemv_threads)
         if isinstance(parent, SparseMoe):
             parent.pack(PackedLinear, rows)

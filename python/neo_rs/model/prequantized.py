@@ -1,5 +1,6 @@
 """Decoder linears built from a checkpoint's tensors rather than loaded as floats: from its own
-4-bit weights (a GGUF's blocks, GPTQ or AWQ tensors), each read as ``Int4Blocks``, or quantized
+quantized weights (a GGUF's blocks, GPTQ or AWQ tensors), each read as ``Int4Blocks`` (or a GGUF's
+5- to 8-bit blocks as ``Int8Blocks``), or quantized
 at load from its float weights one linear at a time (``quantize_at_load``). Every source is
 placed as the loader places a float weight (the parts of a fused linear, a tensor-parallel rank's
 rows or columns), so that no other placement logic exists."""
@@ -18,7 +19,7 @@ from torch import nn
 from neo_rs.config import ModelConfig
 from neo_rs.errors import ModelLoadError
 from neo_rs.model.loader import Placement, placements, quantizable
-from neo_rs.model.quant import INT4_ROWS, Int4Blocks, Int4Linear, decoder_linears
+from neo_rs.model.quant import INT4_ROWS, Int4Blocks, common_form, decoder_linears, kept_linear
 from neo_rs.parallel.shards import TpShard
 
 Key = TypeVar("Key", bound=Hashable)
@@ -90,11 +91,11 @@ def linear_parts(cfg: ModelConfig, shard: TpShard, weights: Iterable[tuple[str, 
 def build_linears(
     model: nn.Module, parts: Parts[Key], read: Callable[[Key], Int4Blocks | None], keep: bool
 ) -> tuple[int, int, set[str]]:
-    """Each decoder linear of ``model`` whose every part ``read`` gives blocks (of one group size
-    and column order): an ``Int4Linear`` of them where ``keep`` and the kernel takes its shape (a
-    rank's columns starting on a group and in order, rows in 16s), else their dequantized weight
-    in its float weight (allocated here where the loader left it on meta). Returns (kept,
-    dequantized, the names of the linears built)."""
+    """Each decoder linear of ``model`` whose every part ``read`` gives blocks (of one column
+    order, and groups that nest: ``quant.common_form``): a linear of them (``quant.kept_linear``)
+    where ``keep`` and the kernel takes its shape (a rank's columns starting on a group and in
+    order, rows in 16s), else their dequantized weight in its float weight (allocated here where
+    the loader left it on meta). Returns (kept, dequantized, the names of the linears built)."""
     kept = dequantized = 0
     built: set[str] = set()
     home = model_home(model)
@@ -108,7 +109,10 @@ def build_linears(
         if not found or len(blocks) < len(read_once):
             continue
         check_rows(qualified, found, linear.out_features)
-        first = blocks[0]
+        common = common_form(blocks)
+        if common is not None:  # each key's blocks in that form
+            read_once.update(zip(list(read_once), common, strict=True))
+        first = (common or blocks)[0]
         one_order = all(_same_order(b.order, first.order) for b in blocks)
         # A row-parallel rank's share of the input columns, where it is not all of them.
         split = [
@@ -119,8 +123,8 @@ def build_linears(
             and (p.src[1].start, p.src[1].stop) != (0, _read(read_once, key).q.shape[1])
         ]
         fits = all(c.start % first.group == 0 for c in split) and not (split and first.order is not None)
-        if keep and one_order and fits and linear.out_features % INT4_ROWS == 0:
-            q = torch.empty(linear.out_features, linear.in_features, dtype=torch.uint8)
+        if keep and common is not None and one_order and fits and linear.out_features % INT4_ROWS == 0:
+            q = torch.empty(linear.out_features, linear.in_features, dtype=first.q.dtype)
             scale = torch.empty(linear.out_features, linear.in_features // first.group)
             zero = torch.empty_like(scale)
             for place, key in found:
@@ -128,7 +132,7 @@ def build_linears(
                 place_part(q, part.q, place, 1)
                 place_part(scale, part.scale, place, first.group)
                 place_part(zero, part.zero, place, first.group)
-            setattr(parent, attr, Int4Linear(linear, Int4Blocks(q, scale, zero, first.order), home))
+            setattr(parent, attr, kept_linear(linear, type(first)(q, scale, zero, first.order), home))
             kept += 1
         else:
             weight = float_weight(linear, home)

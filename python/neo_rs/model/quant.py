@@ -12,7 +12,9 @@ bytes, which is what bounds decode at small batches:
 Except in bf16 on a CPU with AVX512_BF16 (``rust_linears.quant_kernel_applies``): there both are
 packed at load for our Rust kernel (``_core.QuantGemm``, ``rust/qlinear/``), which widens each
 block of the weight once a call for all rows, where torch's kernels widen it again for every row.
-The compiled graph reaches it through ``neo_rs::packed_linear`` (``graph_ops.GraphLinear``).
+The compiled graph reaches it through ``neo_rs::packed_linear`` (``graph_ops.GraphLinear``). That
+kernel alone also runs ``GroupedInt8Linear``: int8 values with a scale and a zero per group, a
+GGUF's 5- to 8-bit blocks (``Int8Blocks``), which elsewhere are dequantized at load.
 
 The embeddings and the LM head stay unquantized, as vLLM keeps them, and so do an MoE layer's
 experts (not yet quantized; the log says so)."""
@@ -73,6 +75,21 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     return (lanes[..., :QUANT_COLS] | lanes[..., QUANT_COLS:] << 4).contiguous()
 
 
+def unpack_int8(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """``pack_int8``'s input back from its output."""
+    return packed.transpose(1, 2).reshape(packed.shape[0] * QUANT_COLS, -1)[:n, :k]
+
+
+def groups_by_block(scales_zeros: torch.Tensor, n: int) -> torch.Tensor:
+    """Scales and zeros ``[in / group, n, 2]`` in ``QuantGemm``'s layout, ``[ceil(n / 16), in /
+    group, 2, 16]``: per block of 16 columns and group, 16 scales then 16 zeros."""
+    groups = scales_zeros.shape[0]
+    blocks = -(-n // QUANT_COLS)
+    padded = scales_zeros.new_zeros(groups, blocks * QUANT_COLS, 2)
+    padded[:, :n] = scales_zeros
+    return padded.view(groups, blocks, QUANT_COLS, 2).permute(1, 0, 3, 2).contiguous()
+
+
 def _run(gemm: QuantGemm, x: torch.Tensor, in_features: int, out_features: int) -> torch.Tensor:
     """``gemm`` over ``x``'s rows (any leading shape)."""
     rows = x.reshape(-1, in_features).contiguous()
@@ -124,10 +141,8 @@ class Int8Linear(GraphLinear, nn.Module):
     def dequantized(self) -> torch.Tensor:
         """The weight the kernel multiplies by, in the scales' dtype (tests compare against it)."""
         q = self.weight
-        if self.gemm is not None:  # unpacked
-            q = q.transpose(1, 2).reshape(q.shape[0] * QUANT_COLS, -1)[
-                : self.out_features, : self.in_features
-            ]
+        if self.gemm is not None:
+            q = unpack_int8(q, self.out_features, self.in_features)
         return q.to(self.scales.dtype) * self.scales[:, None]
 
 
@@ -195,15 +210,54 @@ class Int4Blocks(NamedTuple):
     def group(self) -> int:
         return self.q.shape[1] // self.scale.shape[1]
 
+    def values(self) -> torch.Tensor:
+        """What the scales multiply, float32."""
+        return self.q.float() - 8
+
+    def regrouped(self, group: int) -> Int4Blocks:
+        """The same weight in groups of ``group`` (dividing this one's), scales and zeros repeated."""
+        rep = self.group // group
+        scale, zero = (t.repeat_interleave(rep, dim=1) for t in (self.scale, self.zero))
+        return type(self)(self.q, scale, zero, self.order)
+
+    def as_int8(self) -> Int8Blocks:
+        """The same weight as grouped int8 (``q - 8`` is exact in int8)."""
+        return Int8Blocks((self.q.to(torch.int16) - 8).to(torch.int8), self.scale, self.zero, self.order)
+
     def dequantized(self) -> torch.Tensor:
         """The float32 weight, its columns in input order."""
-        w = (self.q.float() - 8).reshape(*self.scale.shape, self.group) * self.scale[..., None]
+        w = self.values().reshape(*self.scale.shape, self.group) * self.scale[..., None]
         w = (w + self.zero[..., None]).reshape(self.q.shape)
         if self.order is None:
             return w
         out = torch.empty_like(w)
         out[:, self.order] = w
         return out
+
+
+class Int8Blocks(Int4Blocks):
+    """A weight as ``Int4Blocks``, but ``q`` int8 (any value) and ``w = q * scale + zero``: a
+    GGUF's 5- to 8-bit blocks, kept as a ``GroupedInt8Linear``."""
+
+    __slots__ = ()
+
+    def values(self) -> torch.Tensor:
+        return self.q.float()
+
+    def as_int8(self) -> Int8Blocks:
+        return self
+
+
+def common_form(parts: list[Int4Blocks]) -> list[Int4Blocks] | None:
+    """The parts of one linear in one form and group size: int4 parts as grouped int8 where
+    another part is int8 (a Q4_K_M GGUF's Q4_K q and k beside its Q6_K v), each in the smallest
+    group; None where the groups do not nest."""
+    group = min(b.group for b in parts)
+    if any(b.group % group for b in parts):
+        return None
+    if any(isinstance(b, Int8Blocks) for b in parts):
+        parts = [b.as_int8() for b in parts]
+    return [b if b.group == group else b.regrouped(group) for b in parts]
 
 
 class Int4Linear(GraphLinear, nn.Module):
@@ -260,14 +314,11 @@ class Int4Linear(GraphLinear, nn.Module):
 
     def use_threads(self, threads: int) -> None:
         """Our kernel, on ``threads`` of torch's OpenMP team (``packed.pack_linears``: the engine's).
-        It takes the scales and zeros per block of 16 columns and group, ``[16 scales, 16 zeros]``."""
-        n, k, groups = self.out_features, self.in_features, self.scales_zeros.shape[0]
-        blocks = -(-n // QUANT_COLS)
-        padded = self.scales_zeros.new_zeros(groups, blocks * QUANT_COLS, 2)
-        padded[:, :n] = self.scales_zeros
-        by_block = padded.view(groups, blocks, QUANT_COLS, 2).permute(1, 0, 3, 2).contiguous()
-        self.gemm = QuantGemm.int4(
-            self.packed, by_block, None, n=n, k=k, group=self.group, num_threads=threads
+        It takes the scales and zeros per block of 16 columns and group (``groups_by_block``)."""
+        n, k = self.out_features, self.in_features
+        by_block = groups_by_block(self.scales_zeros, n)
+        self.gemm = QuantGemm.grouped(
+            self.packed, by_block, None, n=n, k=k, group=self.group, bits=4, num_threads=threads
         )
 
     def _ours(self, rows: torch.Tensor, packed: torch.Tensor, group: int, sz: torch.Tensor) -> torch.Tensor:
@@ -294,6 +345,56 @@ class Int4Linear(GraphLinear, nn.Module):
         scale, zero = self.scales_zeros.float().unbind(-1)  # [in / group, out] each
         blocks = Int4Blocks(q, scale.t(), zero.t(), self.order)
         return blocks.dequantized().to(self.scales_zeros.dtype)
+
+
+class GroupedInt8Linear(GraphLinear, nn.Module):
+    """An ``nn.Linear`` whose weight is ``Int8Blocks``, packed for our kernel, which alone runs
+    it (``quant_kernel_applies``; elsewhere such blocks are dequantized at load): int8 in
+    ``pack_int8``'s layout, a scale and a zero per group and output row (``[in / group, out,
+    2]``, the model dtype) as ``Int4Linear``'s."""
+
+    packed: torch.Tensor
+    scales_zeros: torch.Tensor
+
+    def __init__(self, linear: nn.Linear, blocks: Int8Blocks, home: torch.Tensor) -> None:
+        super().__init__()
+        assert blocks.order is None, "GGUF's blocks are in input order"
+        assert quant_kernel_applies(home.device, home.dtype), "only our kernel runs grouped int8"
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.group = blocks.group
+        self.register_buffer("packed", pack_int8(blocks.q))
+        sz = torch.stack([blocks.scale, blocks.zero], dim=-1).transpose(0, 1)
+        self.register_buffer("scales_zeros", sz.to(home.dtype).contiguous())
+        self.bias = linear.bias
+        self.gemm: QuantGemm | None = None
+        self.use_threads(torch.get_num_threads())
+
+    def use_threads(self, threads: int) -> None:
+        """Our kernel, on ``threads`` of torch's OpenMP team (``packed.pack_linears``: the engine's)."""
+        n, k = self.out_features, self.in_features
+        by_block = groups_by_block(self.scales_zeros, n)
+        self.gemm = QuantGemm.grouped(
+            self.packed, by_block, self.bias, n=n, k=k, group=self.group, bits=8, num_threads=threads
+        )
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.gemm is not None, "use_threads() made it"
+        return _run(self.gemm, x, self.in_features, self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight the kernel multiplies by, in the scales' dtype (tests)."""
+        q = unpack_int8(self.packed, self.out_features, self.in_features)
+        scale, zero = self.scales_zeros.float().unbind(-1)  # [in / group, out] each
+        blocks = Int8Blocks(q, scale.t(), zero.t())
+        return blocks.dequantized().to(self.scales_zeros.dtype)
+
+
+def kept_linear(linear: nn.Linear, blocks: Int4Blocks, home: torch.Tensor) -> nn.Module:
+    """``linear`` as the kept module of a checkpoint's ``blocks`` on the device and in the dtype
+    of ``home``."""
+    if isinstance(blocks, Int8Blocks):
+        return GroupedInt8Linear(linear, blocks, home)
+    return Int4Linear(linear, blocks, home)
 
 
 def decoder_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.Linear]]:

@@ -35,7 +35,7 @@ from neo_rs.kv.pools import KvPool
 from neo_rs.model.decoder import CausalLM, DecoderLayer, DenseMlp, RMSNorm, Rope
 from neo_rs.model.graph_ops import bound_linears, graph_op, number_linears
 from neo_rs.model.packed import PackedLinear
-from neo_rs.model.quant import Int4Linear, Int8Linear
+from neo_rs.model.quant import GroupedInt8Linear, Int4Linear, Int8Linear
 from neo_rs.timing import StageClock
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,16 @@ def why_eager(model: CausalLM, device: torch.device, tp_size: int) -> str | None
 
 # The modules whose compiled tokens are tested against eager's (test_compiled.py). A sparse MLP's
 # routing has data-dependent shapes; FP8 linears are not tested compiled.
-_TRACED = {DecoderLayer, DenseMlp, RMSNorm, nn.Linear, PackedLinear, Int4Linear, Int8Linear}
+_TRACED = {
+    DecoderLayer,
+    DenseMlp,
+    RMSNorm,
+    nn.Linear,
+    PackedLinear,
+    Int4Linear,
+    Int8Linear,
+    GroupedInt8Linear,
+}
 
 
 class CompiledDecode:

@@ -34,7 +34,7 @@ from neo_rs.model.loader import empty_model, load_model, shard_files
 from neo_rs.model.packed import GEMV_ROWS, pack_linears, packing_applies
 from neo_rs.model.prequantized import quantize_at_load
 from neo_rs.model.quant import quantizer, warn_unquantized_experts
-from neo_rs.model.rust_linears import gemv_applies
+from neo_rs.model.rust_linears import gemv_applies, quant_kernel_applies
 from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel, rank_device
 from neo_rs.timing import HostWaits, MeasuredTimes, StageClock
 from neo_rs.worker.compiled import CompiledDecode, why_eager
@@ -226,7 +226,9 @@ class ModelRunner:
         """This rank's model, its decoder linears kept as ``quantization`` says (a quantized
         checkpoint's own, or quantized now) or in ``dtype``."""
         device, tp = self.device, self.tp
-        gguf = GgufBlocks(cfg.gguf_file, cfg, tp.shard) if quantization == "gguf" and cfg.gguf_file else None
+        gguf = None
+        if quantization == "gguf" and cfg.gguf_file:
+            gguf = GgufBlocks(cfg.gguf_file, cfg, tp.shard, grouped_int8=quant_kernel_applies(device, dtype))
         later = gguf.weights if gguf else set()
         at_load = quantization in ("int8", "int4", "fp8")  # quantized now, from the float checkpoint
         model = load_model(model_dir, cfg, dtype, device, max_model_len, tp, later, quantize_later=at_load)
@@ -241,7 +243,14 @@ class ModelRunner:
             log.info("%d linears kept as the checkpoint has them, %d dequantized to %s", kept, floats, dtype)
         elif gguf is not None:
             kept, left = gguf.keep(model)
-            log.info("kept %d linears as the GGUF's 4-bit blocks, %d others in %s", kept, left, dtype)
+            log.info("kept %d linears as the GGUF's blocks, %d others in %s", kept, left, dtype)
+            if gguf.dequantized_types:
+                log.warning(
+                    "the GGUF's %s linears are dequantized to %s: only the CPU kernel keeps them "
+                    "(bfloat16 on a CPU with AVX512_BF16)",
+                    "/".join(gguf.dequantized_types),
+                    dtype,
+                )
         elif quantization is not None:
             make = quantizer(quantization, scaled_mm)
             count = quantize_at_load(model, shard_files(model_dir), cfg, tp.shard, make)
