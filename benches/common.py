@@ -110,16 +110,21 @@ def warm_up_and_queue(engine, batch: list[list[int]], max_tokens: int) -> None: 
 
 
 def cpu_line() -> str:
-    """The CPU's model name and the flags that move our figures (``/proc/cpuinfo``)."""
-    model, flags = platform.processor() or "unknown CPU", set()
+    """The CPU's model name, family and model numbers (a VM's name may be only "AMD EPYC": family
+    25 is Zen 3/4, 26 Zen 5, whose 512-bit datapaths double bf16 GEMMs), and the flags that move
+    our figures (``/proc/cpuinfo``)."""
+    model, flags, ids = platform.processor() or "unknown CPU", set(), {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
             if key.strip() == "model name":
                 model = value.strip()
+            elif key.strip() in ("cpu family", "model"):
+                ids.setdefault(key.strip(), value.strip())
             elif key.strip() == "flags":
                 flags = set(value.split())
     except OSError:
         pass
+    family = f" family {ids['cpu family']} model {ids['model']}" if len(ids) == 2 else ""
     noted = " ".join(f for f in ("avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8") if f in flags)
-    return f"{model} ({platform.machine()}), flags: {noted or 'none of note'}"
+    return f"{model}{family} ({platform.machine()}), flags: {noted or 'none of note'}"
