@@ -1,5 +1,5 @@
 """What a quantized checkpoint's ``quantization_config`` says, checked for what we load: 4-bit
-GPTQ and AWQ (``model/gptq_awq.py``), and FP8 weights with a scale per channel or per tensor
+GPTQ and AWQ, 8-bit GPTQ (``model/gptq_awq.py``), and FP8 weights with a scale per channel or per tensor
 (``model/fp8_checkpoint.py``): vLLM's and transformers' ``fp8``, ``fbgemm_fp8``, and
 ``compressed-tensors``' float-quantized format."""
 
@@ -16,14 +16,15 @@ QUANT_METHODS = {"gptq": "gptq", "awq": "awq", "fp8": "fp8", "fbgemm_fp8": "fp8"
 
 @dataclass(frozen=True)
 class QuantizedCheckpoint:
-    """A checkpoint whose linears come quantized. ``gptq``, ``awq``: packed 4-bit values, a scale
-    and an integer zero per ``group_size`` input columns (-1: per row); ``zeros_minus_one``:
-    GPTQ's original format, which stores each zero less one. ``fp8``: e4m3 weights and their
-    ``weight_scale``."""
+    """A checkpoint whose linears come quantized. ``gptq``, ``awq``: packed values of ``bits``
+    (4; GPTQ's also 8), a scale and an integer zero per ``group_size`` input columns (-1: per
+    row); ``zeros_minus_one``: GPTQ's original format, which stores each zero less one. ``fp8``:
+    e4m3 weights and their ``weight_scale``."""
 
     method: str
     group_size: int = -1
     zeros_minus_one: bool = False
+    bits: int = 4
 
     @staticmethod
     def from_hf(quant: dict[str, Any], where: str) -> QuantizedCheckpoint:
@@ -48,8 +49,11 @@ class QuantizedCheckpoint:
                     )
         if QUANT_METHODS[kind] == "fp8":
             return QuantizedCheckpoint("fp8")
-        if quant.get("bits") != 4:
-            raise refuse("bits", "only 4-bit GPTQ and AWQ load")
+        bits = quant.get("bits")
+        if kind == "awq" and bits != 4:
+            raise refuse("bits", "AWQ loads 4 bits only")
+        if bits not in (4, 8):
+            raise refuse("bits", "GPTQ loads 4 or 8 bits")
         group = int(quant.get("group_size", 128))
         if group != -1 and (group <= 0 or group % 32):
             raise refuse("group_size", "takes multiples of 32 or -1")
@@ -60,4 +64,4 @@ class QuantizedCheckpoint:
             raise refuse("version", "AWQ's GEMM layout only")
         if kind == "awq" and not quant.get("zero_point", True):
             raise refuse("zero_point", "AWQ without zero points is not supported")
-        return QuantizedCheckpoint(kind, group, zeros_minus_one=kind == "gptq" and fmt == "gptq")
+        return QuantizedCheckpoint(kind, group, zeros_minus_one=kind == "gptq" and fmt == "gptq", bits=bits)

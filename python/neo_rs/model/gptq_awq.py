@@ -1,19 +1,23 @@
-"""GPTQ and AWQ checkpoints (4 bits, their ``quantization_config``): each linear's packed tensors
-read as ``Blocks`` and kept as an ``Int4Linear`` (``--quantization gptq|awq``, inferred from the
-checkpoint), or dequantized into the model dtype (``--quantization none``, or where the kernel
-cannot run). The loader skips these tensors (``load_model``); this fills the linears after it.
+"""GPTQ and AWQ checkpoints (4 bits; GPTQ's also 8, their ``quantization_config``): each linear's
+packed tensors read as ``Int4Blocks`` (8 bits: ``Int8Blocks``) and kept as an ``Int4Linear``
+(a ``GroupedInt8Linear``) (``--quantization gptq|awq``, inferred from the checkpoint), or
+dequantized into the model dtype (``--quantization none``, or where the kernel cannot run:
+8 bits has only our CPU kernel). The loader skips these tensors (``load_model``); this fills
+the linears after it.
 
-- GPTQ: ``qweight`` int32 ``[in / 8, out]``, input row ``8i + k`` in bits ``4k..4k+3`` of word
-  row ``i``; ``qzeros`` int32 ``[groups, out / 8]``, output column ``8j + k`` in nibble ``k``
-  (the original format stores each zero less one, ``gptq_v2`` as it is); ``scales``
-  ``[groups, out]``; ``g_idx`` ``[in]``, each input column's group (act-order scatters them:
-  the columns are then sorted by group and the input gathered into that order, as vLLM does).
+- GPTQ: ``qweight`` int32 ``[in / p, out]`` (``p = 32 / bits`` values a word), input row ``p i
+  + k`` in bits ``bits k ..`` of word row ``i``; ``qzeros`` int32 ``[groups, out / p]``, output
+  column ``p j + k`` in value ``k`` (the original format stores each zero less one, ``gptq_v2``
+  as it is); ``scales`` ``[groups, out]``; ``g_idx`` ``[in]``, each input column's group
+  (act-order scatters them: the columns are then sorted by group and the input gathered into
+  that order, as vLLM does).
 - AWQ (GEMM): ``qweight`` int32 ``[in, out / 8]`` and ``qzeros`` ``[groups, out / 8]``, output
   columns 0, 2, 4, 6, 1, 3, 5, 7 of a word in its nibbles 0..7; ``scales`` ``[groups, out]``.
 
 Both mean ``w = (q - zero) * scale``, which is ``Int4Linear``'s ``(q - 8) * scale + zero'``
-with ``zero' = (8 - zero) * scale``. Larger groups (-1: a whole row) become the kernel's largest
-that divides them (128, 64 or 32 columns), their scale and zero repeated."""
+with ``zero' = (8 - zero) * scale`` (8 bits: ``GroupedInt8Linear``'s ``(q - 128) * scale +
+zero'``, ``zero' = (128 - zero) * scale``). Larger groups (-1: a whole row) become the kernel's
+largest that divides them (128, 64 or 32 columns), their scale and zero repeated."""
 
 from __future__ import annotations
 
@@ -26,31 +30,33 @@ from neo_rs.config import ModelConfig
 from neo_rs.errors import ModelLoadError
 from neo_rs.model.loader import PACKED_TENSORS
 from neo_rs.model.prequantized import TensorIndex, build_linears, check_covered, linear_parts
-from neo_rs.model.quant import Int4Blocks, int4_group_size
+from neo_rs.model.quant import Int4Blocks, Int8Blocks, int4_group_size
 from neo_rs.parallel.shards import TpShard
 from neo_rs.quantized_checkpoint import QuantizedCheckpoint
 
-_GPTQ_SHIFTS = torch.arange(8, dtype=torch.int32) * 4
 # AWQ: output column k of a word sits in its nibble [0, 4, 1, 5, 2, 6, 3, 7][k].
-_AWQ_SHIFTS = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7], dtype=torch.int32) * 4
+_AWQ_SLOTS = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7], dtype=torch.int32)
 
 
-def unpack(words: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
-    """int32 ``[..., n]`` -> uint8 ``[..., 8 n]``: value ``k`` of word ``j`` (bits ``shifts[k]``
-    up) at ``8 j + k``."""
-    return ((words[..., None] >> shifts) & 15).reshape(*words.shape[:-1], -1).to(torch.uint8)
+def unpack(words: torch.Tensor, bits: int, slots: torch.Tensor | None = None) -> torch.Tensor:
+    """int32 ``[..., n]`` -> uint8 ``[..., p n]`` (``p = 32 / bits``): value ``k`` of word ``j``
+    (in slot ``slots[k]``, bits ``bits * slots[k]`` up; in order by default) at ``p j + k``."""
+    slots = torch.arange(32 // bits, dtype=torch.int32) if slots is None else slots
+    values = (words[..., None] >> (slots * bits)) & ((1 << bits) - 1)
+    return values.reshape(*words.shape[:-1], -1).to(torch.uint8)
 
 
 def blocks_of(tensors: dict[str, torch.Tensor], spec: QuantizedCheckpoint, where: str) -> Int4Blocks:
     """One linear's packed tensors (by suffix: qweight, qzeros, scales, g_idx) as ``Int4Blocks``
-    in the largest groups of the kernel that divide the checkpoint's (``int4_group_size``)."""
+    (8 bits: ``Int8Blocks``) in the largest groups of the kernel that divide the checkpoint's
+    (``int4_group_size``)."""
     qweight, qzeros, scales = tensors["qweight"], tensors["qzeros"], tensors["scales"].float()
     if spec.method == "gptq":
-        q = unpack(qweight.t(), _GPTQ_SHIFTS)  # [out, in]
-        zeros = unpack(qzeros, _GPTQ_SHIFTS).float() + float(spec.zeros_minus_one)
+        q = unpack(qweight.t(), spec.bits)  # [out, in]
+        zeros = unpack(qzeros, spec.bits).float() + float(spec.zeros_minus_one)
     else:
-        q = unpack(qweight, _AWQ_SHIFTS).t()
-        zeros = unpack(qzeros, _AWQ_SHIFTS).float()
+        q = unpack(qweight, 4, _AWQ_SLOTS).t()
+        zeros = unpack(qzeros, 4, _AWQ_SLOTS).float()
     out, cols = q.shape
     group = cols if spec.group_size == -1 else spec.group_size
     if scales.shape != (cols // group, out) or zeros.shape != scales.shape:
@@ -65,8 +71,11 @@ def blocks_of(tensors: dict[str, torch.Tensor], spec: QuantizedCheckpoint, where
     if kernel_group is None:
         raise ModelLoadError(f"{where}: groups of {group} columns split into none the int4 kernel takes")
     repeat = group // kernel_group
+    middle = 1 << (spec.bits - 1)  # the kernels' values are q less this
     scale = scales.t().repeat_interleave(repeat, dim=1).contiguous()
-    zero = ((8 - zeros) * scales).t().repeat_interleave(repeat, dim=1).contiguous()
+    zero = ((middle - zeros) * scales).t().repeat_interleave(repeat, dim=1).contiguous()
+    if spec.bits == 8:
+        return Int8Blocks((q.to(torch.int16) - middle).to(torch.int8).contiguous(), scale, zero, order)
     return Int4Blocks(q.contiguous(), scale, zero, order)
 
 

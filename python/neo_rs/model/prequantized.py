@@ -19,7 +19,7 @@ from torch import nn
 from neo_rs.config import ModelConfig
 from neo_rs.errors import ModelLoadError
 from neo_rs.model.loader import Placement, placements, quantizable
-from neo_rs.model.quant import INT4_ROWS, Int4Blocks, common_form, decoder_linears, kept_linear
+from neo_rs.model.quant import INT4_ROWS, Int4Blocks, common_form, decoder_linears, keeps, kept_linear
 from neo_rs.parallel.shards import TpShard
 
 Key = TypeVar("Key", bound=Hashable)
@@ -93,9 +93,10 @@ def build_linears(
 ) -> tuple[int, int, set[str]]:
     """Each decoder linear of ``model`` whose every part ``read`` gives blocks (of one column
     order, and groups that nest: ``quant.common_form``): a linear of them (``quant.kept_linear``)
-    where ``keep`` and the kernel takes its shape (a rank's columns starting on a group and in
-    order, rows in 16s), else their dequantized weight in its float weight (allocated here where
-    the loader left it on meta). Returns (kept, dequantized, the names of the linears built)."""
+    where ``keep`` and a kernel takes them (``quant.keeps``) and their shape (a rank's columns
+    starting on a group and in order, rows in 16s), else their dequantized weight in its float
+    weight (allocated here where the loader left it on meta). Returns (kept, dequantized, the
+    names of the linears built)."""
     kept = dequantized = 0
     built: set[str] = set()
     home = model_home(model)
@@ -123,7 +124,8 @@ def build_linears(
             and (p.src[1].start, p.src[1].stop) != (0, _read(read_once, key).q.shape[1])
         ]
         fits = all(c.start % first.group == 0 for c in split) and not (split and first.order is not None)
-        if keep and common is not None and one_order and fits and linear.out_features % INT4_ROWS == 0:
+        kernel = common is not None and keeps(first, home) and linear.out_features % INT4_ROWS == 0
+        if keep and kernel and one_order and fits:
             q = torch.empty(linear.out_features, linear.in_features, dtype=first.q.dtype)
             scale = torch.empty(linear.out_features, linear.in_features // first.group)
             zero = torch.empty_like(scale)

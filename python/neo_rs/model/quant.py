@@ -349,22 +349,23 @@ class Int4Linear(GraphLinear, nn.Module):
 
 class GroupedInt8Linear(GraphLinear, nn.Module):
     """An ``nn.Linear`` whose weight is ``Int8Blocks``, packed for our kernel, which alone runs
-    it (``quant_kernel_applies``; elsewhere such blocks are dequantized at load): int8 in
-    ``pack_int8``'s layout, a scale and a zero per group and output row (``[in / group, out,
-    2]``, the model dtype) as ``Int4Linear``'s."""
+    it (``keeps``; elsewhere such blocks are dequantized at load): int8 in ``pack_int8``'s
+    layout, a scale and a zero per group and output row (``[in / group, out, 2]``, the model
+    dtype) and the input's column ``order`` (None: as it comes) as ``Int4Linear``'s."""
 
     packed: torch.Tensor
     scales_zeros: torch.Tensor
+    order: torch.Tensor | None
 
     def __init__(self, linear: nn.Linear, blocks: Int8Blocks, home: torch.Tensor) -> None:
         super().__init__()
-        assert blocks.order is None, "GGUF's blocks are in input order"
-        assert quant_kernel_applies(home.device, home.dtype), "only our kernel runs grouped int8"
+        assert keeps(blocks, home), "only our kernel runs grouped int8"
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.group = blocks.group
         self.register_buffer("packed", pack_int8(blocks.q))
         sz = torch.stack([blocks.scale, blocks.zero], dim=-1).transpose(0, 1)
         self.register_buffer("scales_zeros", sz.to(home.dtype).contiguous())
+        self.register_buffer("order", blocks.order)
         self.bias = linear.bias
         self.gemm: QuantGemm | None = None
         self.use_threads(torch.get_num_threads())
@@ -379,19 +380,28 @@ class GroupedInt8Linear(GraphLinear, nn.Module):
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         assert self.gemm is not None, "use_threads() made it"
+        if self.order is not None:
+            x = x.index_select(-1, self.order)
         return _run(self.gemm, x, self.in_features, self.out_features)
 
     def dequantized(self) -> torch.Tensor:
-        """The weight the kernel multiplies by, in the scales' dtype (tests)."""
+        """The weight the kernel multiplies by, its columns in input order, in the scales' dtype
+        (tests)."""
         q = unpack_int8(self.packed, self.out_features, self.in_features)
         scale, zero = self.scales_zeros.float().unbind(-1)  # [in / group, out] each
-        blocks = Int8Blocks(q, scale.t(), zero.t())
+        blocks = Int8Blocks(q, scale.t(), zero.t(), self.order)
         return blocks.dequantized().to(self.scales_zeros.dtype)
+
+
+def keeps(blocks: Int4Blocks, home: torch.Tensor) -> bool:
+    """Whether a model on the device and in the dtype of ``home`` keeps ``blocks`` as they are:
+    int4 on any device, grouped int8 where our kernel runs (``quant_kernel_applies``)."""
+    return not isinstance(blocks, Int8Blocks) or quant_kernel_applies(home.device, home.dtype)
 
 
 def kept_linear(linear: nn.Linear, blocks: Int4Blocks, home: torch.Tensor) -> nn.Module:
     """``linear`` as the kept module of a checkpoint's ``blocks`` on the device and in the dtype
-    of ``home``."""
+    of ``home`` (where ``keeps``)."""
     if isinstance(blocks, Int8Blocks):
         return GroupedInt8Linear(linear, blocks, home)
     return Int4Linear(linear, blocks, home)
