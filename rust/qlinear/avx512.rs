@@ -5,34 +5,46 @@ use std::arch::x86_64::*;
 
 use half::bf16;
 
-use super::{Block, Format, Out, Rows, Scratch, COLS, FUSED_ROWS, TILE};
+use super::{Block, Format, Out, Rows, Scratch, COLS, FUSED_ROWS, SPAN, TILE};
 
 /// Values of a pair: a block's weights for two inputs.
 const PAIR: usize = 2 * COLS;
-/// Pairs per chunk: 8 KiB of widened weight.
+/// Pairs per chunk, over all of a tile's blocks: 8 KiB of widened weight.
 const CHUNK: usize = 128;
 /// Accumulator sets the fused kernel alternates between, so that a row's chain of `vdpbf16ps`
 /// does not wait on its own latency.
 const SETS: usize = 4;
 
 /// # Safety
-/// The CPU must have AVX512F, AVX512BW and AVX512_BF16; `x` holds `rows` rows of `k`, `w` is a
-/// block of a weight `k` wide, and this call alone writes `w`'s columns of `out`.
+/// The CPU must have AVX512F, AVX512BW and AVX512_BF16; `x` holds `rows` rows of `k`, `ws` are
+/// blocks of one weight `k` wide (more than one only past `FUSED_ROWS` rows), and this call
+/// alone writes their columns of `out`.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-pub(super) unsafe fn block(x: Rows<'_>, rows: usize, k: usize, w: &Block<'_>, scratch: &mut Scratch, out: Out) {
+pub(super) unsafe fn blocks(x: Rows<'_>, rows: usize, k: usize, ws: &[Block<'_>], scratch: &mut Scratch, out: Out) {
     let pairs = k.div_ceil(2);
     let Rows { x, stride, group_sums } = x;
     assert!(stride >= k && x.len() >= (rows - 1) * stride + k, "block: rows shorter than their shapes");
-    assert!(w.q.len() >= pairs * w.format.pair_bytes(), "block: a block shorter than its shape");
-    let group_pairs = w.format.group_pairs(pairs);
-    let group = w.format.group();
-    let int4 = matches!(w.format, Format::Int4 { .. });
-    assert!(group.is_none() || w.groups.len() >= pairs / group_pairs * PAIR, "block: groups shorter than their shape");
+    assert!((1..=SPAN).contains(&ws.len()) && (ws.len() == 1 || rows > FUSED_ROWS), "block: a span of blocks");
+    let format = ws[0].format;
+    let group_pairs = format.group_pairs(pairs);
+    let group = format.group();
+    let int4 = matches!(format, Format::Int4 { .. });
+    for w in ws {
+        assert!(
+            w.format == format && w.q.len() >= pairs * format.pair_bytes(),
+            "block: a block shorter than its shape"
+        );
+        assert!(
+            group.is_none() || w.groups.len() >= pairs / group_pairs * PAIR,
+            "block: groups shorter than their shape"
+        );
+    }
     if let Some(group) = group {
         assert!(group_sums.len() >= rows * (k / group), "block: no group sums of the rows");
     }
     let x = x.as_ptr();
     if rows <= FUSED_ROWS {
+        let w = &ws[0];
         // SAFETY: rows of `k` values `stride` apart, `pairs` pairs of `w` and its groups, each
         // row's group sums (asserted); the features and the columns are the caller's.
         unsafe {
@@ -43,14 +55,21 @@ pub(super) unsafe fn block(x: Rows<'_>, rows: usize, k: usize, w: &Block<'_>, sc
         };
         return;
     }
-    scratch.wide.resize(pairs * PAIR, bf16::ZERO);
-    scratch.sums.resize(rows * COLS, 0.0);
+    let span = ws.len();
+    scratch.wide.resize(span * pairs * PAIR, bf16::ZERO);
+    scratch.sums.resize(span * rows * COLS, 0.0);
+    if group.is_some() {
+        scratch.sums.fill(0.0); // the grouped tiles add each group into them
+    }
     let shifts = nibble_shifts();
-    for (p, wide) in scratch.wide.chunks_exact_mut(PAIR).enumerate() {
-        // SAFETY: pair `p` of the block (asserted) into its values of the scratch.
-        unsafe {
-            let v = if int4 { exact4(w.q.as_ptr().add(p * COLS), shifts) } else { widen8(w.q.as_ptr().add(p * PAIR)) };
-            _mm512_storeu_si512(wide.as_mut_ptr().cast(), bits(v));
+    for (w, wide) in ws.iter().zip(scratch.wide.chunks_exact_mut(pairs * PAIR)) {
+        for (p, wide) in wide.chunks_exact_mut(PAIR).enumerate() {
+            // SAFETY: pair `p` of the block (asserted) into its values of the scratch.
+            unsafe {
+                let v =
+                    if int4 { exact4(w.q.as_ptr().add(p * COLS), shifts) } else { widen8(w.q.as_ptr().add(p * PAIR)) };
+                _mm512_storeu_si512(wide.as_mut_ptr().cast(), bits(v));
+            }
         }
     }
     // Tiles of even sizes: 16 rows as 8 + 8 rather than 12 + 4, whose 4 chains of `vdpbf16ps`
@@ -59,24 +78,32 @@ pub(super) unsafe fn block(x: Rows<'_>, rows: usize, k: usize, w: &Block<'_>, sc
     // The pairs in chunks that stay in L1 while every tile of rows passes over them (a whole
     // widened block of a 2,048-wide input, 64 KiB, would be read from L2 by each tile); the
     // grouped formats' chunks hold whole groups.
-    let chunk_pairs = group_pairs * (CHUNK / group_pairs).max(1);
+    let chunk_pairs = group_pairs * (CHUNK / span / group_pairs).max(1);
     let mut p0 = 0;
     while p0 < pairs {
         let chunk = Chunk { p0, p1: (p0 + chunk_pairs).min(pairs), k, stride };
         let mut m = 0;
         while m < rows {
             let c = tile_rows.min(rows - m);
-            let sums = scratch.sums[m * COLS..].as_mut_ptr();
-            let wide = scratch.wide.as_ptr();
+            let tiled = Tiled {
+                wide: scratch.wide.as_ptr(),
+                wide_stride: pairs * PAIR,
+                sums: scratch.sums[m * COLS..].as_mut_ptr(),
+                sums_stride: rows * COLS,
+                blocks: ws,
+                out,
+                m0: m,
+            };
             // SAFETY: rows `m .. m + c` (asserted) and their group sums, the widened pairs and
-            // `c * COLS` sums (sized above); the features and the columns are the caller's.
+            // `span * rows * COLS` sums (sized above); the features and the columns are the
+            // caller's.
             unsafe {
                 let x = x.add(m * stride);
                 match group {
-                    None => TILES8[c - 1](x, chunk, wide, sums, w, out, m),
+                    None => TILES8[span - 1][c - 1](x, chunk, &tiled),
                     Some(group) => {
                         let group_sums = group_sums.as_ptr().add(m * (k / group));
-                        TILES_GROUPED[usize::from(int4)][c - 1](x, chunk, wide, sums, group_sums, group, w, out, m)
+                        TILES_GROUPED[usize::from(int4)][span - 1][c - 1](x, chunk, &tiled, group_sums, group)
                     }
                 }
             };
@@ -86,44 +113,65 @@ pub(super) unsafe fn block(x: Rows<'_>, rows: usize, k: usize, w: &Block<'_>, sc
     }
 }
 
-type Tile8 = unsafe fn(*const bf16, Chunk, *const bf16, *mut f32, &Block<'_>, Out, usize);
-type TileGrouped = unsafe fn(*const bf16, Chunk, *const bf16, *mut f32, *const f32, usize, &Block<'_>, Out, usize);
+/// What a tile works on besides its rows: its blocks (`SPAN` at most) widened into `wide`, one
+/// after another `wide_stride` values apart, and their rows' partial sums (`sums`, from the
+/// tile's first row, `[blocks][rows][COLS]`, `sums_stride` values a block); its first output
+/// row, `m0`.
+struct Tiled<'a> {
+    wide: *const bf16,
+    wide_stride: usize,
+    sums: *mut f32,
+    sums_stride: usize,
+    blocks: &'a [Block<'a>],
+    out: Out,
+    m0: usize,
+}
+
+type Tile8 = unsafe fn(*const bf16, Chunk, &Tiled<'_>);
+type TileGrouped = unsafe fn(*const bf16, Chunk, &Tiled<'_>, *const f32, usize);
 type FusedGrouped = unsafe fn(*const bf16, usize, usize, usize, *const f32, &Block<'_>, Out);
-const TILES8: [Tile8; TILE] = [
-    tile8::<1>,
-    tile8::<2>,
-    tile8::<3>,
-    tile8::<4>,
-    tile8::<5>,
-    tile8::<6>,
-    tile8::<7>,
-    tile8::<8>,
-    tile8::<9>,
-    tile8::<10>,
-    tile8::<11>,
-    tile8::<12>,
-];
+const TILES8: [[Tile8; TILE]; SPAN] = [tiles8::<1>(), tiles8::<2>()];
 /// The grouped formats' kernels, grouped int8's first, then int4's.
-const TILES_GROUPED: [[TileGrouped; TILE]; 2] = [tiles_grouped::<false>(), tiles_grouped::<true>()];
+const TILES_GROUPED: [[[TileGrouped; TILE]; SPAN]; 2] = [
+    [tiles_grouped::<false, 1>(), tiles_grouped::<false, 2>()],
+    [tiles_grouped::<true, 1>(), tiles_grouped::<true, 2>()],
+];
 const FUSED: [[FusedGrouped; FUSED_ROWS]; 2] = [
     [fused_grouped::<false, 1>, fused_grouped::<false, 2>, fused_grouped::<false, 3>, fused_grouped::<false, 4>],
     [fused_grouped::<true, 1>, fused_grouped::<true, 2>, fused_grouped::<true, 3>, fused_grouped::<true, 4>],
 ];
 
-const fn tiles_grouped<const INT4: bool>() -> [TileGrouped; TILE] {
+const fn tiles8<const N: usize>() -> [Tile8; TILE] {
     [
-        tile_grouped::<INT4, 1>,
-        tile_grouped::<INT4, 2>,
-        tile_grouped::<INT4, 3>,
-        tile_grouped::<INT4, 4>,
-        tile_grouped::<INT4, 5>,
-        tile_grouped::<INT4, 6>,
-        tile_grouped::<INT4, 7>,
-        tile_grouped::<INT4, 8>,
-        tile_grouped::<INT4, 9>,
-        tile_grouped::<INT4, 10>,
-        tile_grouped::<INT4, 11>,
-        tile_grouped::<INT4, 12>,
+        tile8::<N, 1>,
+        tile8::<N, 2>,
+        tile8::<N, 3>,
+        tile8::<N, 4>,
+        tile8::<N, 5>,
+        tile8::<N, 6>,
+        tile8::<N, 7>,
+        tile8::<N, 8>,
+        tile8::<N, 9>,
+        tile8::<N, 10>,
+        tile8::<N, 11>,
+        tile8::<N, 12>,
+    ]
+}
+
+const fn tiles_grouped<const INT4: bool, const N: usize>() -> [TileGrouped; TILE] {
+    [
+        tile_grouped::<INT4, N, 1>,
+        tile_grouped::<INT4, N, 2>,
+        tile_grouped::<INT4, N, 3>,
+        tile_grouped::<INT4, N, 4>,
+        tile_grouped::<INT4, N, 5>,
+        tile_grouped::<INT4, N, 6>,
+        tile_grouped::<INT4, N, 7>,
+        tile_grouped::<INT4, N, 8>,
+        tile_grouped::<INT4, N, 9>,
+        tile_grouped::<INT4, N, 10>,
+        tile_grouped::<INT4, N, 11>,
+        tile_grouped::<INT4, N, 12>,
     ]
 }
 
@@ -282,50 +330,55 @@ unsafe fn widen_bf16(v: *const bf16) -> __m512 {
     _mm512_castsi512_ps(_mm512_slli_epi32::<16>(halves))
 }
 
-/// Rows `x[0 .. M]` (output rows `m0 ..`) against `chunk` of the block widened into `wide`,
-/// adding to the rows' partial `sums` (`[M][COLS]`; none before the first chunk) and, after the
-/// last chunk, storing them.
+/// Rows `x[0 .. M]` (output rows `tiled.m0 ..`) against `chunk` of `N` blocks widened (int8),
+/// each pair's broadcast `x` feeding every block, adding to the rows' partial sums (none before
+/// the first chunk) and, after the last chunk, storing them.
 ///
 /// # Safety
-/// As `block`'s: `M` rows of `x`, `chunk.stride` apart; the widened pairs; `M * COLS` sums.
+/// As `blocks`'s: `M` rows of `x`, `chunk.stride` apart; `N` blocks of `tiled`, widened, and
+/// their `M` rows' sums.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn tile8<const M: usize>(
-    x: *const bf16,
-    chunk: Chunk,
-    wide: *const bf16,
-    sums: *mut f32,
-    w: &Block<'_>,
-    out: Out,
-    m0: usize,
-) {
+unsafe fn tile8<const N: usize, const M: usize>(x: *const bf16, chunk: Chunk, tiled: &Tiled<'_>) {
     let Chunk { p0, p1, k, stride } = chunk;
-    let mut acc = [_mm512_setzero_ps(); M];
+    let mut acc = [[_mm512_setzero_ps(); M]; N];
     let full = p1.min(k / 2);
+    let sums = |b: usize, m: usize| tiled.sums.wrapping_add(b * tiled.sums_stride + m * COLS);
+    let wide = |b: usize, p: usize| tiled.wide.wrapping_add(b * tiled.wide_stride + p * PAIR);
     // SAFETY: the caller's rows, pairs and sums.
     unsafe {
         if p0 > 0 {
-            for (m, a) in acc.iter_mut().enumerate() {
-                *a = _mm512_loadu_ps(sums.add(m * COLS));
+            for (b, block) in acc.iter_mut().enumerate() {
+                for (m, a) in block.iter_mut().enumerate() {
+                    *a = _mm512_loadu_ps(sums(b, m));
+                }
             }
         }
         for p in p0..full {
-            let wv = bh(_mm512_loadu_si512(wide.add(p * PAIR).cast()));
-            for (m, a) in acc.iter_mut().enumerate() {
-                *a = _mm512_dpbf16_ps(*a, wv, both(x.add(m * stride + 2 * p)));
+            let wv: [__m512bh; N] = std::array::from_fn(|b| bh(_mm512_loadu_si512(wide(b, p).cast())));
+            for m in 0..M {
+                let xv = both(x.add(m * stride + 2 * p));
+                for (block, w) in acc.iter_mut().zip(wv) {
+                    block[m] = _mm512_dpbf16_ps(block[m], w, xv);
+                }
             }
         }
         if full < p1 {
             // An odd `k`'s last input, in the last chunk.
-            let wv = bh(_mm512_loadu_si512(wide.add(full * PAIR).cast()));
-            for (m, a) in acc.iter_mut().enumerate() {
-                *a = _mm512_dpbf16_ps(*a, wv, last(x.add(m * stride + k - 1)));
+            let wv: [__m512bh; N] = std::array::from_fn(|b| bh(_mm512_loadu_si512(wide(b, full).cast())));
+            for m in 0..M {
+                let xv = last(x.add(m * stride + k - 1));
+                for (block, w) in acc.iter_mut().zip(wv) {
+                    block[m] = _mm512_dpbf16_ps(block[m], w, xv);
+                }
             }
         }
-        for (m, a) in acc.into_iter().enumerate() {
-            if p1 == k.div_ceil(2) {
-                store(out, m0 + m, w, a);
-            } else {
-                _mm512_storeu_ps(sums.add(m * COLS), a);
+        for (b, block) in acc.into_iter().enumerate() {
+            for (m, a) in block.into_iter().enumerate() {
+                if p1 == k.div_ceil(2) {
+                    store(tiled.out, tiled.m0 + m, &tiled.blocks[b], a);
+                } else {
+                    _mm512_storeu_ps(sums(b, m), a);
+                }
             }
         }
     }
@@ -420,54 +473,52 @@ unsafe fn store(out: Out, m: usize, w: &Block<'_>, sums: __m512) {
     }
 }
 
-/// A grouped tile: as `tile8`, over the block widened in `wide` (`wide::<INT4>`'s values), each
-/// group's sums scaled and offset by the rows' `group_sums` (`[M][k / group]`) as in
-/// `fused_grouped`. `chunk` holds whole groups.
+/// A grouped tile: as `tile8`, over `N` blocks widened (`wide::<INT4>`'s values), each group's
+/// sums scaled and offset by the rows' `group_sums` (`[M][k / group]`) as in `fused_grouped`
+/// and added to the rows' sums in `tiled` (zeros before the first group); after the last
+/// chunk, those are stored. `chunk` holds whole groups.
 ///
 /// # Safety
 /// As `tile8`'s, and the rows' group sums.
-#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn tile_grouped<const INT4: bool, const M: usize>(
+unsafe fn tile_grouped<const INT4: bool, const N: usize, const M: usize>(
     x: *const bf16,
     chunk: Chunk,
-    wide: *const bf16,
-    sums: *mut f32,
+    tiled: &Tiled<'_>,
     group_sums: *const f32,
     group: usize,
-    w: &Block<'_>,
-    out: Out,
-    m0: usize,
 ) {
     let Chunk { p0, p1, k, stride } = chunk;
     let (groups, group_pairs) = (k / group, group / 2);
-    let mut acc = [_mm512_setzero_ps(); M];
+    let sums = |b: usize, m: usize| tiled.sums.wrapping_add(b * tiled.sums_stride + m * COLS);
+    let wide = |b: usize, p: usize| tiled.wide.wrapping_add(b * tiled.wide_stride + p * PAIR);
     // SAFETY: the caller's rows, pairs, groups and sums.
     unsafe {
-        if p0 > 0 {
-            for (m, a) in acc.iter_mut().enumerate() {
-                *a = _mm512_loadu_ps(sums.add(m * COLS));
-            }
-        }
         for g in p0 / group_pairs..p1 / group_pairs {
-            let mut dots = [_mm512_setzero_ps(); M];
+            let mut dots = [[_mm512_setzero_ps(); M]; N];
             for p in g * group_pairs..(g + 1) * group_pairs {
-                let wv = bh(_mm512_loadu_si512(wide.add(p * PAIR).cast()));
-                for (m, d) in dots.iter_mut().enumerate() {
-                    *d = _mm512_dpbf16_ps(*d, wv, both(x.add(m * stride + 2 * p)));
+                let wv: [__m512bh; N] = std::array::from_fn(|b| bh(_mm512_loadu_si512(wide(b, p).cast())));
+                for m in 0..M {
+                    let xv = both(x.add(m * stride + 2 * p));
+                    for (block, w) in dots.iter_mut().zip(wv) {
+                        block[m] = _mm512_dpbf16_ps(block[m], w, xv);
+                    }
                 }
             }
-            let (scale, zero) = group_params::<INT4>(w, g);
-            for (m, (a, d)) in acc.iter_mut().zip(dots).enumerate() {
-                *a = _mm512_fmadd_ps(scale, d, *a);
-                *a = _mm512_fmadd_ps(zero, _mm512_set1_ps(*group_sums.add(m * groups + g)), *a);
+            for (b, block) in dots.into_iter().enumerate() {
+                let (scale, zero) = group_params::<INT4>(&tiled.blocks[b], g);
+                for (m, d) in block.into_iter().enumerate() {
+                    let a = _mm512_fmadd_ps(scale, d, _mm512_loadu_ps(sums(b, m)));
+                    let a = _mm512_fmadd_ps(zero, _mm512_set1_ps(*group_sums.add(m * groups + g)), a);
+                    _mm512_storeu_ps(sums(b, m), a);
+                }
             }
         }
-        for (m, a) in acc.into_iter().enumerate() {
-            if p1 == k / 2 {
-                store(out, m0 + m, w, a);
-            } else {
-                _mm512_storeu_ps(sums.add(m * COLS), a);
+        if p1 == k / 2 {
+            for b in 0..N {
+                for m in 0..M {
+                    store(tiled.out, tiled.m0 + m, &tiled.blocks[b], _mm512_loadu_ps(sums(b, m)));
+                }
             }
         }
     }

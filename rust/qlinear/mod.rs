@@ -48,6 +48,9 @@ const FUSED_ROWS: usize = 4;
 /// Rows per pass over a widened block: one accumulator each, enough of them to hide the latency
 /// of `vdpbf16ps`, with registers left for the weight and the broadcasts.
 const TILE: usize = 12;
+/// Blocks a tile passes over together (past `FUSED_ROWS` rows): each row's broadcast pair of
+/// `x` then feeds two blocks' `vdpbf16ps`, half a load per product rather than one.
+const SPAN: usize = 2;
 
 /// How a packed weight holds its values (module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -165,25 +168,29 @@ impl Gemv {
             None => Rows { x, stride: k, group_sums: &group_sums },
         };
         let (block_len, group_len) = (weight.pairs() * weight.format.pair_bytes(), weight.group_len());
-        let block = |scratch: &mut Scratch, b: usize| {
-            let w = Block {
-                format: weight.format,
-                q: &weight.packed[b * block_len..(b + 1) * block_len],
-                groups: &weight.groups[b * group_len..(b + 1) * group_len],
-                scales: &weight.scales[b * COLS..(b + 1) * COLS],
-                bias: &weight.bias[b * COLS..(b + 1) * COLS],
-                first: b * COLS,
-                cols: COLS.min(n - b * COLS),
-            };
-            path.block(x, rows, k, &w, scratch, out);
+        let block = |b: usize| Block {
+            format: weight.format,
+            q: &weight.packed[b * block_len..(b + 1) * block_len],
+            groups: &weight.groups[b * group_len..(b + 1) * group_len],
+            scales: &weight.scales[b * COLS..(b + 1) * COLS],
+            bias: &weight.bias[b * COLS..(b + 1) * COLS],
+            first: b * COLS,
+            cols: COLS.min(n - b * COLS),
         };
-        self.for_each_init(weight.blocks(), Scratch::default, block);
+        let (blocks, span) = (weight.blocks(), if rows > FUSED_ROWS { SPAN } else { 1 });
+        let task = |scratch: &mut Scratch, t: usize| {
+            let (first, end) = (t * span, ((t + 1) * span).min(blocks));
+            let ws: [Block<'_>; SPAN] = std::array::from_fn(|i| block((first + i).min(end - 1)));
+            path.blocks(x, rows, k, &ws[..end - first], scratch, out);
+        };
+        self.for_each_init(blocks.div_ceil(span), Scratch::default, task);
         Ok(())
     }
 }
 
 /// One block of a packed weight: its pairs (and the grouped formats' groups), its columns' scales and bias,
 /// and where its columns start in the output (`cols` of them are real).
+#[derive(Clone, Copy)]
 struct Block<'a> {
     format: Format,
     q: &'a [u8],
@@ -258,14 +265,14 @@ impl Out {
 }
 
 impl Path {
-    fn block(self, x: Rows<'_>, rows: usize, k: usize, w: &Block<'_>, scratch: &mut Scratch, out: Out) {
+    fn blocks(self, x: Rows<'_>, rows: usize, k: usize, ws: &[Block<'_>], scratch: &mut Scratch, out: Out) {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Path::is_supported` was checked when the path was chosen (`Gemv::new`);
             // `run` checked the shapes, and each block's columns are written by this call alone.
-            Path::Avx512Bf16 => unsafe { avx512::block(x, rows, k, w, scratch, out) },
+            Path::Avx512Bf16 => unsafe { avx512::blocks(x, rows, k, ws, scratch, out) },
             // SAFETY: as above.
-            _ => unsafe { scalar::block(x.x, rows, k, w, out) },
+            _ => ws.iter().for_each(|w| unsafe { scalar::block(x.x, rows, k, w, out) }),
         }
     }
 }
