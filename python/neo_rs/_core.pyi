@@ -89,7 +89,7 @@ class QuantGemm:
         - 8) * scale + zero``, ``packed`` uint8 ``[ceil(n / 16), k / 2, 16]`` (byte ``j`` of a
         pair: lane ``j`` in its low nibble, lane ``16 + j`` in its high one), the products of
         ``x`` and ``128 + q`` (exact in bfloat16). ``bits`` 8: ``W = q * scale + zero`` (GGUF's
-        5- to 8-bit blocks), ``packed`` int8 as ``int8``'s."""
+        blocks of 2 to 8 bits but Q4's, 8-bit GPTQ), ``packed`` int8 as ``int8``'s."""
     @property
     def path(self) -> str:
         """The kernel this object runs."""

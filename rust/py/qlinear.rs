@@ -96,7 +96,7 @@ impl QuantGemm {
     /// A linear with a scale and a zero per `group` inputs and column: `bits` 4, int4's `w = (q -
     /// 8) · scale + zero` with `packed` uint8 `[ceil(n / 16), k / 2, 16]` (`crate::qlinear`'s
     /// int4 layout); `bits` 8, grouped int8's `w = q · scale + zero` with `packed` in `int8`'s
-    /// layout (GGUF's 5- to 8-bit blocks). `groups`: bfloat16 `[ceil(n / 16), k / group, 2,
+    /// layout (GGUF's blocks of 2 to 8 bits but Q4's, 8-bit GPTQ). `groups`: bfloat16 `[ceil(n / 16), k / group, 2,
     /// 16]`, each block's and group's 16 scales, then 16 zeros; `bias`: bfloat16 `[n]`. As
     /// `int8` otherwise.
     #[staticmethod]

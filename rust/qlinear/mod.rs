@@ -22,12 +22,13 @@
 //!   `w` itself to bf16 instead, as a first version did, moved SmolLM2's logits enough to flip a
 //!   near-tied greedy token against torch's kernel, which keeps `w` in f32.
 //! - `Format::GroupedInt8`: int8's pairs with int4's groups, `w = q · scale + zero` (`q` any
-//!   int8), for blocks of 5 to 8 bits with a scale (and offset) per 16 or 32 inputs, such as
-//!   GGUF's Q8_0, Q5_* and Q6_K: `x · w = scale · (x · q) + zero · Σx`.
+//!   int8), for blocks of 2 to 8 bits with a scale (and offset) per 16 or 32 inputs, such as
+//!   GGUF's Q8_0, Q5_*, Q2_K, Q3_K and Q6_K, or 8-bit GPTQ: `x · w = scale · (x · q) + zero · Σx`.
 //!
 //! - A few rows (`FUSED_ROWS`): the weight is widened pair by pair in registers and used at once.
-//! - More rows: each block is widened into a thread's scratch (18 KiB for a 576-wide input), then
-//!   multiplied by the rows in tiles of up to `TILE` rows, one accumulator each.
+//! - More rows: blocks are widened two at a time (`SPAN`) into a thread's scratch (18 KiB a block
+//!   for a 576-wide input), then multiplied by the rows in tiles of up to `TILE` rows, one
+//!   accumulator each per block, each row's broadcast `x` feeding both blocks.
 //!
 //! Sums are f32, then scaled (int8), biased (f32) and rounded to bf16 once. Work is split by
 //! blocks over the calling thread's OpenMP team (`crate::team`), as `crate::gemv` does.
@@ -83,7 +84,7 @@ impl Format {
         }
     }
 
-    /// Pairs per group of scales (an int8 block is one group).
+    /// Pairs per group of scales (per-column int8: the whole block).
     fn group_pairs(self, pairs: usize) -> usize {
         self.group().map_or(pairs, |group| group / 2)
     }
@@ -91,8 +92,8 @@ impl Format {
 
 /// A linear packed for this kernel (module docs). `groups`: the grouped formats' scales and
 /// zeros, `[blocks][k / group][2][COLS]` (empty for int8); `scales` (int8's per column; ones for
-/// the grouped formats) and `bias`
-/// are f32 and padded to whole blocks (the padding's values are never stored).
+/// the grouped formats) and `bias` are f32 and padded to whole blocks (the padding's values are
+/// never stored).
 #[derive(Debug, Clone, Copy)]
 pub struct QuantWeight<'a> {
     pub format: Format,
@@ -188,8 +189,8 @@ impl Gemv {
     }
 }
 
-/// One block of a packed weight: its pairs (and the grouped formats' groups), its columns' scales and bias,
-/// and where its columns start in the output (`cols` of them are real).
+/// One block of a packed weight: its pairs (and the grouped formats' groups), its columns'
+/// scales and bias, and where its columns start in the output (`cols` of them are real).
 #[derive(Clone, Copy)]
 struct Block<'a> {
     format: Format,

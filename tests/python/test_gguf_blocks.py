@@ -18,7 +18,8 @@ import torch
 from neo_rs import LLM, InvalidArgumentError, SamplingParams
 from neo_rs.config import ModelConfig
 from neo_rs.model.gguf import converted_dir, dequantize, open_gguf
-from neo_rs.model.gguf_blocks import INT4_TYPES, INT8_TYPES, KEPT_TYPES, GgufBlocks, int4_blocks, int8_blocks
+from neo_rs.model.gguf_blocks import KEPT_TYPES, GgufBlocks
+from neo_rs.model.gguf_decode import INT4_TYPES, INT8_TYPES, decoded_blocks
 from neo_rs.model.loader import load_model
 from neo_rs.model.quant import GroupedInt8Linear, Int4Linear, Int8Linear, decoder_linears
 from neo_rs.model.rust_linears import quant_kernel_applies
@@ -46,7 +47,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         # Every third matrix Q6_K: a fused linear with a Q6_K part stays float in float32, and
         # is kept as grouped int8 in bf16 (as a Q4_K_M file's Q4_K and Q6_K parts).
         "mixed": write_gguf(root / "mixed.gguf", types=["Q4_0", "Q4_K", "Q6_K"], seed=4),
-        # The 5- to 8-bit types, on each architecture's placement.
+        # The grouped int8 types (2 to 8 bits), on each architecture's placement.
         **{
             f"{arch}-int8": write_gguf(root / f"{arch}-int8.gguf", arch, types=list(INT8_TYPES), seed=7)
             for arch in ("llama", "qwen2", "phi3")
@@ -64,6 +65,8 @@ FORMS = {
     "Q5_0": (torch.int8, -16, 15, 32),
     "Q5_1": (torch.int8, 0, 31, 32),
     "Q5_K": (torch.int8, 0, 31, 32),
+    "Q2_K": (torch.int8, 0, 3, 16),
+    "Q3_K": (torch.int8, -4, 3, 16),
     "Q6_K": (torch.int8, -32, 31, 16),
 }
 kernel = pytest.mark.skipif(
@@ -78,7 +81,7 @@ def test_blocks_are_what_gguf_dequantizes(files, kind: str) -> None:
     assert tensors
     dtype, least, greatest, group = FORMS[kind]
     for t in tensors:
-        blocks = (int4_blocks if kind in INT4_TYPES else int8_blocks)(t)
+        blocks = decoded_blocks(t)
         assert blocks.q.dtype == dtype and blocks.group == group and blocks.order is None
         # Random blocks reach every value of the type's range.
         assert (int(blocks.q.min()), int(blocks.q.max())) == (least, greatest), t.name
@@ -102,7 +105,7 @@ def test_each_kept_linear_multiplies_by_the_weight_the_loader_placed(
 
 def _kept(path: Path, dtype: torch.dtype, rank: int = 0, size: int = 1) -> tuple[torch.nn.Module, dict]:
     """Rank ``rank`` of ``size``'s model of GGUF ``path`` in ``dtype``, every decoder linear kept
-    as the file's blocks (the 5- to 8-bit types too, in bf16), and the float weights the loader
+    as the file's blocks (the grouped int8 types too, in bf16), and the float weights the loader
     placed for them."""
     model_dir = converted_dir(path, torch.float32)
     cfg = ModelConfig.from_dir(model_dir)
@@ -193,7 +196,9 @@ def test_kept_int8_blocks_take_int8s_share_of_the_bytes(files, monkeypatch) -> N
     assert layer_bytes(None) <= 0.63 * layer_bytes("none")
 
 
-def test_without_the_kernel_the_5_to_8_bit_types_are_dequantized_and_said(files, caplog, monkeypatch) -> None:
+def test_without_the_kernel_the_grouped_int8_types_are_dequantized_and_said(
+    files, caplog, monkeypatch
+) -> None:
     monkeypatch.setenv("NEO_RS_ROW_GEMV", "0")  # our kernel off, as on a CPU without AVX512_BF16
     with (
         caplog.at_level(logging.WARNING),
@@ -201,8 +206,10 @@ def test_without_the_kernel_the_5_to_8_bit_types_are_dequantized_and_said(files,
     ):
         assert not any(isinstance(m, GroupedInt8Linear) for m in llm.engine.runner.model.modules())
     said = [r.getMessage() for r in caplog.records if "dequantized" in r.getMessage()]
-    assert said == ["the GGUF's Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 linears are dequantized to torch.bfloat16: only the "
-                    "CPU kernel keeps them (bfloat16 on a CPU with AVX512_BF16)"]  # fmt: skip
+    assert said == [
+        "the GGUF's Q2_K/Q3_K/Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 linears are dequantized to torch.bfloat16: only "
+        "the CPU kernel keeps them (bfloat16 on a CPU with AVX512_BF16)"
+    ]
 
 
 @pytest.mark.parametrize("offload", list(MODES))

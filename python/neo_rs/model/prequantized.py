@@ -1,6 +1,6 @@
 """Decoder linears built from a checkpoint's tensors rather than loaded as floats: from its own
 quantized weights (a GGUF's blocks, GPTQ or AWQ tensors), each read as ``Int4Blocks`` (or a GGUF's
-5- to 8-bit blocks as ``Int8Blocks``), or quantized
+other blocks as ``Int8Blocks``), or quantized
 at load from its float weights one linear at a time (``quantize_at_load``). Every source is
 placed as the loader places a float weight (the parts of a fused linear, a tensor-parallel rank's
 rows or columns), so that no other placement logic exists."""

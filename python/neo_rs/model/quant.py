@@ -14,7 +14,7 @@ packed at load for our Rust kernel (``_core.QuantGemm``, ``rust/qlinear/``), whi
 block of the weight once a call for all rows, where torch's kernels widen it again for every row.
 The compiled graph reaches it through ``neo_rs::packed_linear`` (``graph_ops.GraphLinear``). That
 kernel alone also runs ``GroupedInt8Linear``: int8 values with a scale and a zero per group, a
-GGUF's 5- to 8-bit blocks (``Int8Blocks``), which elsewhere are dequantized at load.
+GGUF's other block types (``Int8Blocks``), which elsewhere are dequantized at load.
 
 The embeddings and the LM head stay unquantized, as vLLM keeps them, and so do an MoE layer's
 experts (not yet quantized; the log says so)."""
@@ -237,7 +237,7 @@ class Int4Blocks(NamedTuple):
 
 class Int8Blocks(Int4Blocks):
     """A weight as ``Int4Blocks``, but ``q`` int8 (any value) and ``w = q * scale + zero``: a
-    GGUF's 5- to 8-bit blocks, kept as a ``GroupedInt8Linear``."""
+    GGUF's blocks of 2 to 8 bits but Q4's, 8-bit GPTQ, kept as a ``GroupedInt8Linear``."""
 
     __slots__ = ()
 
