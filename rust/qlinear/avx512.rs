@@ -9,8 +9,6 @@ use super::{Block, Format, Out, Rows, Scratch, COLS, FUSED_ROWS, SPAN, TILE};
 
 /// Values of a pair: a block's weights for two inputs.
 const PAIR: usize = 2 * COLS;
-/// Pairs per chunk, over all of a tile's blocks: 8 KiB of widened weight.
-const CHUNK: usize = 128;
 /// Accumulator sets the fused kernel alternates between, so that a row's chain of `vdpbf16ps`
 /// does not wait on its own latency.
 const SETS: usize = 4;
@@ -57,9 +55,10 @@ pub(super) unsafe fn blocks(x: Rows<'_>, rows: usize, k: usize, ws: &[Block<'_>]
     }
     let span = ws.len();
     scratch.wide.resize(span * pairs * PAIR, bf16::ZERO);
-    scratch.sums.resize(span * rows * COLS, 0.0);
     if group.is_some() {
-        scratch.sums.fill(0.0); // the grouped tiles add each group into them
+        // The grouped tiles add each group into their rows' sums.
+        scratch.sums.clear();
+        scratch.sums.resize(span * rows * COLS, 0.0);
     }
     let shifts = nibble_shifts();
     for (w, wide) in ws.iter().zip(scratch.wide.chunks_exact_mut(pairs * PAIR)) {
@@ -73,50 +72,42 @@ pub(super) unsafe fn blocks(x: Rows<'_>, rows: usize, k: usize, ws: &[Block<'_>]
         }
     }
     // Tiles of even sizes: 16 rows as 8 + 8 rather than 12 + 4, whose 4 chains of `vdpbf16ps`
-    // would wait on their own latency.
+    // would wait on their own latency. Each tile passes over the whole widened span (L2 holds
+    // it): passing in chunks that stay in L1 measured slower on Zen 5 (int4 at 64 rows, 1B
+    // down_proj 1.43-1.52x -> 0.99-1.11x of oneDNN's time without) and no faster on Zen 4.
     let tile_rows = rows.div_ceil(rows.div_ceil(TILE));
-    // The pairs in chunks that stay in L1 while every tile of rows passes over them (a whole
-    // widened block of a 2,048-wide input, 64 KiB, would be read from L2 by each tile); the
-    // grouped formats' chunks hold whole groups.
-    let chunk_pairs = group_pairs * (CHUNK / span / group_pairs).max(1);
-    let mut p0 = 0;
-    while p0 < pairs {
-        let chunk = Chunk { p0, p1: (p0 + chunk_pairs).min(pairs), k, stride };
-        let mut m = 0;
-        while m < rows {
-            let c = tile_rows.min(rows - m);
-            let tiled = Tiled {
-                wide: scratch.wide.as_ptr(),
-                wide_stride: pairs * PAIR,
-                sums: scratch.sums[m * COLS..].as_mut_ptr(),
-                sums_stride: rows * COLS,
-                blocks: ws,
-                out,
-                m0: m,
-            };
-            // SAFETY: rows `m .. m + c` (asserted) and their group sums, the widened pairs and
-            // `span * rows * COLS` sums (sized above); the features and the columns are the
-            // caller's.
-            unsafe {
-                let x = x.add(m * stride);
-                match group {
-                    None => TILES8[span - 1][c - 1](x, chunk, &tiled),
-                    Some(group) => {
-                        let group_sums = group_sums.as_ptr().add(m * (k / group));
-                        TILES_GROUPED[usize::from(int4)][span - 1][c - 1](x, chunk, &tiled, group_sums, group)
-                    }
+    let mut m = 0;
+    while m < rows {
+        let c = tile_rows.min(rows - m);
+        let tiled = Tiled {
+            wide: scratch.wide.as_ptr(),
+            wide_stride: pairs * PAIR,
+            sums: scratch.sums.as_mut_ptr().wrapping_add(m * COLS),
+            sums_stride: rows * COLS,
+            blocks: ws,
+            out,
+            m0: m,
+        };
+        // SAFETY: rows `m .. m + c` (asserted) and their group sums, the widened pairs and
+        // `span * rows * COLS` sums (sized above); the features and the columns are the caller's.
+        unsafe {
+            let x = x.add(m * stride);
+            match group {
+                None => TILES8[span - 1][c - 1](x, k, stride, &tiled),
+                Some(group) => {
+                    let group_sums = group_sums.as_ptr().add(m * (k / group));
+                    TILES_GROUPED[usize::from(int4)][span - 1][c - 1](x, k, stride, &tiled, group_sums, group)
                 }
-            };
-            m += c;
-        }
-        p0 = chunk.p1;
+            }
+        };
+        m += c;
     }
 }
 
 /// What a tile works on besides its rows: its blocks (`SPAN` at most) widened into `wide`, one
-/// after another `wide_stride` values apart, and their rows' partial sums (`sums`, from the
-/// tile's first row, `[blocks][rows][COLS]`, `sums_stride` values a block); its first output
-/// row, `m0`.
+/// after another `wide_stride` values apart, the grouped formats' rows' sums (`sums`, from the
+/// tile's first row, `[blocks][rows][COLS]`, `sums_stride` values a block; dangling else), and
+/// its first output row, `m0`.
 struct Tiled<'a> {
     wide: *const bf16,
     wide_stride: usize,
@@ -127,8 +118,8 @@ struct Tiled<'a> {
     m0: usize,
 }
 
-type Tile8 = unsafe fn(*const bf16, Chunk, &Tiled<'_>);
-type TileGrouped = unsafe fn(*const bf16, Chunk, &Tiled<'_>, *const f32, usize);
+type Tile8 = unsafe fn(*const bf16, usize, usize, &Tiled<'_>);
+type TileGrouped = unsafe fn(*const bf16, usize, usize, &Tiled<'_>, *const f32, usize);
 type FusedGrouped = unsafe fn(*const bf16, usize, usize, usize, *const f32, &Block<'_>, Out);
 const TILES8: [[Tile8; TILE]; SPAN] = [tiles8::<1>(), tiles8::<2>()];
 /// The grouped formats' kernels, grouped int8's first, then int4's.
@@ -173,15 +164,6 @@ const fn tiles_grouped<const INT4: bool, const N: usize>() -> [TileGrouped; TILE
         tile_grouped::<INT4, N, 11>,
         tile_grouped::<INT4, N, 12>,
     ]
-}
-
-/// Pairs `p0 .. p1` of a block whose input is `k` wide, for rows `stride` apart.
-#[derive(Clone, Copy)]
-struct Chunk {
-    p0: usize,
-    p1: usize,
-    k: usize,
-    stride: usize,
 }
 
 /// Rows `0 .. M` against an int8 block, widening each pair in registers.
@@ -330,30 +312,19 @@ unsafe fn widen_bf16(v: *const bf16) -> __m512 {
     _mm512_castsi512_ps(_mm512_slli_epi32::<16>(halves))
 }
 
-/// Rows `x[0 .. M]` (output rows `tiled.m0 ..`) against `chunk` of `N` blocks widened (int8),
-/// each pair's broadcast `x` feeding every block, adding to the rows' partial sums (none before
-/// the first chunk) and, after the last chunk, storing them.
+/// Rows `x[0 .. M]` (`stride` apart, `k` wide; output rows `tiled.m0 ..`) against `N` int8
+/// blocks widened, each pair's broadcast `x` feeding every block, their sums stored.
 ///
 /// # Safety
-/// As `blocks`'s: `M` rows of `x`, `chunk.stride` apart; `N` blocks of `tiled`, widened, and
-/// their `M` rows' sums.
+/// As `blocks`'s: `M` rows of `x`; `N` blocks of `tiled`, widened.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn tile8<const N: usize, const M: usize>(x: *const bf16, chunk: Chunk, tiled: &Tiled<'_>) {
-    let Chunk { p0, p1, k, stride } = chunk;
+unsafe fn tile8<const N: usize, const M: usize>(x: *const bf16, k: usize, stride: usize, tiled: &Tiled<'_>) {
     let mut acc = [[_mm512_setzero_ps(); M]; N];
-    let full = p1.min(k / 2);
-    let sums = |b: usize, m: usize| tiled.sums.wrapping_add(b * tiled.sums_stride + m * COLS);
+    let full = k / 2;
     let wide = |b: usize, p: usize| tiled.wide.wrapping_add(b * tiled.wide_stride + p * PAIR);
-    // SAFETY: the caller's rows, pairs and sums.
+    // SAFETY: the caller's rows and pairs.
     unsafe {
-        if p0 > 0 {
-            for (b, block) in acc.iter_mut().enumerate() {
-                for (m, a) in block.iter_mut().enumerate() {
-                    *a = _mm512_loadu_ps(sums(b, m));
-                }
-            }
-        }
-        for p in p0..full {
+        for p in 0..full {
             let wv: [__m512bh; N] = std::array::from_fn(|b| bh(_mm512_loadu_si512(wide(b, p).cast())));
             for m in 0..M {
                 let xv = both(x.add(m * stride + 2 * p));
@@ -362,8 +333,8 @@ unsafe fn tile8<const N: usize, const M: usize>(x: *const bf16, chunk: Chunk, ti
                 }
             }
         }
-        if full < p1 {
-            // An odd `k`'s last input, in the last chunk.
+        if k % 2 == 1 {
+            // An odd `k`'s last input.
             let wv: [__m512bh; N] = std::array::from_fn(|b| bh(_mm512_loadu_si512(wide(b, full).cast())));
             for m in 0..M {
                 let xv = last(x.add(m * stride + k - 1));
@@ -374,11 +345,7 @@ unsafe fn tile8<const N: usize, const M: usize>(x: *const bf16, chunk: Chunk, ti
         }
         for (b, block) in acc.into_iter().enumerate() {
             for (m, a) in block.into_iter().enumerate() {
-                if p1 == k.div_ceil(2) {
-                    store(tiled.out, tiled.m0 + m, &tiled.blocks[b], a);
-                } else {
-                    _mm512_storeu_ps(sums(b, m), a);
-                }
+                store(tiled.out, tiled.m0 + m, &tiled.blocks[b], a);
             }
         }
     }
@@ -475,26 +442,26 @@ unsafe fn store(out: Out, m: usize, w: &Block<'_>, sums: __m512) {
 
 /// A grouped tile: as `tile8`, over `N` blocks widened (`wide::<INT4>`'s values), each group's
 /// sums scaled and offset by the rows' `group_sums` (`[M][k / group]`) as in `fused_grouped`
-/// and added to the rows' sums in `tiled` (zeros before the first group); after the last
-/// chunk, those are stored. `chunk` holds whole groups.
+/// and added to the rows' sums in `tiled` (zeros before the first group; two blocks' rows'
+/// sums would not fit in registers beside the group's), stored after the last group.
 ///
 /// # Safety
-/// As `tile8`'s, and the rows' group sums.
+/// As `tile8`'s, and the rows' group sums and sums.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn tile_grouped<const INT4: bool, const N: usize, const M: usize>(
     x: *const bf16,
-    chunk: Chunk,
+    k: usize,
+    stride: usize,
     tiled: &Tiled<'_>,
     group_sums: *const f32,
     group: usize,
 ) {
-    let Chunk { p0, p1, k, stride } = chunk;
     let (groups, group_pairs) = (k / group, group / 2);
     let sums = |b: usize, m: usize| tiled.sums.wrapping_add(b * tiled.sums_stride + m * COLS);
     let wide = |b: usize, p: usize| tiled.wide.wrapping_add(b * tiled.wide_stride + p * PAIR);
     // SAFETY: the caller's rows, pairs, groups and sums.
     unsafe {
-        for g in p0 / group_pairs..p1 / group_pairs {
+        for g in 0..groups {
             let mut dots = [[_mm512_setzero_ps(); M]; N];
             for p in g * group_pairs..(g + 1) * group_pairs {
                 let wv: [__m512bh; N] = std::array::from_fn(|b| bh(_mm512_loadu_si512(wide(b, p).cast())));
@@ -514,11 +481,9 @@ unsafe fn tile_grouped<const INT4: bool, const N: usize, const M: usize>(
                 }
             }
         }
-        if p1 == k / 2 {
-            for b in 0..N {
-                for m in 0..M {
-                    store(tiled.out, tiled.m0 + m, &tiled.blocks[b], _mm512_loadu_ps(sums(b, m)));
-                }
+        for b in 0..N {
+            for m in 0..M {
+                store(tiled.out, tiled.m0 + m, &tiled.blocks[b], _mm512_loadu_ps(sums(b, m)));
             }
         }
     }

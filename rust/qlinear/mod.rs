@@ -234,7 +234,7 @@ impl Rows<'_> {
     }
 }
 
-/// A thread's room for a block widened to bf16 and its rows' partial sums.
+/// A thread's room for its blocks widened to bf16 and (the grouped formats) their rows' sums.
 #[derive(Default)]
 struct Scratch {
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
