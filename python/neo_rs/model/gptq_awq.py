@@ -69,7 +69,7 @@ def blocks_of(tensors: dict[str, torch.Tensor], spec: QuantizedCheckpoint, where
         q = q[:, order]  # each group's columns together, as the kernel reads them
     kernel_group = int4_group_size(group)
     if kernel_group is None:
-        raise ModelLoadError(f"{where}: groups of {group} columns split into none the int4 kernel takes")
+        raise ModelLoadError(f"{where}: groups of {group} columns split into none our kernels take")
     repeat = group // kernel_group
     middle = 1 << (spec.bits - 1)  # the kernels' values are q less this
     scale = scales.t().repeat_interleave(repeat, dim=1).contiguous()
