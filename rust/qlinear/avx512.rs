@@ -24,7 +24,6 @@ pub(super) unsafe fn blocks(x: Rows<'_>, rows: usize, k: usize, ws: &[Block<'_>]
     assert!(stride >= k && x.len() >= (rows - 1) * stride + k, "block: rows shorter than their shapes");
     assert!((1..=SPAN).contains(&ws.len()) && (ws.len() == 1 || rows > FUSED_ROWS), "block: a span of blocks");
     let format = ws[0].format;
-    let group_pairs = format.group_pairs(pairs);
     let group = format.group();
     let int4 = matches!(format, Format::Int4 { .. });
     for w in ws {
@@ -32,10 +31,7 @@ pub(super) unsafe fn blocks(x: Rows<'_>, rows: usize, k: usize, ws: &[Block<'_>]
             w.format == format && w.q.len() >= pairs * format.pair_bytes(),
             "block: a block shorter than its shape"
         );
-        assert!(
-            group.is_none() || w.groups.len() >= pairs / group_pairs * PAIR,
-            "block: groups shorter than their shape"
-        );
+        assert!(group.is_none_or(|group| w.groups.len() >= k / group * PAIR), "block: groups shorter than their shape");
     }
     if let Some(group) = group {
         assert!(group_sums.len() >= rows * (k / group), "block: no group sums of the rows");
@@ -312,6 +308,32 @@ unsafe fn widen_bf16(v: *const bf16) -> __m512 {
     _mm512_castsi512_ps(_mm512_slli_epi32::<16>(halves))
 }
 
+/// Pairs `pairs` of `tiled`'s `N` widened blocks into `M` rows' sums each, row `m`'s operand
+/// for pair `p` from `x(m, p)` (its broadcast pair of inputs), fed to every block.
+///
+/// # Safety
+/// `tiled` holds the pairs; `x` may be called for each row and pair.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn pass<const N: usize, const M: usize>(
+    acc: &mut [[__m512; M]; N],
+    tiled: &Tiled<'_>,
+    pairs: std::ops::Range<usize>,
+    x: impl Fn(usize, usize) -> __m512bh,
+) {
+    let wide = |b: usize, p: usize| tiled.wide.wrapping_add(b * tiled.wide_stride + p * PAIR);
+    for p in pairs {
+        // SAFETY: the caller's pairs.
+        let wv: [__m512bh; N] = std::array::from_fn(|b| bh(unsafe { _mm512_loadu_si512(wide(b, p).cast()) }));
+        for m in 0..M {
+            let xv = x(m, p);
+            for (block, w) in acc.iter_mut().zip(wv) {
+                block[m] = _mm512_dpbf16_ps(block[m], w, xv);
+            }
+        }
+    }
+}
+
 /// Rows `x[0 .. M]` (`stride` apart, `k` wide; output rows `tiled.m0 ..`) against `N` int8
 /// blocks widened, each pair's broadcast `x` feeding every block, their sums stored.
 ///
@@ -321,27 +343,12 @@ unsafe fn widen_bf16(v: *const bf16) -> __m512 {
 unsafe fn tile8<const N: usize, const M: usize>(x: *const bf16, k: usize, stride: usize, tiled: &Tiled<'_>) {
     let mut acc = [[_mm512_setzero_ps(); M]; N];
     let full = k / 2;
-    let wide = |b: usize, p: usize| tiled.wide.wrapping_add(b * tiled.wide_stride + p * PAIR);
     // SAFETY: the caller's rows and pairs.
     unsafe {
-        for p in 0..full {
-            let wv: [__m512bh; N] = std::array::from_fn(|b| bh(_mm512_loadu_si512(wide(b, p).cast())));
-            for m in 0..M {
-                let xv = both(x.add(m * stride + 2 * p));
-                for (block, w) in acc.iter_mut().zip(wv) {
-                    block[m] = _mm512_dpbf16_ps(block[m], w, xv);
-                }
-            }
-        }
+        pass(&mut acc, tiled, 0..full, |m, p| both(x.add(m * stride + 2 * p)));
         if k % 2 == 1 {
             // An odd `k`'s last input.
-            let wv: [__m512bh; N] = std::array::from_fn(|b| bh(_mm512_loadu_si512(wide(b, full).cast())));
-            for m in 0..M {
-                let xv = last(x.add(m * stride + k - 1));
-                for (block, w) in acc.iter_mut().zip(wv) {
-                    block[m] = _mm512_dpbf16_ps(block[m], w, xv);
-                }
-            }
+            pass(&mut acc, tiled, full..full + 1, |m, _| last(x.add(m * stride + k - 1)));
         }
         for (b, block) in acc.into_iter().enumerate() {
             for (m, a) in block.into_iter().enumerate() {
@@ -458,20 +465,11 @@ unsafe fn tile_grouped<const INT4: bool, const N: usize, const M: usize>(
 ) {
     let (groups, group_pairs) = (k / group, group / 2);
     let sums = |b: usize, m: usize| tiled.sums.wrapping_add(b * tiled.sums_stride + m * COLS);
-    let wide = |b: usize, p: usize| tiled.wide.wrapping_add(b * tiled.wide_stride + p * PAIR);
     // SAFETY: the caller's rows, pairs, groups and sums.
     unsafe {
         for g in 0..groups {
             let mut dots = [[_mm512_setzero_ps(); M]; N];
-            for p in g * group_pairs..(g + 1) * group_pairs {
-                let wv: [__m512bh; N] = std::array::from_fn(|b| bh(_mm512_loadu_si512(wide(b, p).cast())));
-                for m in 0..M {
-                    let xv = both(x.add(m * stride + 2 * p));
-                    for (block, w) in dots.iter_mut().zip(wv) {
-                        block[m] = _mm512_dpbf16_ps(block[m], w, xv);
-                    }
-                }
-            }
+            pass(&mut dots, tiled, g * group_pairs..(g + 1) * group_pairs, |m, p| both(x.add(m * stride + 2 * p)));
             for (b, block) in dots.into_iter().enumerate() {
                 let (scale, zero) = group_params::<INT4>(&tiled.blocks[b], g);
                 for (m, d) in block.into_iter().enumerate() {

@@ -83,11 +83,6 @@ impl Format {
             Format::Int4 { group } | Format::GroupedInt8 { group } => Some(group),
         }
     }
-
-    /// Pairs per group of scales (per-column int8: the whole block).
-    fn group_pairs(self, pairs: usize) -> usize {
-        self.group().map_or(pairs, |group| group / 2)
-    }
 }
 
 /// A linear packed for this kernel (module docs). `groups`: the grouped formats' scales and

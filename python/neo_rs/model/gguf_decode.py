@@ -46,11 +46,16 @@ def _q4_1(b: np.ndarray) -> Decoded:  # d, m, 16 bytes of nibbles
     return _split(b[:, 4:], 16, 4), _f16(b, 0), _f16(b, 2)
 
 
-def _q4_k(b: np.ndarray) -> Decoded:
-    # Super-blocks of 256: d, dmin, 12 bytes of 6-bit sub-scales and mins, 128 bytes of nibbles
-    # (each 32 bytes two sub-blocks); w = q * d * scale - dmin * min.
+def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's per-32 scales and offsets: d, dmin, then 12 bytes of 6-bit sub-scales
+    and mins; w = q * d * scale - dmin * min."""
     sc, mn = Q4_K.get_scale_min(b[:, 4:16])
-    return _split(b[:, 16:], 32, 4), _f16(b, 0) * sc.astype(np.float32), -(_f16(b, 2) * mn.astype(np.float32))
+    return _f16(b, 0) * sc.astype(np.float32), -(_f16(b, 2) * mn.astype(np.float32))
+
+
+def _q4_k(b: np.ndarray) -> Decoded:
+    # Super-blocks of 256: the scales, then 128 bytes of nibbles (each 32 bytes two sub-blocks).
+    return _split(b[:, 16:], 32, 4), *_k_scales(b)
 
 
 def _q8_0(b: np.ndarray) -> Decoded:  # d, 32 int8
@@ -76,8 +81,7 @@ def _q5_k(b: np.ndarray) -> Decoded:
     # As Q4_K, with 32 bytes of fifth bits (bit s of byte j: sub-block s's element j) before the
     # nibbles.
     q = _split(b[:, 48:], 32, 4) | _split(b[:, 16:48], 32, 1) << 4
-    sc, mn = Q4_K.get_scale_min(b[:, 4:16])
-    return q.astype(np.int8), _f16(b, 0) * sc.astype(np.float32), -(_f16(b, 2) * mn.astype(np.float32))
+    return q.astype(np.int8), *_k_scales(b)
 
 
 def _q2_k(b: np.ndarray) -> Decoded:

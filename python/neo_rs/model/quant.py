@@ -342,9 +342,7 @@ class Int4Linear(GraphLinear, nn.Module):
     def dequantized(self, q: torch.Tensor) -> torch.Tensor:
         """The weight the kernel multiplies by, given the values ``q`` it packed (tests), in the
         scales' dtype."""
-        scale, zero = self.scales_zeros.float().unbind(-1)  # [in / group, out] each
-        blocks = Int4Blocks(q, scale.t(), zero.t(), self.order)
-        return blocks.dequantized().to(self.scales_zeros.dtype)
+        return _dequantized(Int4Blocks, q, self.scales_zeros, self.order)
 
 
 class GroupedInt8Linear(GraphLinear, nn.Module):
@@ -388,9 +386,16 @@ class GroupedInt8Linear(GraphLinear, nn.Module):
         """The weight the kernel multiplies by, its columns in input order, in the scales' dtype
         (tests)."""
         q = unpack_int8(self.packed, self.out_features, self.in_features)
-        scale, zero = self.scales_zeros.float().unbind(-1)  # [in / group, out] each
-        blocks = Int8Blocks(q, scale.t(), zero.t(), self.order)
-        return blocks.dequantized().to(self.scales_zeros.dtype)
+        return _dequantized(Int8Blocks, q, self.scales_zeros, self.order)
+
+
+def _dequantized(
+    form: type[Int4Blocks], q: torch.Tensor, scales_zeros: torch.Tensor, order: torch.Tensor | None
+) -> torch.Tensor:
+    """The weight of values ``q`` in ``form`` by ``scales_zeros`` (``[in / group, out, 2]``), in
+    their dtype (the linears' ``dequantized``, for tests)."""
+    scale, zero = scales_zeros.float().unbind(-1)
+    return form(q, scale.t(), zero.t(), order).dequantized().to(scales_zeros.dtype)
 
 
 def keeps(blocks: Int4Blocks, home: torch.Tensor) -> bool:
