@@ -36,6 +36,11 @@ from neo_rs.model.quant import GroupedInt8Linear, Int4Linear, Int8Linear
 # Rows up to which the Rust kernel beats oneDNN's packed GEMM on SmolLM2's shapes (at 4 rows
 # they are level, beyond it oneDNN's blocking wins): ``benches/gemv.py``.
 GEMV_ROWS = 2
+# oneDNN packs for one row in a layout of its own that every other row count runs slower in
+# (on Zen 5, 1B-shaped gate/up: 2.5x at 5 rows, 1.2x at 64, and 1.5x slower at one row too),
+# while packs for 2 to 256 rows run within 10% of each other at any count. An engine of one
+# sequence would run its prefill chunks and verifying steps in that layout.
+_PACK_ROWS_MIN = 2
 
 
 def packing_applies(device: torch.device, dtype: torch.dtype) -> bool:
@@ -58,7 +63,7 @@ class PackedLinear(GraphLinear, nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         # Plain attributes: an opaque oneDNN tensor and a Rust object, never moved or saved.
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, max(rows, _PACK_ROWS_MIN))
         self.gemv = (
             None if gemv_threads is None else Bf16Linear(weight, linear.bias, num_threads=gemv_threads)
         )

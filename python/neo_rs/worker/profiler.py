@@ -33,8 +33,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Part of the cache key: bump when what a profile measures changes (v4: small CPU attention
-# calls run on the calling thread, without the pool hand-off).
-VERSION = 4
+# calls run on the calling thread, without the pool hand-off; v5: no linear packed for one row).
+VERSION = 5
 Curve = tuple[list[float], list[float]]
 Grid = tuple[list[float], list[float], list[float]]  # rows, columns, values row-major
 
