@@ -16,6 +16,8 @@ from conftest import ARCHS, FAMILIES, assert_all_blocks_free
 from neo_rs import LLM, SamplingParams
 from neo_rs.worker.compiled import MAX_GRAPHS
 from test_model_parity import GREEDY, MODES, PROMPTS, hf_greedy, run
+from test_speculation import NGRAM
+from test_speculation import PROMPTS as REPEATING
 
 DENSE = [k for k in ARCHS + FAMILIES if k not in ("mixtral", "qwen3_moe")]
 
@@ -118,3 +120,31 @@ def test_the_attention_op_keeps_its_fake_shapes(checkpoints) -> None:
     finally:
         module._current.step = None
         llm.shutdown()
+
+
+def test_decodes_verifying_drafts_run_compiled(checkpoints, monkeypatch) -> None:
+    # On a CPU device, each row of a decode verifying drafts attends as a decode at its own
+    # position (``attention/metadata.py``): such steps run compiled too, tokens unchanged.
+    monkeypatch.setenv("NEO_RS_FORCE_SPECULATION", "1")
+    path = str(checkpoints["llama3"])
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(path, dtype="float32") as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(REPEATING, params, use_tqdm=False)]
+    llm = LLM(path, dtype="float32", speculative_config=NGRAM, enforce_eager=False)
+    engine, compiled = llm.engine, llm.engine.runner.compiled
+    step, verifying = engine.step, []
+
+    def watched() -> list:
+        runs = compiled.runs
+        outs = step()
+        if engine.last_stats is not None and engine.last_stats.num_draft_tokens:
+            verifying.append(compiled.runs - runs)
+        return outs
+
+    engine.step = watched  # type: ignore[method-assign]
+    with llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(REPEATING, params, use_tqdm=False)]
+        assert_all_blocks_free(engine)
+    assert got == want
+    assert verifying and all(n == 1 for n in verifying), verifying
+    assert compiled.graphs == MAX_GRAPHS

@@ -129,6 +129,16 @@ class AttentionBatch:
             # decode at its own position, over its request's table.
             cpu_tables = cpu_tables.repeat_interleave(torch.from_numpy(np.diff(qsl[ngd : nd + 1])), dim=0)
             cpu_lens = torch.from_numpy(plan.positions[t0 + cpu_start : t0 + cpu_end] + 1).to(torch.int32)
+        gpu_rows, gpu_tables, gpu_lens = ngd, tables[:ngd], seq_lens[:ngd]
+        short = prefills and all(p.kernel_rows for p in prefills)
+        if append_decodes and short and cpu_end == cpu_start and host == t1 - t0:
+            # A CPU device whose later chunks are all short (decodes verifying drafts): every row
+            # is a decode at its own position, appending its K/V (all rows' first), so the whole
+            # batch takes the decode path, compiled where decodes run compiled.
+            gpu_rows, prefills = t1 - t0, []
+            gpu_tables = tables.repeat_interleave(torch.from_numpy(np.diff(qsl)), dim=0)
+            gpu_lens = torch.from_numpy(plan.positions[t0:t1] + 1).to(torch.int32)
+            cpu_start = cpu_end = host = gpu_rows
         to_device = [r for r in (slice(0, decodes_written), slice(cpu_end, host)) if r.stop > r.start]
         host_rows = slice(host, t1 - t0)
         return AttentionBatch(
@@ -139,12 +149,12 @@ class AttentionBatch:
             else None,
             gpu_decodes=DecodeRows(
                 0,
-                ngd,
-                up(tables[:ngd]),
-                up(seq_lens[:ngd]),
-                int(lens[:ngd].max(initial=0)),
-                tables[:ngd],
-                seq_lens[:ngd],
+                gpu_rows,
+                up(gpu_tables),
+                up(gpu_lens),
+                int(gpu_lens.max()) if gpu_rows else 0,
+                gpu_tables,
+                gpu_lens,
             ),
             cpu_decodes=DecodeRows(
                 cpu_start,

@@ -4,9 +4,10 @@ GEMMs (RMSNorm, RoPE, SwiGLU, residuals) runs as fused C++ loops instead of one 
 Python dispatch each, 30 layers deep. Prepacked linears (``neo_rs::packed_linear``) and the Rust
 attention with its fused KV append (``neo_rs::decode_attention``) are opaque ops in the graph.
 
-Which iterations: every row a decode of the device pool, no prefill, no CPU decode, no copies
-between the pools. Others (prompts, NEO's sub-batches, verification chunks, swaps) run eagerly;
-the engine's steady state in CPU-only serving is the former.
+Which iterations: every row a decode of the device pool (a decode verifying drafts is a row per
+position, ``attention/metadata.py``), no prefill, no CPU decode, no copies between the pools.
+Others (prompts, NEO's sub-batches, swaps) run eagerly; the engine's steady state in CPU-only
+serving is the former.
 
 Shapes: one graph takes any number of rows (``dynamic=True``), and Dynamo specializes one row on
 its own: two graphs per model (``MAX_GRAPHS``; ``graphs`` counts them), both compiled at start-up.
