@@ -1,12 +1,14 @@
-"""Shared pieces of the Python benchmarks: the ~20M-parameter random Llama, seeded prompts, and
-the CPU line every speed figure is printed beside."""
+"""Shared pieces of the Python benchmarks: the ~20M-parameter random Llama, random Llamas of a
+given shape, seeded prompts, and the CPU line every speed figure is printed beside."""
 
 from __future__ import annotations
 
+import json
 import platform
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 # The shape of the benchmarks' small random models (~20M parameters).
 SMALL = dict(
@@ -128,3 +130,48 @@ def cpu_line() -> str:
     family = f" family {ids['cpu family']} model {ids['model']}" if len(ids) == 2 else ""
     noted = " ".join(f for f in ("avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8") if f in flags)
     return f"{model}{family} ({platform.machine()}), flags: {noted or 'none of note'}"
+
+
+def random_llama(root: Path, shape: tuple[int, ...]) -> Path:
+    """A Llama checkpoint of ``shape`` with random bf16 weights (tied embeddings, as Llama 3.2)."""
+    hidden, inter, heads, kv, d, layers, vocab = shape
+    g = torch.Generator().manual_seed(0)
+
+    def w(*s: int) -> torch.Tensor:
+        return (torch.randn(*s, generator=g) * 0.02).to(torch.bfloat16)
+
+    tensors = {
+        "model.embed_tokens.weight": w(vocab, hidden),
+        "model.norm.weight": torch.ones(hidden).bfloat16(),
+    }
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "input_layernorm.weight": torch.ones(hidden).bfloat16(),
+            p + "post_attention_layernorm.weight": torch.ones(hidden).bfloat16(),
+            p + "self_attn.q_proj.weight": w(heads * d, hidden),
+            p + "self_attn.k_proj.weight": w(kv * d, hidden),
+            p + "self_attn.v_proj.weight": w(kv * d, hidden),
+            p + "self_attn.o_proj.weight": w(hidden, heads * d),
+            p + "mlp.gate_proj.weight": w(inter, hidden),
+            p + "mlp.up_proj.weight": w(inter, hidden),
+            p + "mlp.down_proj.weight": w(hidden, inter),
+        }
+    save_file(tensors, root / "model.safetensors", metadata={"format": "pt"})
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": d,
+        "num_hidden_layers": layers,
+        "vocab_size": vocab,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+    }
+    (root / "config.json").write_text(json.dumps(cfg))
+    return root

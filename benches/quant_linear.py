@@ -22,20 +22,18 @@ time.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from common import cpu_line
+from common import cpu_line, random_llama
 from neo_rs import LLM, SamplingParams
 from neo_rs.model.fp8 import Fp8Linear
 from neo_rs.model.packed import PackedLinear
 from neo_rs.model.quant import GroupedInt8Linear, Int4Linear, Int8Blocks, Int8Linear, int4_group_size
 from neo_rs.model.rust_linears import gemv_applies
-from safetensors.torch import save_file
 from torch import nn
 
 # (hidden, intermediate, heads, kv heads, head dim, layers, vocab)
@@ -110,51 +108,6 @@ def linear_table(rows_list: list[int]) -> None:
                 rates = [b / (t / 1e3) / 1e9 for b, t in zip(nbytes, ms, strict=False)]
                 print(f"{name:<14}{lin:<14}{rows:>5}" + "".join(f"{t:>10.3f}" for t in ms), end="")
                 print("".join(f"{t / ms[0]:>10.2f}x" for t in ms[1:]) + "".join(f"{r:>10.1f}" for r in rates))
-
-
-def random_llama(root: Path, shape: tuple[int, ...]) -> Path:
-    """A Llama checkpoint of ``shape`` with random bf16 weights (tied embeddings, as Llama 3.2)."""
-    hidden, inter, heads, kv, d, layers, vocab = shape
-    g = torch.Generator().manual_seed(0)
-
-    def w(*s: int) -> torch.Tensor:
-        return (torch.randn(*s, generator=g) * 0.02).to(torch.bfloat16)
-
-    tensors = {
-        "model.embed_tokens.weight": w(vocab, hidden),
-        "model.norm.weight": torch.ones(hidden).bfloat16(),
-    }
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        tensors |= {
-            p + "input_layernorm.weight": torch.ones(hidden).bfloat16(),
-            p + "post_attention_layernorm.weight": torch.ones(hidden).bfloat16(),
-            p + "self_attn.q_proj.weight": w(heads * d, hidden),
-            p + "self_attn.k_proj.weight": w(kv * d, hidden),
-            p + "self_attn.v_proj.weight": w(kv * d, hidden),
-            p + "self_attn.o_proj.weight": w(hidden, heads * d),
-            p + "mlp.gate_proj.weight": w(inter, hidden),
-            p + "mlp.up_proj.weight": w(inter, hidden),
-            p + "mlp.down_proj.weight": w(hidden, inter),
-        }
-    save_file(tensors, root / "model.safetensors", metadata={"format": "pt"})
-    cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": hidden,
-        "intermediate_size": inter,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv,
-        "head_dim": d,
-        "num_hidden_layers": layers,
-        "vocab_size": vocab,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
-        "max_position_embeddings": 4096,
-        "tie_word_embeddings": True,
-        "torch_dtype": "bfloat16",
-    }
-    (root / "config.json").write_text(json.dumps(cfg))
-    return root
 
 
 def read_gbs() -> float:

@@ -9,7 +9,8 @@ use std::collections::HashMap;
 
 use neo_rs::kv::{BlockId, Device};
 use neo_rs::sched::{
-    FinishReason, OffloadMode, RequestId, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput, Speculation,
+    Drafter, FinishReason, OffloadMode, RequestId, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput,
+    Speculation,
 };
 use proptest::prelude::*;
 
@@ -70,9 +71,15 @@ fn workload(mode: impl Strategy<Value = OffloadMode>) -> impl Strategy<Value = W
     // A sliding window on every layer in some: blocks behind it are released.
     let window = prop::option::weighted(0.3, 1usize..24);
     // Speculative decoding in some, verified by the fake model with random acceptance.
-    let speculation = prop::option::weighted(0.4, (1usize..=4, 1usize..=3, any::<bool>())).prop_map(|s| {
-        s.map(|(num_tokens, lookup_max, always)| Speculation { num_tokens, lookup_min: 1, lookup_max, always })
-    });
+    // Drafts by prompt lookup, or handed in as a draft model's (`propose`, before each step).
+    let speculation =
+        prop::option::weighted(0.4, (1usize..=4, 1usize..=3, any::<bool>(), any::<bool>())).prop_map(|s| {
+            s.map(|(num_tokens, lookup_max, always, model)| Speculation {
+                num_tokens,
+                drafter: if model { Drafter::Model } else { Drafter::PromptLookup { min: 1, max: lookup_max } },
+                always,
+            })
+        });
     let config = (config, prop::bool::weighted(0.7), 0u32..=24, copy_cost, window, speculation).prop_map(
         |(c, enable_prefix_caching, tier, kv_bytes_per_token, sliding_window, speculation)| {
             let num_cpu_prefix_blocks = if enable_prefix_caching { tier.min(c.num_cpu_blocks) } else { 0 };
@@ -324,6 +331,18 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
             break;
         }
         prop_assert!(step < 5_000, "no progress after {} steps", step);
+        if let Some(Speculation { drafter: Drafter::Model, num_tokens, .. }) = w.config.speculation {
+            // A draft model drafts for running decodes only, within k and their max_tokens.
+            let mut drafts = Vec::new();
+            for (id, n, longest) in s.draft_requests() {
+                let req = s.request(id).expect("a named request exists");
+                prop_assert!(req.status == RequestStatus::Running && req.num_pending_tokens() == 1);
+                prop_assert!((1..=num_tokens).contains(&n) && req.num_output_tokens() + n < req.max_tokens);
+                prop_assert_eq!(longest, req.num_prompt_tokens + req.max_tokens);
+                drafts.push((id, (0..n).map(|j| token(id.0 + 7, req.num_tokens() + j)).collect()));
+            }
+            s.propose(drafts).unwrap();
+        }
         let out = s.schedule().unwrap();
         check_plan(&s, &out)?;
         fake_kv.run(&s, &out)?;

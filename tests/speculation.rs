@@ -1,11 +1,17 @@
 //! Speculative decoding in the scheduler: a decode drafts by prompt lookup within the budget and
 //! blocks the policy left, its rows are all sampled, and `update` keeps the accepted drafts'
-//! KV only: rejected blocks go back, never registered in the prefix cache.
+//! KV only: rejected blocks go back, never registered in the prefix cache. A draft model's side:
+//! the scheduler names the decodes worth drafting for (priced with the draft model's rounds),
+//! verifies the tokens handed in like prompt lookup's, and a draft model's own scheduler follows
+//! its target by `rewind`, keeping the KV of the tokens they share.
 
 use neo_rs::kv::Device;
-use neo_rs::sched::{OffloadMode, PerfPredictor, RequestId, Scheduler, SchedulerConfig, Speculation, Table1, Table2};
+use neo_rs::sched::{
+    Drafter, OffloadMode, PerfPredictor, RequestId, Scheduler, SchedulerConfig, Speculation, Table1, Table2,
+};
 
 const ID: RequestId = RequestId(0);
+const PROMPT: [u32; 10] = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3];
 
 fn config(num_gpu_blocks: u32, budget: usize) -> SchedulerConfig {
     SchedulerConfig {
@@ -22,7 +28,11 @@ fn config(num_gpu_blocks: u32, budget: usize) -> SchedulerConfig {
         enable_prefix_caching: true,
         num_cpu_prefix_blocks: 0,
         sliding_window: None,
-        speculation: Some(Speculation { num_tokens: 4, lookup_min: 1, lookup_max: 2, always: false }),
+        speculation: Some(Speculation {
+            num_tokens: 4,
+            drafter: Drafter::PromptLookup { min: 1, max: 2 },
+            always: false,
+        }),
     }
 }
 
@@ -30,7 +40,7 @@ fn config(num_gpu_blocks: u32, budget: usize) -> SchedulerConfig {
 /// `3, 4`, which appeared before, followed by `5 6 7 1`.
 fn after_prefill(cfg: SchedulerConfig, max_tokens: usize) -> Scheduler {
     let mut s = Scheduler::new(cfg).unwrap();
-    s.add_request(ID, vec![1, 2, 3, 4, 5, 6, 7, 1, 2, 3], max_tokens).unwrap();
+    s.add_request(ID, PROMPT.to_vec(), max_tokens).unwrap();
     while s.schedule().unwrap().inputs.sample_ids.is_empty() {
         s.update(&[], &[]).unwrap(); // a chunk of the prompt
     }
@@ -88,7 +98,7 @@ fn drafts_fit_max_tokens_the_budget_and_free_blocks_and_never_preempt() {
     // Eight blocks: the prompt takes 5, another request 2, the next token the last free one;
     // drafts would need two more, and speculation never preempts to get them.
     let mut s = Scheduler::new(config(8, 64)).unwrap();
-    s.add_request(ID, vec![1, 2, 3, 4, 5, 6, 7, 1, 2, 3], 6).unwrap();
+    s.add_request(ID, PROMPT.to_vec(), 6).unwrap();
     s.add_request(RequestId(1), vec![8, 9, 10], 3).unwrap();
     s.schedule().unwrap();
     s.update(&[4, 11], &[]).unwrap();
@@ -102,7 +112,11 @@ fn drafts_fit_max_tokens_the_budget_and_free_blocks_and_never_preempt() {
 fn speculation_settings_are_checked() {
     for (num_tokens, lookup_min, lookup_max) in [(0, 1, 2), (17, 1, 2), (4, 0, 2), (4, 3, 2)] {
         let cfg = SchedulerConfig {
-            speculation: Some(Speculation { num_tokens, lookup_min, lookup_max, always: false }),
+            speculation: Some(Speculation {
+                num_tokens,
+                drafter: Drafter::PromptLookup { min: lookup_min, max: lookup_max },
+                always: false,
+            }),
             ..config(16, 64)
         };
         assert!(Scheduler::new(cfg).is_err(), "{num_tokens} {lookup_min} {lookup_max}");
@@ -125,10 +139,12 @@ fn decode_rejecting(s: &mut Scheduler, steps: usize) -> Vec<usize> {
 #[test]
 fn drafts_stop_once_they_are_rejected_and_where_rows_cost_what_they_yield() {
     // One stream, rows nearly free (the synthetic predictor): drafts until rejections teach
-    // the scheduler they do not hold.
-    let mut s = after_prefill(SchedulerConfig { max_model_len: 512, ..config(256, 64) }, 400);
-    let drafted = decode_rejecting(&mut s, 300);
-    assert!(drafted[0] > 0 && drafted[299] == 0, "{drafted:?}");
+    // the scheduler they do not hold; then, as the rates drift back to the prior, a try now and
+    // then (about one step in ten here: rows are nearly free), never speculation ended for good.
+    let mut s = after_prefill(SchedulerConfig { max_model_len: 1024, ..config(512, 64) }, 1000);
+    let drafted = decode_rejecting(&mut s, 900);
+    let tries = drafted[600..].iter().filter(|&&d| d > 0).count();
+    assert!(drafted[0] > 0 && (1..=300 / 8).contains(&tries), "{drafted:?}");
 
     // Every row costing as much as the step's fixed part: no draft pays even at the even prior.
     let mut s = after_prefill(config(16, 64), 20);
@@ -137,4 +153,94 @@ fn drafts_stop_once_they_are_rejected_and_where_rows_cost_what_they_yield() {
     *s.predictor_mut() =
         PerfPredictor::new(table([1.0, 4096.0]), table([0.0, 0.0]), flat.clone(), flat, table([0.0, 0.0]), 0.0);
     assert_eq!(s.schedule().unwrap().scheduled[0].num_new_tokens, 1);
+}
+
+/// A scheduler whose request ran its prompt and sampled `4`.
+fn decoding(drafter: Option<Drafter>) -> Scheduler {
+    let speculation = drafter.map(|drafter| Speculation { num_tokens: 4, drafter, always: false });
+    let cfg = SchedulerConfig { block_size: 2, enable_prefix_caching: false, speculation, ..config(32, 64) };
+    let mut s = Scheduler::new(cfg).unwrap();
+    s.add_request(ID, PROMPT.to_vec(), 20).unwrap();
+    assert!(s.draft_requests().is_empty(), "a prompt drafts nothing");
+    s.schedule().unwrap();
+    s.update(&[4], &[]).unwrap();
+    s
+}
+
+#[test]
+fn the_draft_models_tokens_are_verified_as_proposed_and_last_one_step() {
+    let mut s = decoding(Some(Drafter::Model));
+    // Rows nearly free (the synthetic predictor), the draft model's rounds not yet measured.
+    assert_eq!(s.draft_requests(), [(ID, 4, 30)]);
+    assert!(s.propose(vec![(RequestId(9), vec![1])]).is_err(), "unknown request");
+    assert!(s.propose(vec![(ID, vec![1; 5])]).is_err(), "more than num_speculative_tokens");
+    s.propose(vec![(ID, vec![9, 8, 7])]).unwrap();
+    let out = s.schedule().unwrap();
+    assert!(s.propose(vec![(ID, vec![1])]).is_err(), "between schedule() and update()");
+    assert_eq!(out.inputs.input_ids, [4, 9, 8, 7]);
+    assert_eq!(out.inputs.sample_ids, [0; 4]);
+    // 9 accepted, 8 rejected (5 sampled in its place).
+    s.update_speculative(&[9, 5], &[2], &[]).unwrap();
+    let req = s.request(ID).unwrap();
+    assert_eq!(req.token_ids[10..], [4, 9, 5]);
+    assert_eq!(req.num_computed_tokens, 12);
+    assert_eq!(s.kv(Device::Gpu).num_used_blocks(), 6);
+    s.check_invariants().unwrap();
+    // Drafts are for one step: none given, none verified.
+    assert_eq!(s.schedule().unwrap().inputs.input_ids, [5]);
+    s.update(&[6], &[]).unwrap();
+    s.check_invariants().unwrap();
+
+    // Prompt lookup's scheduler takes no tokens and names no request.
+    let mut s = decoding(Some(Drafter::PromptLookup { min: 1, max: 2 }));
+    assert!(s.draft_requests().is_empty());
+    assert!(s.propose(vec![(ID, vec![1])]).is_err());
+}
+
+#[test]
+fn the_draft_models_rounds_are_priced() {
+    let mut s = decoding(Some(Drafter::Model));
+    // A round measured at a thousand times the target's linears: no draft pays for it.
+    let linear = s.predictor().linear_ms(1);
+    s.observe_draft_round(1, 1000.0 * linear);
+    assert!(s.draft_requests().is_empty());
+    // Rounds measured nearly free again (the newest count most): drafts pay once more.
+    for _ in 0..200 {
+        s.observe_draft_round(1, 1e-6 * linear);
+    }
+    assert_eq!(s.draft_requests(), [(ID, 4, 30)]);
+}
+
+#[test]
+fn rewind_keeps_the_kv_both_token_lists_share() {
+    let mut s = decoding(None);
+    for t in [5, 6] {
+        s.schedule().unwrap();
+        s.update(&[t], &[]).unwrap();
+    }
+    // 13 tokens, 12 computed (7 blocks). The last two replaced: 11 stay computed (6 blocks).
+    let mut tokens = PROMPT.to_vec();
+    tokens.extend([4, 50, 51]);
+    s.rewind(ID, tokens.clone()).unwrap();
+    assert_eq!(s.request(ID).unwrap().num_computed_tokens, 11);
+    assert_eq!(s.kv(Device::Gpu).num_used_blocks(), 6);
+    s.check_invariants().unwrap();
+    let out = s.schedule().unwrap();
+    assert!(s.rewind(ID, tokens.clone()).is_err(), "between schedule() and update()");
+    assert_eq!((out.inputs.input_ids, out.inputs.sample_ids), (vec![50, 51], vec![0]));
+    s.update(&[52], &[]).unwrap();
+    // The same tokens and one more: all 13 computed stay, two to compute.
+    tokens.extend([52, 53]);
+    s.rewind(ID, tokens).unwrap();
+    assert_eq!(s.request(ID).unwrap().num_computed_tokens, 13);
+    assert_eq!(s.schedule().unwrap().inputs.input_ids, [52, 53]);
+    s.update(&[54], &[]).unwrap();
+    assert!(s.rewind(ID, PROMPT[..9].to_vec()).is_err(), "shorter than the prompt");
+    assert!(s.rewind(ID, vec![1; 30]).is_err(), "past max_tokens");
+    s.abort(ID);
+    assert_eq!(s.kv(Device::Gpu).num_used_blocks(), 0);
+
+    let mut cached = Scheduler::new(SchedulerConfig { speculation: None, ..config(32, 64) }).unwrap();
+    cached.add_request(ID, PROMPT.to_vec(), 20).unwrap();
+    assert!(cached.rewind(ID, PROMPT.to_vec()).is_err(), "prefix caching");
 }

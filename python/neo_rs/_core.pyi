@@ -255,7 +255,7 @@ class Scheduler:
         enable_prefix_caching: bool = False,
         num_cpu_prefix_blocks: int = 0,
         sliding_window: int | None = None,
-        speculation: tuple[int, int, int, bool] | None = None,
+        speculation: tuple[int, tuple[int, int] | None, bool] | None = None,
     ) -> None:
         """``offload``: ``neo`` (partial offload, pipelined when it pays), ``none`` (GPU-only,
         overflow swapped) or ``all`` (every decode on the CPU). ``enable_prefix_caching``: new
@@ -263,9 +263,10 @@ class Scheduler:
         ``num_cpu_prefix_blocks``: host blocks that keep prefix blocks the device evicts (the
         host tier; needs ``enable_prefix_caching``). ``sliding_window``: every layer's window,
         when all of them slide: blocks behind it are released as requests advance.
-        ``speculation``: ``(num_tokens, lookup_min, lookup_max, always)``: each decode drafts up
-        to ``num_tokens`` tokens by prompt lookup, into the budget and blocks left over, as many
-        as the predictor says pay (``always``, for tests: every one found)."""
+        ``speculation``: ``(num_tokens, (lookup_min, lookup_max) or None, always)``: each decode
+        drafts up to ``num_tokens`` tokens by prompt lookup (or, with None, takes a draft model's
+        from ``propose``), into the budget and blocks left over, as many as the predictor says
+        pay (``always``, for tests: every one found)."""
     def add_request(
         self, request_id: int, prompt_token_ids: list[int], max_tokens: int, cache_salt: str | None = None
     ) -> None:
@@ -285,6 +286,18 @@ class Scheduler:
         Returns the finished requests."""
     def abort_step(self) -> list[int]:
         """The last ``schedule``'s iteration failed: abort the requests it ran or swapped (their ids)."""
+    def draft_requests(self) -> list[tuple[int, int, int]]:
+        """A draft model's work before ``schedule``: ``(request_id, drafts to make, longest)``
+        for the running decodes whose drafts pay, the draft model's rounds priced in; ``longest``:
+        the most tokens the request may reach (prompt and ``max_tokens``)."""
+    def propose(self, request_ids: list[int], tokens: list[int], counts: list[int]) -> None:
+        """The draft model's tokens (``counts[i]`` of them for ``request_ids[i]``) for the next
+        ``schedule`` to verify."""
+    def observe_draft_round(self, tokens: int, layer_ms: float) -> None:
+        """A draft-model round over ``tokens`` tokens took ``layer_ms`` per layer of this model."""
+    def rewind(self, request_id: int, token_ids: list[int]) -> None:
+        """A draft model's scheduler following its target: the request's tokens become
+        ``token_ids``; the KV of the tokens both share stays (no prefix caching, no window)."""
     def has_unfinished(self) -> bool: ...
     @property
     def num_waiting(self) -> int: ...

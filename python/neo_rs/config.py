@@ -478,7 +478,8 @@ class EngineArgs:
     # a GGUF's blocks, GPTQ or AWQ tensors are kept, see ``quantization_for``).
     quantization: str | None = None
     # vLLM's speculative config (a dict, or its JSON text): ``{"method": "ngram",
-    # "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}``.
+    # "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}``, or
+    # ``{"method": "draft_model", "model": PATH, "num_speculative_tokens": k}``.
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
 
     @property

@@ -67,6 +67,15 @@ def force_speculation() -> bool:
     return os.environ.get("NEO_RS_FORCE_SPECULATION", "") not in ("", "0")
 
 
+def forced_acceptance() -> float | None:
+    """``NEO_RS_FORCE_ACCEPTANCE=p``, benchmarks only: each draft is kept with probability ``p``
+    (once those before it were), whatever the model samples there, to time speculation at an
+    acceptance a random-weight model never reaches (``benches/spec_decode.py``). Outputs are then
+    no longer the model's."""
+    value = os.environ.get("NEO_RS_FORCE_ACCEPTANCE", "")
+    return float(value) if value else None
+
+
 def enforce_eager_default() -> bool:
     """``NEO_RS_ENFORCE_EAGER=1``: engines that do not say run op by op (``EngineArgs.enforce_eager``);
     the test suite sets it, and tests of the compiled stack ask for it."""

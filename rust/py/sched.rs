@@ -7,8 +7,12 @@ use pyo3::types::PyDict;
 
 use crate::kv::{Device, SwapPlan};
 use crate::sched::{
-    self, OffloadMode, PerfPredictor, RequestId, SchedulerConfig, Speculation, StageTimes, Table1, Table2, Term,
+    self, Drafter, OffloadMode, PerfPredictor, RequestId, SchedulerConfig, Speculation, StageTimes, Table1, Table2,
+    Term,
 };
+
+/// `speculation=`: `(k, (lookup_min, lookup_max) or None for a draft model, always)`.
+type SpeculationArgs = (usize, Option<(usize, usize)>, bool);
 
 #[pyclass(module = "neo_rs._core")]
 pub struct Scheduler {
@@ -112,7 +116,7 @@ impl Scheduler {
         enable_prefix_caching: bool,
         num_cpu_prefix_blocks: u32,
         sliding_window: Option<usize>,
-        speculation: Option<(usize, usize, usize, bool)>,
+        speculation: Option<SpeculationArgs>,
     ) -> PyResult<Self> {
         let config = SchedulerConfig {
             max_num_seqs,
@@ -128,10 +132,9 @@ impl Scheduler {
             enable_prefix_caching,
             num_cpu_prefix_blocks,
             sliding_window,
-            speculation: speculation.map(|(num_tokens, lookup_min, lookup_max, always)| Speculation {
+            speculation: speculation.map(|(num_tokens, lookup, always)| Speculation {
                 num_tokens,
-                lookup_min,
-                lookup_max,
+                drafter: lookup.map_or(Drafter::Model, |(min, max)| Drafter::PromptLookup { min, max }),
                 always,
             }),
         };
@@ -203,6 +206,45 @@ impl Scheduler {
         let counts = counts.unwrap_or_default();
         let finished = py.detach(|| self.inner.update_speculative(&sampled, &counts, &stopped))?;
         Ok(finished.into_iter().map(|(id, r)| (id.0, r.name())).collect())
+    }
+
+    /// A draft model's work before `schedule()`: `[(request_id, drafts to make, longest)]`.
+    fn draft_requests(&self) -> Vec<(u64, usize, usize)> {
+        self.inner.draft_requests().into_iter().map(|(id, n, longest)| (id.0, n, longest)).collect()
+    }
+
+    /// The draft model's tokens, `counts[i]` of `tokens` for `request_ids[i]`, for the next
+    /// `schedule()` to verify.
+    fn propose(&mut self, request_ids: Vec<u64>, tokens: Vec<u32>, counts: Vec<usize>) -> PyResult<()> {
+        if request_ids.len() != counts.len() || counts.iter().sum::<usize>() != tokens.len() {
+            return Err(super::InvalidArgumentError::new_err(format!(
+                "propose(): {} ids, {} counts of {} tokens",
+                request_ids.len(),
+                counts.len(),
+                tokens.len()
+            )));
+        }
+        let mut at = 0;
+        let drafts = request_ids
+            .into_iter()
+            .zip(counts)
+            .map(|(id, n)| {
+                at += n;
+                (RequestId(id), tokens[at - n..at].to_vec())
+            })
+            .collect();
+        Ok(self.inner.propose(drafts)?)
+    }
+
+    /// A draft-model round over `tokens` tokens took `layer_ms` per layer of this model.
+    fn observe_draft_round(&mut self, tokens: usize, layer_ms: f64) {
+        self.inner.observe_draft_round(tokens, layer_ms);
+    }
+
+    /// A draft model's scheduler following its target: request `request_id`'s tokens become
+    /// `token_ids`, the KV of the tokens both share kept.
+    fn rewind(&mut self, request_id: u64, token_ids: Vec<u32>) -> PyResult<()> {
+        Ok(self.inner.rewind(RequestId(request_id), token_ids)?)
     }
 
     /// The iteration of the last `schedule()` failed: abort every request it ran or swapped.

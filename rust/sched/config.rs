@@ -61,20 +61,30 @@ pub struct SchedulerConfig {
     /// The sliding window (tokens) when every layer has one: blocks behind it are released as
     /// requests advance, in both pools. `None`: every block is kept (some or all layers global).
     pub sliding_window: Option<usize>,
-    /// Speculative decoding by prompt lookup (`None`: off).
+    /// Speculative decoding (`None`: off).
     pub speculation: Option<Speculation>,
 }
 
-/// N-gram speculative decoding (vLLM's `{"method": "ngram", ...}`): each decode drafts up to
-/// `num_tokens` tokens by finding the request's last `lookup_min..=lookup_max` tokens earlier in
-/// its own tokens, and one forward pass verifies them.
+/// Speculative decoding: each decode drafts up to `num_tokens` tokens, and one forward pass
+/// verifies them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Speculation {
     pub num_tokens: usize,
-    pub lookup_min: usize,
-    pub lookup_max: usize,
+    pub drafter: Drafter,
     /// Tests: verify every draft found, whatever the predictor says drafts are worth.
     pub always: bool,
+}
+
+/// Where drafts come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Drafter {
+    /// vLLM's `{"method": "ngram", ...}`: the tokens that followed the latest earlier occurrence
+    /// of the request's last `min..=max` tokens (`ngram.rs`).
+    PromptLookup { min: usize, max: usize },
+    /// vLLM's `{"method": "draft_model", ...}`: a small model the caller runs between
+    /// `update()` and `schedule()`, for the requests `draft_requests()` names, handing its
+    /// tokens in with `propose()`.
+    Model,
 }
 
 /// The most tokens one step may draft per request (vLLM's bound on `num_speculative_tokens`).
@@ -121,13 +131,13 @@ impl SchedulerConfig {
                 "num_speculative_tokens must be in 1..={MAX_SPECULATIVE_TOKENS}, got {}",
                 spec.num_tokens
             );
-            ensure!(
-                spec.lookup_min >= 1 && spec.lookup_min <= spec.lookup_max,
-                Value,
-                "prompt_lookup_min ({}) must be at least 1 and at most prompt_lookup_max ({})",
-                spec.lookup_min,
-                spec.lookup_max
-            );
+            if let Drafter::PromptLookup { min, max } = spec.drafter {
+                ensure!(
+                    min >= 1 && min <= max,
+                    Value,
+                    "prompt_lookup_min ({min}) must be at least 1 and at most prompt_lookup_max ({max})"
+                );
+            }
         }
         ensure!(
             self.num_cpu_prefix_blocks == 0 || self.enable_prefix_caching,

@@ -10,7 +10,7 @@ mod request;
 mod scheduler;
 mod stats;
 
-pub use config::{peak_blocks, OffloadMode, SchedulerConfig, Speculation, MAX_SPECULATIVE_TOKENS};
+pub use config::{peak_blocks, Drafter, OffloadMode, SchedulerConfig, Speculation, MAX_SPECULATIVE_TOKENS};
 pub use ngram::propose;
 pub use output::{ModelInputs, ScheduledRequest, SchedulerOutput, StageTimes};
 pub use perf::{PerfPredictor, Table1, Table2, Term};

@@ -81,6 +81,9 @@ pub struct Scheduler {
     host_hit_copies: Vec<RequestId>,
     /// How often drafts have held (speculative decoding).
     acceptance: speculate::Acceptance,
+    /// `Drafter::Model`: the draft model's tokens for the next `schedule()`, and its cost.
+    proposals: HashMap<RequestId, Vec<u32>>,
+    draft_cost: speculate::DraftCost,
 }
 
 impl Scheduler {
@@ -115,6 +118,8 @@ impl Scheduler {
             stored_in_flight: Vec::new(),
             host_hit_copies: Vec::new(),
             acceptance: speculate::Acceptance::default(),
+            proposals: HashMap::new(),
+            draft_cost: speculate::DraftCost::default(),
         })
     }
 

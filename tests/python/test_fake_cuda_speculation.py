@@ -39,3 +39,36 @@ def test_drafts_are_verified_on_the_cuda_path(monkeypatch: pytest.MonkeyPatch, m
         assert sum(d for d, _ in drafted) > 0 and sum(a for _, a in drafted) > 0, drafted
         assert_all_blocks_free(engine)
         engine.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["none", "neo-forced"])
+def test_a_draft_model_drafts_on_the_cuda_path(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    # The draft model (the demo model for itself) runs on the device beside the model, its pool
+    # its own. Each of its rounds waits for the device once (its tokens feed the next round
+    # through its scheduler); the rest of an iteration as without it.
+    monkeypatch.setenv("NEO_RS_FORCE_SPECULATION", "1")
+    kw, expected = MODES[mode]
+    with fake_gpu(monkeypatch, values=lambda t: [7] * t.numel()) as checks:
+        spec = {"method": "draft_model", "model": "demo", "num_speculative_tokens": 3}
+        engine = engine_on("demo", speculative_config=spec, **kw)
+        for i in range(4):
+            params = SEEDED if i % 2 else SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+            engine.add_request([5, 7, 9, 11] * (2 + i), params)
+        drafter, rounds, modes, accepted = engine.drafter, [0], set(), 0
+        execute = drafter.runner.execute
+
+        def counting(plan):  # noqa: ANN001, ANN202
+            rounds[0] += 1
+            return execute(plan)
+
+        drafter.runner.execute = counting  # type: ignore[method-assign]
+        while engine.has_unfinished():
+            before, rounds[0] = checks.syncs, 0
+            engine.step()
+            if (s := engine.last_stats) is not None:
+                modes.add(s.mode)
+                accepted += sum(s.accepted_per_position)
+                assert checks.syncs - before == 1 + rounds[0], s
+        assert expected & modes and accepted > 0, (modes, accepted)
+        assert_all_blocks_free(engine)
+        engine.shutdown()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import random
 import time
 import uuid
 import weakref
@@ -19,11 +20,12 @@ import torch
 from neo_rs._core import Scheduler, SchedulerOutput, peak_kv_blocks
 from neo_rs.config import EngineArgs, ModelConfig, resolve_dtype
 from neo_rs.cuda_runtime import runtime
+from neo_rs.engine.draft_model import DraftModel
 from neo_rs.engine.sequence import RequestMetrics, RequestOutput, Sequence
 from neo_rs.engine.speculation import Verification
 from neo_rs.engine.stats import IterationStats, calibrate
 from neo_rs.engine.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
-from neo_rs.environment import cache_dir, force_speculation
+from neo_rs.environment import cache_dir, force_speculation, forced_acceptance
 from neo_rs.errors import EngineDeadError, EngineStepError, InvalidArgumentError
 from neo_rs.model.registry import DEMO_MODEL, resolve_model
 from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel, rank_device
@@ -114,6 +116,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         args.validate()
         self._closed = False
+        self.drafter: DraftModel | None = None
         if args.model in (None, DEMO_MODEL):
             log.warning("using the built-in demo model: its weights are RANDOM")
         self.model_dir = model_dir = resolve_model(args.model, args.dtype)
@@ -152,6 +155,13 @@ class LLMEngine:
     def _build(self, setup: RunnerSetup, tp: TensorParallel) -> None:
         """The runner (rank 0's under tensor parallelism), the tokenizer and the scheduler."""
         args, model_dir, cfg = setup.args, self.model_dir, self.model_config
+        spec = args.speculation
+        # Before the model: on a GPU its pool is sized from the memory the draft model leaves.
+        self.drafter = (
+            DraftModel(spec, args, cfg, self.dtype, self.device, self.max_model_len)
+            if spec is not None and spec.method == "draft_model"
+            else None
+        )
         self.runner = setup.build(tp)
         self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(model_dir)
         self.eos_ids = eos_token_ids(model_dir, self.tokenizer)
@@ -175,7 +185,7 @@ class LLMEngine:
             force_pipeline=args.neo_force_pipeline,
             enable_prefix_caching=args.enable_prefix_caching,
             num_cpu_prefix_blocks=self.runner.num_cpu_prefix_blocks,
-            speculation=spec.scheduler_args(force_speculation()) if (spec := args.speculation) else None,
+            speculation=spec.scheduler_args(force_speculation()) if spec is not None else None,
         )
         self._pool_blocks = [("device", self.runner.num_gpu_blocks)]
         if args.offload != "none":  # the host pool holds whole requests too
@@ -190,6 +200,8 @@ class LLMEngine:
         faults.inject(self.runner, 0)
         self.last_stats: IterationStats | None = None
         self.generator = runtime().generator(self.device).manual_seed(args.seed)
+        p = forced_acceptance()
+        self._force = (p, random.Random(args.seed)) if p is not None and spec is not None else None
         self._requests: dict[str, _Request] = {}
         self._seqs: dict[int, tuple[Sequence, _Request]] = {}
         self._seq_ids = itertools.count()
@@ -306,7 +318,9 @@ class LLMEngine:
         return req.output()
 
     def _release(self, seq: Sequence) -> None:
-        """Drop a finished or aborted sequence's grammar matcher."""
+        """Drop a finished or aborted sequence's grammar matcher and draft-model KV."""
+        if self.drafter is not None:
+            self.drafter.release(seq.seq_id)
         if seq.matcher is not None and self.grammars is not None:
             seq.matcher = None
             self.grammars.release()
@@ -342,6 +356,7 @@ class LLMEngine:
         self._finalizer.detach()
         self._owned.release()
         self.workers = None
+        self.drafter = None  # its pool
         for name in ("runner", "scheduler"):  # the pools, and the CPU kernel with its threads
             if hasattr(self, name):
                 delattr(self, name)
@@ -356,6 +371,8 @@ class LLMEngine:
         self.last_stats = None
         if (dead := self.dead()) is not None:
             raise dead
+        if self.drafter is not None:
+            self._draft()
         plan = self.scheduler.schedule()
         if len(plan.req_ids) == 0:
             self.scheduler.update([], [])
@@ -383,7 +400,7 @@ class LLMEngine:
                 req = self._seqs[s.seq_id][1]
                 if req.num_cached_tokens is None:
                     req.num_cached_tokens = self.scheduler.num_cached_tokens(s.seq_id)
-            tokens, counts, stopped = verify.emit(result)
+            tokens, counts, stopped = verify.emit(result, self._force)
             finished = self.scheduler.update(tokens, stopped, counts if verify.num_drafted else None)
         except BaseException as e:
             if masks is not None:
@@ -414,6 +431,19 @@ class LLMEngine:
                 continue
             outputs.append(req.output())
         return outputs
+
+    def _draft(self) -> None:
+        """The draft model's tokens for this step's decodes. Where it fails, the step does:
+        the requests it drafted for are aborted (the scheduler holds nothing half-done)."""
+        assert self.drafter is not None
+        try:
+            self.drafter.step(self.scheduler, lambda i: self._seqs[i][0].token_ids())
+        except Exception as e:
+            wanted = [i for i, _, _ in self.scheduler.draft_requests() if i in self._seqs]
+            ids = {self._seqs[i][1].request_id for i in wanted}
+            for request_id in ids:
+                self.abort(request_id)
+            raise EngineStepError(f"the draft model failed ({type(e).__name__}: {e})", sorted(ids)) from e
 
     def _fail_step(self, cause: BaseException) -> EngineStepError:
         """The iteration failed between ``schedule`` and ``update``: abort every request it ran

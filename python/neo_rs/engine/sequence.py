@@ -76,6 +76,10 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def token_ids(self) -> list[int]:
+        """The prompt, then the outputs so far."""
+        return self.prompt_ids + self.output_ids
+
     def sample_row(self, drafts: list[int] | None = None) -> SampleRow:
         """What the sampler needs for the token after the outputs so far, and after ``drafts``
         (tokens being verified) if given."""

@@ -16,6 +16,7 @@ speculation, however many drafts each step verified."""
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,12 +79,17 @@ class Verification:
             if seq.matcher is not None
         ]
 
-    def emit(self, result: SampleResult) -> tuple[list[int], list[int], list[int]]:
+    def emit(
+        self, result: SampleResult, force: tuple[float, random.Random] | None = None
+    ) -> tuple[list[int], list[int], list[int]]:
         """Append each sequence's tokens (accepted drafts, then one more) until one stops it.
-        Returns the tokens appended, how many per sequence, and the sequences that stopped."""
+        Returns the tokens appended, how many per sequence, and the sequences that stopped.
+        ``force``: ``(p, rng)`` keeps each draft with probability ``p`` (``forced_acceptance``)."""
         tokens, counts, stopped = [], [], []
         for seq, run in zip(self.seqs, self.runs, strict=True):
             sampled, drafts = result.token_ids[run], self.drafts[run]
+            if force is not None:
+                sampled = _forced(sampled, drafts, *force)
             # The last row's draft is None: some row always differs.
             emitted = 1 + next(j for j, (t, d) in enumerate(zip(sampled, drafts, strict=True)) if t != d)
             if len(sampled) > 1:
@@ -99,6 +105,16 @@ class Verification:
             tokens.extend(sampled[:n])
             counts.append(n)
         return tokens, counts, stopped
+
+
+def _forced(sampled: list[int], drafts: list[int | None], p: float, rng: random.Random) -> list[int]:
+    """``sampled`` with its leading drafts kept, each with probability ``p``."""
+    out = list(sampled)
+    for j, d in enumerate(drafts[:-1]):
+        if d is None or rng.random() >= p:
+            break
+        out[j] = d
+    return out
 
 
 def _redraw(generator: torch.Generator | None, state: torch.Tensor, draws: int) -> None:

@@ -87,7 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--speculative-config",
         type=_speculative_config,
         help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_min": 2, "prompt_lookup_max": 4} drafts from each request\'s own tokens',
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 4} drafts from each request\'s own tokens; '
+        '{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4} with a small model',
     )
     p.add_argument(
         "--enable-prefix-caching",

@@ -33,12 +33,14 @@ impl Scheduler {
         let stopped: HashSet<RequestId> = stopped.iter().copied().filter(|id| self.requests.contains_key(id)).collect();
         let mut finished: Vec<_> = stopped.iter().map(|&id| (id, FinishReason::Stop)).collect();
         let (mut counts, mut at) = (counts.into_iter(), 0);
+        let mut verified = false;
         for s in std::mem::take(&mut self.in_flight) {
             let n = if s.sample { counts.next().expect("counted") } else { 0 };
             let emitted = &sampled[at..at + n];
             at += n;
             let Some(req) = self.requests.get_mut(&s.id) else { continue };
             let (drafts, kept) = speculate::settle_drafts(req, emitted);
+            verified |= drafts > 0;
             if drafts > 0 && !stopped.contains(&s.id) {
                 // (A sequence stopped inside its drafts says nothing of those after the stop.)
                 self.acceptance.observe(drafts, kept);
@@ -77,6 +79,9 @@ impl Scheduler {
                     finished.push((s.id, FinishReason::Length));
                 }
             }
+        }
+        if !verified {
+            self.acceptance.forget();
         }
         self.moving_to_host.clear();
         self.land_cache_copies();
