@@ -46,3 +46,16 @@ def test_same_tokens_with_and_without_packing(monkeypatch: pytest.MonkeyPatch) -
         assert isinstance(layer.qkv_proj, PackedLinear) == (flag == "1")
         runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     assert runs[0] == runs[1]
+
+
+def test_an_engine_of_one_sequence_never_packs_for_one_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    # oneDNN's layout for one row runs every other row count slower (prefill chunks, verifying
+    # steps; ``benches/pack_rows.py``): weights are packed for two rows at least.
+    hints: list[int] = []
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    monkeypatch.setattr(
+        torch.ops.mkldnn, "_reorder_linear_weight", lambda w, rows: hints.append(rows) or reorder(w, rows)
+    )
+    with LLM("demo", dtype="bfloat16", max_num_seqs=1) as llm:
+        assert isinstance(llm.engine.runner.model.lm_head, PackedLinear)
+    assert hints and min(hints) >= 2, hints

@@ -39,7 +39,9 @@ from neo_rs.worker.runner import RunnerSetup
 log = logging.getLogger(__name__)
 
 # The draft pool's size at most. Unlike the target's pools it need not hold every request at its
-# longest: a request it cannot hold is recomputed, and under that much load drafts seldom pay.
+# longest: a request it cannot hold is recomputed, and under that much load drafts seldom pay. (Its
+# activations need no room of their own on a GPU: they come and go before the target's forward,
+# inside the room the target's pools leave for the target's larger ones.)
 DRAFT_KV_BYTES = 1 << 30
 
 

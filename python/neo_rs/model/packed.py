@@ -37,9 +37,10 @@ from neo_rs.model.quant import GroupedInt8Linear, Int4Linear, Int8Linear
 # they are level, beyond it oneDNN's blocking wins): ``benches/gemv.py``.
 GEMV_ROWS = 2
 # oneDNN packs for one row in a layout of its own that every other row count runs slower in
-# (on Zen 5, 1B-shaped gate/up: 2.5x at 5 rows, 1.2x at 64, and 1.5x slower at one row too),
-# while packs for 2 to 256 rows run within 10% of each other at any count. An engine of one
-# sequence would run its prefill chunks and verifying steps in that layout.
+# (``benches/pack_rows.py`` on Zen 5, against a pack for two rows: 1.3-1.5x the time at 5 rows,
+# 1.1-1.2x at 64, 1.04x at 512, level at one row), while packs for 2 to 256 rows run within 10% of
+# each other at any count. An engine of one sequence ran its prefill chunks and verifying steps
+# in that layout.
 _PACK_ROWS_MIN = 2
 
 

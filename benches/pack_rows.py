@@ -1,0 +1,60 @@
+"""oneDNN's bf16 GEMM on a weight packed for one row against the same weight packed for two
+(``PackedLinear`` packs for ``max(rows, 2)``), side by side in one process: each decoder linear of
+SmolLM2-135M and of Llama-3.2-1B, called with 1, 5, 64 and 512 rows (a decode, a decode
+verifying four drafts, a batch, a prefill chunk). Each is timed over enough copies of its weight
+that every call reads its weight from memory, as a decode does; rounds alternate.
+
+    python benches/pack_rows.py [--threads 2] [--rows 1 5 64 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from common import cpu_line
+from quant_linear import SHAPES, linears
+
+COPIES_BYTES = 256 << 20  # past any last-level cache of ours
+
+
+def per_call_us(packs: list[torch.Tensor], x: torch.Tensor) -> float:
+    """One pass through every copy, per call."""
+    t = time.perf_counter()
+    for p in packs:
+        torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+    return (time.perf_counter() - t) * 1e6 / len(packs)
+
+
+def compare(k: int, n: int, rows: int) -> tuple[float, float]:
+    """Microseconds per call on the weight packed for one row and for two, alternating rounds."""
+    weights = [torch.randn(n, k).bfloat16() for _ in range(max(2, COPIES_BYTES // (n * k * 2)))]
+    one = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
+    two = [torch.ops.mkldnn._reorder_linear_weight(w, 2) for w in weights]
+    x = torch.randn(rows, k).bfloat16()
+    a, b = [], []
+    for _ in range(5):
+        a.append(per_call_us(one, x))
+        b.append(per_call_us(two, x))
+    return statistics.median(a[1:]), statistics.median(b[1:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 5, 64, 512])
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"{cpu_line()}; threads: {args.threads}")
+    print(f"{'shape':<14}{'linear':<14}{'rows':>5}{'for 1 us':>10}{'for 2 us':>10}{'1 / 2':>8}")
+    for name, shape in SHAPES.items():
+        for lin, (k, n) in linears(shape).items():
+            for rows in args.rows:
+                one, two = compare(k, n, rows)
+                print(f"{name:<14}{lin:<14}{rows:>5}{one:>10.1f}{two:>10.1f}{one / two:>7.2f}x")
+
+
+if __name__ == "__main__":
+    main()
