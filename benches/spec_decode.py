@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import statistics
@@ -75,8 +76,6 @@ def tasks(n: int, seed: int = 0) -> list[str]:
 
 
 def engine(model: str, spec: dict | None, quantization: str, seqs: int, forced: float | None = None):  # noqa: ANN201
-    import os
-
     from neo_rs import LLM
 
     if forced is not None:  # read as the engine is built

@@ -206,7 +206,7 @@ def assert_all_blocks_free(engine) -> None:  # noqa: ANN001
     assert not engine.has_unfinished()
     for dev in ("gpu", "cpu"):
         assert s.num_free_blocks(dev) == s.num_total_blocks(dev), dev
-    if (drafter := getattr(engine, "drafter", None)) is not None:  # the draft model's pool
+    if (drafter := engine.drafter) is not None:  # the draft model's pool
         d = drafter.scheduler
         assert not drafter.held and not d.has_unfinished()
         assert d.num_free_blocks("gpu") == d.num_total_blocks("gpu")

@@ -188,9 +188,9 @@ impl Scheduler {
         let mut plan = scheduled.to_vec();
         let mut tokens = plan.iter().filter(|s| s.sample).count() as f64;
         let (mut best, mut best_rate) = (0, tokens / self.price(&plan).layer_ms);
-        let (mut reach, mut drafting) = (1.0, 0.0);
+        let (mut reach, mut drafting, mut rates) = (1.0, 0.0, self.acceptance.rates());
         for depth in 1..=longest {
-            reach *= self.acceptance.rate(depth - 1);
+            reach *= rates.next().expect("a rate for every position up to MAX_SPECULATIVE_TOKENS");
             let mut rows = 0;
             for &(i, _) in proposals.iter().filter(|&&(_, n)| n >= depth) {
                 plan[i].num_new_tokens += 1;
@@ -281,12 +281,14 @@ pub(crate) struct Acceptance {
 const DECAY: f64 = 0.99;
 
 impl Acceptance {
-    pub(crate) fn rate(&self, position: usize) -> f64 {
-        // A position seldom reached takes the rate of the one before it (a draft after accepted
-        // ones holds about as often as they did), the first an even one: deeper drafts get
-        // tried where the first ones hold, and so get measured.
-        let prior = if position == 0 { 0.5 } else { self.rate(position - 1) };
-        (self.accepted[position] + 2.0 * prior) / (self.reached[position] + 2.0)
+    /// `rate(0), rate(1), ...`. A position seldom reached takes the rate of the one before it (a
+    /// draft after accepted ones holds about as often as they did), the first an even one:
+    /// deeper drafts get tried where the first ones hold, and so get measured.
+    pub(crate) fn rates(&self) -> impl Iterator<Item = f64> + '_ {
+        self.reached.iter().zip(&self.accepted).scan(0.5, |prior, (reached, accepted)| {
+            *prior = (accepted + 2.0 * *prior) / (reached + 2.0);
+            Some(*prior)
+        })
     }
 
     /// An iteration verified no draft.
