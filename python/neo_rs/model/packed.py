@@ -4,11 +4,12 @@
   ``F.linear`` on the CPU reorders the weight on every call; reordering once gives the same
   output, bit for bit, in less time: 1.1-1.4x per GEMM for SmolLM2's shapes at 64 rows
   (``NEO_RS_PACK_LINEARS=0`` turns packing off for the comparison).
-- A few rows (``GEMV_ROWS``, the single streams' decodes): the Rust kernel ``Bf16Linear`` on the
-  plain weight. Such a call reads the whole weight for one multiply-add per weight, so it runs at
-  the memory's bandwidth, and oneDNN's set-up per call (about 20 us) is a third of a 576-wide
-  layer's; ``benches/gemv.py`` times both. The plain weight then stays beside the packed one (one
-  more copy of the linears' weights in RAM; ``NEO_RS_ROW_GEMV=0`` drops it).
+- A few rows (``gemv_rows``: single streams' decodes, and their verifying steps under
+  speculation): the Rust kernel ``Bf16Linear`` on the plain weight. Such a call reads the whole
+  weight for one multiply-add per weight, so it runs at the memory's bandwidth, and oneDNN's
+  set-up per call (about 20 us) is a third of a 576-wide layer's; ``benches/gemv.py`` times both.
+  The plain weight then stays beside the packed one (one more copy of the linears' weights in
+  RAM; ``NEO_RS_ROW_GEMV=0`` drops it).
 
 A tied LM head is packed too, a copy of the embedding (57 MB for SmolLM2): unpacked, oneDNN
 reorders its 28M weights on every call, 6.9 ms of a 16-stream step's 36. Its Rust kernel reads the
@@ -33,9 +34,20 @@ from neo_rs.model.graph_ops import GraphLinear
 from neo_rs.model.moe import SparseMoe
 from neo_rs.model.quant import GroupedInt8Linear, Int4Linear, Int8Linear
 
-# Rows up to which the Rust kernel beats oneDNN's packed GEMM on SmolLM2's shapes (at 4 rows
-# they are level, beyond it oneDNN's blocking wins): ``benches/gemv.py``.
-GEMV_ROWS = 2
+# Rows up to which the Rust kernel beats oneDNN's packed GEMM (``benches/gemv.py``, Zen 5, weights
+# read from memory): while the rows' inputs take at most 16 KiB, as the kernel reads them all once
+# per weight row (SmolLM2's linears, 576 wide, up to 8 rows at 1.1-1.4x oneDNN's speed; Llama-3.2-
+# 1B's, 2,048 wide, up to 4 at 1.0-1.2x, 0.9x at 5; its 8,192-wide down projection at one row), and
+# never past the 8 rows one pass of the kernel takes. Not measured where oneDNN has AMX.
+GEMV_ROWS = 8
+_GEMV_INPUT_VALUES = 8192
+
+
+def gemv_rows(in_features: int) -> int:
+    """How many rows of a linear ``in_features`` wide the Rust kernel takes (one at least)."""
+    return max(1, min(GEMV_ROWS, _GEMV_INPUT_VALUES // in_features))
+
+
 # oneDNN packs for one row in a layout of its own that every other row count runs slower in
 # (``benches/pack_rows.py`` on Zen 5, against a pack for two rows: 1.3-1.5x the time at 5 rows,
 # 1.1-1.2x at 64, 1.04x at 512, level at one row), while packs for 2 to 256 rows run within 10% of
@@ -57,7 +69,7 @@ def packing_applies(device: torch.device, dtype: torch.dtype) -> bool:
 class PackedLinear(GraphLinear, nn.Module):
     """An ``nn.Linear`` whose weight oneDNN has reordered (the layout depends on ``rows``, the
     usual number of rows; any number is computed exactly), and with ``gemv_threads``, whose calls
-    of up to ``GEMV_ROWS`` rows run the Rust kernel on that many threads."""
+    of up to ``gemv_rows(in_features)`` rows run the Rust kernel on that many threads."""
 
     def __init__(self, linear: nn.Linear, rows: int, *, gemv_threads: int | None = None) -> None:
         super().__init__()
@@ -70,9 +82,10 @@ class PackedLinear(GraphLinear, nn.Module):
         )
         self.weight = linear.weight if self.gemv is not None else None  # what the Rust kernel reads
         self.bias = linear.bias
+        self.gemv_numel = gemv_rows(self.in_features) * self.in_features if self.gemv is not None else 0
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv is not None and 0 < x.numel() <= GEMV_ROWS * self.in_features:
+        if 0 < x.numel() <= self.gemv_numel:
             return self.rows_kernel(x)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 

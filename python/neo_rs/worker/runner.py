@@ -125,7 +125,7 @@ class ModelRunner:
             gemv_threads = torch.get_num_threads() if gemv_applies() else None
             packed = pack_linears(self.model, args.max_num_seqs, gemv_threads)
             log.info(
-                "prepacked %d bf16 linears for oneDNN (Rust kernel for %s rows: %s)",
+                "prepacked %d bf16 linears for oneDNN (Rust kernel for up to %s rows, by width: %s)",
                 packed,
                 GEMV_ROWS,
                 gemv_threads is not None,
