@@ -130,15 +130,19 @@ class AttentionBatch:
             cpu_tables = cpu_tables.repeat_interleave(torch.from_numpy(np.diff(qsl[ngd : nd + 1])), dim=0)
             cpu_lens = torch.from_numpy(plan.positions[t0 + cpu_start : t0 + cpu_end] + 1).to(torch.int32)
         gpu_rows, gpu_tables, gpu_lens = ngd, tables[:ngd], seq_lens[:ngd]
-        short = prefills and all(p.kernel_rows for p in prefills)
-        if append_decodes and short and cpu_end == cpu_start and host == t1 - t0:
-            # A CPU device whose later chunks are all short (decodes verifying drafts): every row
-            # is a decode at its own position, appending its K/V (all rows' first), so the whole
-            # batch takes the decode path, compiled where decodes run compiled.
+        short = prefills and all(p.num_computed > 0 and p.end - p.start <= KERNEL_ROWS_MAX for p in prefills)
+        if short and cpu_end == cpu_start and host == t1 - t0 and (append_decodes or not on_host):
+            # Later chunks all short (decodes verifying drafts) beside device decodes alone: every
+            # row is a decode at its own position, all rows' K/V written first (by the Rust kernel
+            # on a CPU device, by the device writes on a GPU), so the whole batch takes the decode
+            # path: compiled where decodes run compiled, one launch of the device decode kernel
+            # (Triton, FlashInfer, the torch fallback) for every row rather than a paged prefill
+            # per request.
             gpu_rows, prefills = t1 - t0, []
             gpu_tables = tables.repeat_interleave(torch.from_numpy(np.diff(qsl)), dim=0)
             gpu_lens = torch.from_numpy(plan.positions[t0:t1] + 1).to(torch.int32)
             cpu_start = cpu_end = host = gpu_rows
+            decodes_written = 0 if append_decodes else gpu_rows
         to_device = [r for r in (slice(0, decodes_written), slice(cpu_end, host)) if r.stop > r.start]
         host_rows = slice(host, t1 - t0)
         return AttentionBatch(
