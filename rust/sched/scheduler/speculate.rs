@@ -46,6 +46,7 @@ impl Scheduler {
         // pool (`neo/prefills.rs`); drafts keep that room too.
         let host_prefills = self.config.offload == OffloadMode::Neo
             && step.scheduled.iter().any(|s| s.device == Device::Cpu && !s.attends_on_cpu());
+        let mut drafted_on_cpu = Vec::new();
         for (i, mut drafts) in proposals {
             drafts.truncate(depth.min(step.budget));
             if drafts.is_empty() {
@@ -75,6 +76,34 @@ impl Scheduler {
             req.token_ids.extend(drafts);
             s.num_new_tokens += req.num_drafts;
             step.budget -= req.num_drafts;
+            if s.attends_on_cpu() {
+                drafted_on_cpu.push(i);
+            }
+        }
+        if step.pipelined && !self.config.force_pipeline {
+            self.rebalance_sub_batches(&mut step.scheduled, &drafted_on_cpu);
+            step.pipelined = step.scheduled.iter().any(|s| s.sub_batch == 1);
+        }
+    }
+
+    /// NEO split the CPU decodes between its two sub-batches before any drafted: a CPU decode
+    /// with `d` drafts attends `d + 1` rows, which can leave one sub-batch's CPU attention far
+    /// longer than the device work it hides under. Each of `drafted` (indices of CPU decodes
+    /// that drafted) moves to the other sub-batch where that lowers the plan's predicted layer
+    /// time, one pass in order. Sub-batch 1 holds CPU decodes only either way, and nothing else
+    /// about the plan changes (its blocks are the same in either sub-batch); a sub-batch 1 left
+    /// empty makes the step sequential, which the price then says is faster. A forced pipeline
+    /// (`force_pipeline`, tests) keeps its split.
+    fn rebalance_sub_batches(&self, scheduled: &mut [ScheduledRequest], drafted: &[usize]) {
+        let mut best = self.price(scheduled).layer_ms;
+        for &i in drafted {
+            scheduled[i].sub_batch ^= 1;
+            let layer_ms = self.price(scheduled).layer_ms;
+            if layer_ms < best {
+                best = layer_ms;
+            } else {
+                scheduled[i].sub_batch ^= 1;
+            }
         }
     }
 
@@ -327,5 +356,79 @@ impl DraftCost {
         // else counts as twice the estimate at most: priced out, drafts would not be measured
         // again.
         self.ratio = Some(self.ratio.map_or(x, |r| r * 0.9 + x.min(2.0 * r) * 0.1));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sched::config::{SchedulerConfig, Speculation};
+
+    fn neo() -> Scheduler {
+        Scheduler::new(SchedulerConfig {
+            max_num_seqs: 256,
+            max_num_batched_tokens: 4096,
+            max_model_len: 4096,
+            block_size: 16,
+            num_gpu_blocks: 64,
+            num_cpu_blocks: 64,
+            offload: OffloadMode::Neo,
+            transfer_bytes_per_decode: 0,
+            kv_bytes_per_token: 0,
+            force_pipeline: false,
+            enable_prefix_caching: false,
+            num_cpu_prefix_blocks: 0,
+            sliding_window: None,
+            speculation: Some(Speculation {
+                num_tokens: 4,
+                drafter: Drafter::PromptLookup { min: 1, max: 2 },
+                always: false,
+            }),
+        })
+        .unwrap()
+    }
+
+    fn decode(id: u64, ctx: usize, device: Device, sub_batch: u8, rows: usize) -> ScheduledRequest {
+        ScheduledRequest {
+            id: RequestId(id),
+            num_computed_tokens: ctx - 1,
+            num_new_tokens: rows,
+            sample: true,
+            device,
+            sub_batch,
+        }
+    }
+
+    #[test]
+    fn drafted_cpu_decodes_move_to_the_sub_batch_with_room() {
+        // A pipelined plan split evenly before drafting: GPU decodes, and CPU decodes half in
+        // each sub-batch. Then every CPU decode of sub-batch 1 drafts 4 tokens: its CPU
+        // attention, five rows a request, outlasts the device work it hides under.
+        let s = neo();
+        let mut plan: Vec<_> = (0..150).map(|i| decode(i, 500, Device::Gpu, 0, 1)).collect();
+        for i in 0..60 {
+            plan.push(decode(1000 + i, 300, Device::Cpu, u8::from(i % 2 == 1), 1));
+        }
+        let drafted: Vec<_> = (150..plan.len()).filter(|&i| plan[i].sub_batch == 1).collect();
+        for &i in &drafted {
+            plan[i].num_new_tokens = 5;
+        }
+        let before = s.price(&plan).layer_ms;
+        let placed = plan.clone();
+        s.rebalance_sub_batches(&mut plan, &drafted);
+        let after = s.price(&plan).layer_ms;
+        assert!(after < before, "{after} >= {before}");
+        let moved = drafted.iter().filter(|&&i| plan[i].sub_batch != placed[i].sub_batch).count();
+        assert!(moved > 0 && plan.iter().any(|r| r.sub_batch == 1), "moved {moved}");
+        // Nothing else changed, and no single drafted decode moved back would do better.
+        for (i, (a, b)) in plan.iter().zip(&placed).enumerate() {
+            assert!(drafted.contains(&i) || a == b, "request {i} changed");
+            assert_eq!((a.num_new_tokens, a.device), (b.num_new_tokens, b.device));
+        }
+        for &i in &drafted {
+            plan[i].sub_batch ^= 1;
+            assert!(s.price(&plan).layer_ms >= after, "moving {i} again pays");
+            plan[i].sub_batch ^= 1;
+        }
     }
 }
