@@ -401,10 +401,11 @@ fn add_cpu_rows(b: &mut Load, computed: usize, n: usize, window: Option<usize>, 
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
-    fn scheduler(kv_bytes_per_token: usize) -> Scheduler {
+    /// A `neo` scheduler of 64 device and 64 host blocks (`speculate.rs`'s tests too).
+    pub(in crate::sched::scheduler) fn scheduler(kv_bytes_per_token: usize) -> Scheduler {
         windowed(kv_bytes_per_token, None)
     }
 

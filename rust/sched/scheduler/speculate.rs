@@ -362,31 +362,7 @@ impl DraftCost {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sched::config::{SchedulerConfig, Speculation};
-
-    fn neo() -> Scheduler {
-        Scheduler::new(SchedulerConfig {
-            max_num_seqs: 256,
-            max_num_batched_tokens: 4096,
-            max_model_len: 4096,
-            block_size: 16,
-            num_gpu_blocks: 64,
-            num_cpu_blocks: 64,
-            offload: OffloadMode::Neo,
-            transfer_bytes_per_decode: 0,
-            kv_bytes_per_token: 0,
-            force_pipeline: false,
-            enable_prefix_caching: false,
-            num_cpu_prefix_blocks: 0,
-            sliding_window: None,
-            speculation: Some(Speculation {
-                num_tokens: 4,
-                drafter: Drafter::PromptLookup { min: 1, max: 2 },
-                always: false,
-            }),
-        })
-        .unwrap()
-    }
+    use crate::sched::scheduler::neo::tests::scheduler;
 
     fn decode(id: u64, ctx: usize, device: Device, sub_batch: u8, rows: usize) -> ScheduledRequest {
         ScheduledRequest {
@@ -404,7 +380,7 @@ mod tests {
         // A pipelined plan split evenly before drafting: GPU decodes, and CPU decodes half in
         // each sub-batch. Then every CPU decode of sub-batch 1 drafts 4 tokens: its CPU
         // attention, five rows a request, outlasts the device work it hides under.
-        let s = neo();
+        let s = scheduler(0);
         let mut plan: Vec<_> = (0..150).map(|i| decode(i, 500, Device::Gpu, 0, 1)).collect();
         for i in 0..60 {
             plan.push(decode(1000 + i, 300, Device::Cpu, u8::from(i % 2 == 1), 1));
