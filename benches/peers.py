@@ -29,8 +29,13 @@ CONVERTED = Path.home() / ".cache" / "neo_rs" / "gguf"
 
 
 def default_model_dir() -> Path:
-    """The Hugging Face directory our engine converted SmolLM2 into (``README`` of the peer)."""
-    found = sorted(CONVERTED.glob("SmolLM2-135M-Instruct*/config.json"))
+    """The Hugging Face directory our engine converted SmolLM2 into (``README`` of the peer): its
+    bf16 conversion where there is one, rather than the one that keeps the GGUF's blocks (``-auto-``,
+    which sorts first)."""
+    found = sorted(
+        CONVERTED.glob("SmolLM2-135M-Instruct*/config.json"),
+        key=lambda p: ("-bfloat16-" not in str(p), str(p)),
+    )
     if not found:
         sys.exit(f"no converted SmolLM2 under {CONVERTED}: run the engine on it once, or pass --model-dir")
     return found[0].parent
