@@ -11,34 +11,29 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 from common import cpu_line
+from gemv import COPIES_BYTES, per_call_us
 from quant_linear import SHAPES, linears
 
-COPIES_BYTES = 256 << 20  # past any last-level cache of ours
 
-
-def per_call_us(packs: list[torch.Tensor], x: torch.Tensor) -> float:
-    """One pass through every copy, per call."""
-    t = time.perf_counter()
-    for p in packs:
-        torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-    return (time.perf_counter() - t) * 1e6 / len(packs)
+def linear_call(packed: torch.Tensor):  # noqa: ANN201
+    """oneDNN's GEMM on ``packed``, as ``gemv.per_call_us`` calls it."""
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 def compare(k: int, n: int, rows: int) -> tuple[float, float]:
     """Microseconds per call on the weight packed for one row and for two, alternating rounds."""
     weights = [torch.randn(n, k).bfloat16() for _ in range(max(2, COPIES_BYTES // (n * k * 2)))]
-    one = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
-    two = [torch.ops.mkldnn._reorder_linear_weight(w, 2) for w in weights]
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    one, two = ([linear_call(reorder(w, hint)) for w in weights] for hint in (1, 2))
     x = torch.randn(rows, k).bfloat16()
     a, b = [], []
-    for _ in range(5):
+    for _ in range(3):
         a.append(per_call_us(one, x))
         b.append(per_call_us(two, x))
-    return statistics.median(a[1:]), statistics.median(b[1:])
+    return statistics.median(a), statistics.median(b)
 
 
 def main() -> None:
