@@ -8,6 +8,7 @@ pub mod error;
 pub mod gemv;
 pub mod kv;
 pub mod qlinear;
+pub mod sample;
 pub mod sched;
 pub mod team;
 

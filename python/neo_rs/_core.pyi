@@ -48,6 +48,22 @@ class Bf16Linear:
         """``out`` (``[rows, n]``, bfloat16) = ``x`` (``[rows, k]``, bfloat16) @ weight.T + bias,
         each output summed in float32 and rounded once. GIL released."""
 
+class Categorical:
+    """Random tokens from float32 logits on the CPU: for each row, the inverse of the CDF of
+    ``softmax(row / temperature)`` at a uniform the caller drew, summed by SIMD blocks (``tier``:
+    ``NEO_RS_SIMD``, else the best this CPU has) on the calling thread's OpenMP team of
+    ``num_threads``. A row's token depends only on its row, temperature and uniform; ``-inf``
+    entries are never drawn."""
+
+    def __init__(self, *, num_threads: int, tier: str | None = None) -> None: ...
+    @property
+    def tier(self) -> str: ...
+    def draw(
+        self, logits: torch.Tensor, rows: list[int], temperatures: list[float], uniforms: list[float]
+    ) -> list[int]:
+        """The token of each row ``rows[i]`` of ``logits`` (``[num_rows, vocab]``, contiguous
+        float32) at ``temperatures[i] > 0`` and ``uniforms[i]`` in ``[0, 1)``. GIL released."""
+
 class QuantGemm:
     """A weight-only int8, int4 or grouped int8 linear on the CPU for any number of rows, ``out =
     x @ W.T + bias`` (AVX512_BF16 where the CPU has it, else scalar). The weight is packed in blocks of 16

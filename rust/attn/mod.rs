@@ -8,15 +8,15 @@ mod dot;
 mod kernel;
 mod membw;
 pub mod rotation;
-mod simd;
+pub(crate) mod simd;
 mod split;
 pub mod types;
 mod widen;
 
 #[cfg(target_arch = "aarch64")]
-mod aarch64;
+pub(crate) mod aarch64;
 #[cfg(target_arch = "x86_64")]
-mod x86;
+pub(crate) mod x86;
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};

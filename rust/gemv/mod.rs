@@ -150,16 +150,9 @@ impl Gemv {
         Ok(())
     }
 
-    /// `f(state, i)` for every `i` in `0..n`, on the team where it has threads to share and this
-    /// thread may lead it, else on this thread alone.
+    /// `f(state, i)` for every `i` in `0..n`, on the team (`team::for_each_init`).
     pub(crate) fn for_each_init<S>(&self, n: usize, init: impl Fn() -> S + Sync, f: impl Fn(&mut S, usize) + Sync) {
-        match self.team {
-            Some(team) if team.threads() > 1 && team.usable_here() => team.for_each_init(n, init, f),
-            _ => {
-                let mut state = init();
-                (0..n).for_each(|i| f(&mut state, i));
-            }
-        }
+        crate::team::for_each_init(self.team, n, init, f);
     }
 }
 

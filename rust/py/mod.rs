@@ -7,6 +7,7 @@ mod attn;
 mod gemv;
 mod qlinear;
 mod quant;
+mod sample;
 mod sched;
 mod tensor;
 
@@ -64,6 +65,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quant::dequantize_rows, m)?)?;
     m.add_class::<gemv::Bf16Linear>()?;
     m.add_class::<qlinear::QuantGemm>()?;
+    m.add_class::<sample::Categorical>()?;
     m.add_class::<attn::CpuAttention>()?;
     m.add_class::<attn::AttentionHandle>()?;
     m.add_class::<sched::Scheduler>()?;

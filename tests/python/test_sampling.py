@@ -233,6 +233,51 @@ def test_random_draws_follow_the_distribution() -> None:
     torch.testing.assert_close(counts / 4000, logits.softmax(-1)[0], atol=0.02, rtol=0)
 
 
+def test_random_draws_of_narrowed_and_plain_rows_in_one_batch() -> None:
+    # A top-k row is filtered and divided by its temperature before the CPU draw, a plain row is
+    # drawn in place at its own: each keeps its distribution (dividing twice would give the
+    # first 0.68 / 0.32 instead of 0.82 / 0.18).
+    g = torch.Generator().manual_seed(0)
+    logits = torch.tensor([[3.0, 0.0, -5.0, -5.0], [0.0, 1.0, 2.0, 3.0]])
+    rows = [_row(top_k=2, temperature=2.0), _row(temperature=1.0)]
+    counts = torch.zeros(2, 4)
+    for _ in range(3000):
+        for i, t in enumerate(sample(logits, rows, g).token_ids):
+            counts[i, t] += 1
+    assert counts[0, 2:].sum() == 0
+    torch.testing.assert_close(counts[0, :2] / 3000, (logits[0, :2] / 2).softmax(-1), atol=0.03, rtol=0)
+    torch.testing.assert_close(counts[1] / 3000, logits[1].softmax(-1), atol=0.03, rtol=0)
+
+
+def test_cpu_draws_are_the_inverse_cdf_in_every_simd_tier() -> None:
+    """``_core.Categorical`` on a team of two against the float64 inverse CDF, wherever the
+    target is not within rounding of a boundary."""
+    from neo_rs._core import Categorical, simd_tiers
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 5003, generator=g) * 4
+    logits[torch.rand(6, 5003, generator=g) < 0.3] = float("-inf")
+    rows, temps = [5, 0, 3, 3, 1, 2, 4], [1.0, 0.5, 2.0, 1.0, 0.05, 1.0, 7.0]
+    checked = 0
+    for _ in range(20):
+        u = torch.rand(len(rows), generator=g)
+        x = logits[rows].double() / torch.tensor(temps, dtype=torch.float64)[:, None]
+        cdf = x.softmax(-1).cumsum(-1)
+        target = u.double()[:, None] * cdf[:, -1:]
+        want = torch.searchsorted(cdf, target, right=True)[:, 0]
+        below = torch.where(
+            want > 0, cdf.gather(1, (want - 1).clamp(min=0)[:, None])[:, 0], torch.zeros(len(rows))
+        )
+        margin = torch.minimum(target[:, 0] - below, cdf.gather(1, want[:, None])[:, 0] - target[:, 0])
+        for tier in simd_tiers():
+            got = torch.tensor(Categorical(num_threads=2, tier=tier).draw(logits, rows, temps, u.tolist()))
+            assert torch.isfinite(logits[rows, got]).all(), tier
+            far = margin > 1e-6
+            assert torch.equal(got[far], want[far]), tier
+            checked += int(far.sum())
+    assert checked > 100 * len(simd_tiers())
+
+
 @pytest.mark.parametrize("stop", [[], ["e", "xyz"]])
 def test_delta_outputs_add_up_to_the_cumulative_ones(llm: LLM, stop: list[str]) -> None:
     def run(kind: RequestOutputKind) -> list[list[RequestOutput]]:

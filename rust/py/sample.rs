@@ -1,0 +1,61 @@
+//! `Categorical` for Python: random tokens drawn from float32 logits on the CPU
+//! (`crate::sample`), a step's rows in one call.
+
+use pyo3::prelude::*;
+
+use super::tensor::TensorRef;
+use crate::attn::{DType, Tier};
+use crate::error::{ensure, Result};
+use crate::sample;
+
+/// Inverse-CDF draws from `softmax(logits / temperature)` on the calling thread's OpenMP team.
+#[pyclass(frozen, module = "neo_rs._core")]
+pub(crate) struct Categorical {
+    inner: sample::Categorical,
+}
+
+#[pymethods]
+impl Categorical {
+    /// `num_threads`: the team's size; `tier` forces a SIMD tier (default: `NEO_RS_SIMD`, else
+    /// the best this CPU has).
+    #[new]
+    #[pyo3(signature = (*, num_threads, tier=None))]
+    fn new(num_threads: usize, tier: Option<&str>) -> PyResult<Self> {
+        let tier = tier.map(Tier::parse).transpose()?;
+        Ok(Categorical { inner: sample::Categorical::new(tier, num_threads)? })
+    }
+
+    #[getter]
+    fn tier(&self) -> &'static str {
+        self.inner.tier().name()
+    }
+
+    /// The token drawn for each row `rows[i]` of `logits` (`[num_rows, vocab]`, contiguous
+    /// float32) at `temperatures[i]` and the uniform `uniforms[i]` in `[0, 1)`. GIL released.
+    fn draw(
+        &self,
+        py: Python<'_>,
+        logits: &Bound<'_, PyAny>,
+        rows: Vec<usize>,
+        temperatures: Vec<f32>,
+        uniforms: Vec<f32>,
+    ) -> PyResult<Vec<u32>> {
+        let t = TensorRef::extract(logits, "logits")?;
+        ensure_f32(&t)?;
+        let vocab = t.dims(2)?[1];
+        let mut out = vec![0u32; rows.len()];
+        let inner = self.inner;
+        py.detach(|| {
+            // SAFETY: a contiguous float32 CPU tensor of `numel` values (checked above), alive
+            // for the call (the caller's argument), only read.
+            let logits = unsafe { std::slice::from_raw_parts(t.addr as *const f32, t.numel()) };
+            inner.draw(logits, vocab, &rows, &temperatures, &uniforms, &mut out)
+        })?;
+        Ok(out)
+    }
+}
+
+fn ensure_f32(t: &TensorRef) -> Result<()> {
+    ensure!(t.float()? == DType::F32, DType, "{} must be float32, got {:?}", t.name, t.kind);
+    Ok(())
+}
