@@ -469,8 +469,8 @@ class EngineArgs:
     # rank) and gets an equal share of the host's cores.
     tensor_parallel_size: int = 1
     # Decode-only iterations replayed from CUDA graphs (worker/graphs.py); off by default until a
-    # GPU run has validated them. On a CPU device, decode-only iterations run the decoder stack
-    # compiled by Inductor (worker/compiled.py). ``enforce_eager`` (vLLM's name) says neither;
+    # GPU run has validated them. On a CPU device, iterations over the device pool alone run the
+    # decoder stack compiled by Inductor (worker/compiled.py). ``enforce_eager`` (vLLM's name) says neither;
     # None: compile unless NEO_RS_ENFORCE_EAGER=1 (the test suite's default).
     cuda_graphs: bool = False
     enforce_eager: bool | None = None

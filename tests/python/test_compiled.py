@@ -1,8 +1,8 @@
 """The decoder stack compiled by Inductor (``worker/compiled.py``), on tiny checkpoints in fp32:
 greedy tokens identical to transformers in every dense family (sliding windows, soft-caps, two
 RoPE tables, layers without RoPE, q/k norms), also under preemption and in every offload mode;
-only decode-only iterations run compiled, in at most two graphs; what cannot compile runs eager;
-Inductor's cache sits in our folder."""
+iterations over the device pool alone (prompts and decodes) run compiled, in at most two graphs;
+what cannot compile runs eager; Inductor's cache sits in our folder."""
 
 from __future__ import annotations
 
@@ -35,20 +35,20 @@ def test_compiled_greedy_matches_transformers(checkpoints, kind: str) -> None:
 @pytest.mark.parametrize("offload", list(MODES))
 def test_compiled_with_preemption_and_offload_keeps_tokens(checkpoints, offload: str) -> None:
     # Iterations with swaps, host prefills or CPU decodes (every one under neo's forced pipeline
-    # and under all) run eager; decode-only device iterations between them compiled.
+    # and under all) run eager; device iterations between them compiled.
     tokens, engine, seen = run(checkpoints["qwen2"], offload=offload, enforce_eager=False, **MODES[offload])
     assert tokens == [hf_greedy(checkpoints["qwen2"], "qwen2", p) for p in PROMPTS]
-    assert (engine.runner.compiled.runs > 0) == (offload == "none")
+    assert offload != "none" or engine.runner.compiled.runs > 0
     assert (seen["cpu_decodes"] > 0) == (offload != "none"), seen
     assert_all_blocks_free(engine)
 
 
-def test_only_decode_only_iterations_run_compiled(checkpoints) -> None:
+def test_prompts_and_decodes_run_compiled_in_two_graphs(checkpoints) -> None:
     llm = LLM(str(checkpoints["llama"]), dtype="float32", enforce_eager=False)
     compiled = llm.engine.runner.compiled
     out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 5
-    assert compiled.runs == 4, "the prompt's iteration is eager, its four decodes compiled"
+    assert compiled.runs == 5, "the prompt's iteration and its four decodes"
     # Every batch size from 1 to 6 rows, with prompts joining mid-run: no graph more.
     llm.generate(PROMPTS, GREEDY)
     assert compiled.graphs == MAX_GRAPHS
@@ -102,21 +102,25 @@ def test_inductor_caches_under_our_folder(tmp_path) -> None:
 
 
 def test_the_attention_op_keeps_its_fake_shapes(checkpoints) -> None:
-    """Inductor's run-time checks of op outputs are off: opcheck holds ``neo_rs::decode_attention``'s
-    fake implementation to the real one instead (one row at block 0 of a fresh pool)."""
-    from neo_rs.attention.metadata import DecodeRows
+    """Inductor's run-time checks of op outputs are off: opcheck holds ``neo_rs::layer_attention``'s
+    fake implementation to the real one instead (a prompt of three rows in a fresh pool)."""
+    from neo_rs.attention.metadata import AttentionBatch
+    from neo_rs.timing import HostWaits, StageClock
     from neo_rs.worker import compiled as module
 
     llm = LLM(str(checkpoints["llama"]), dtype="float32", enforce_eager=False)
-    compiled, cfg = llm.engine.runner.compiled, llm.engine.runner.model.config
-    tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
-    module._current.step = module._Step(
-        compiled.attention, compiled.pool, DecodeRows(0, 1, tables, lens, 1, tables, lens)
-    )
+    runner = llm.engine.runner
+    compiled, cfg = runner.compiled, runner.model.config
+    llm.engine.add_request([1, 2, 3], SamplingParams(max_tokens=1))
+    plan = llm.engine.scheduler.schedule()  # one prompt's, as the engine plans it
+    batch = AttentionBatch.from_plan(plan, runner.transfer, runner.layout.block_size)[0]
+    assert batch.prefills and batch.device_writes
+    clock = StageClock(torch.device("cpu"), HostWaits(), timed=False)
+    module._current.step = module._Step(compiled.attention, compiled.pool, batch, clock)
     try:
-        q = torch.randn(1, cfg.num_heads, cfg.head_dim)
-        k, v = (torch.randn(1, cfg.num_kv_heads, cfg.head_dim) for _ in range(2))
-        torch.library.opcheck(torch.ops.neo_rs.decode_attention.default, (q, k, v, 0))
+        q = torch.randn(3, cfg.num_heads, cfg.head_dim)
+        k, v = (torch.randn(3, cfg.num_kv_heads, cfg.head_dim) for _ in range(2))
+        torch.library.opcheck(torch.ops.neo_rs.layer_attention.default, (q, k, v, 0))
     finally:
         module._current.step = None
         llm.shutdown()

@@ -226,7 +226,7 @@ def test_the_compiled_stack_runs_it(monkeypatch: pytest.MonkeyPatch, checkpoints
             tokens[eager] = llm.generate(["one stream"], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
             assert calls
             if compiled is not None:
-                assert compiled.runs == 11 and compiled.graphs == 2
+                assert compiled.runs == 12 and compiled.graphs == 2
     assert tokens[True] == tokens[False]
 
 

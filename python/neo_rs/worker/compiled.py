@@ -1,13 +1,14 @@
-"""The decoder stack compiled by Inductor on a CPU device, for decode-only iterations: vLLM's
-``torch.compile`` on the CPU. One graph runs every layer, so the elementwise work between the
-GEMMs (RMSNorm, RoPE, SwiGLU, residuals) runs as fused C++ loops instead of one eager op and one
-Python dispatch each, 30 layers deep. Prepacked linears (``neo_rs::packed_linear``) and the Rust
-attention with its fused KV append (``neo_rs::decode_attention``) are opaque ops in the graph.
+"""The decoder stack compiled by Inductor on a CPU device: vLLM's ``torch.compile`` on the CPU.
+One graph runs every layer, so the elementwise work between the GEMMs (RMSNorm, RoPE, SwiGLU,
+residuals) runs as fused C++ loops instead of one eager op and one Python dispatch each, 30 layers
+deep. Prepacked linears (``neo_rs::packed_linear``) and each layer's attention with its KV writes
+(``neo_rs::layer_attention``: ``Attention.device_part``, the Rust kernel appending the decodes'
+K/V) are opaque ops in the graph.
 
-Which iterations: every row a decode of the device pool (a decode verifying drafts is a row per
-position, ``attention/metadata.py``), no prefill, no CPU decode, no copies between the pools.
-Others (prompts, NEO's sub-batches, swaps) run eagerly; the engine's steady state in CPU-only
-serving is the former.
+Which iterations: one batch over the device pool, prompt chunks and decodes alike (a decode
+verifying drafts is a row per position, ``attention/metadata.py``), with no CPU decode and no copy
+between the pools. Others (NEO's sub-batches, host prefills, swaps) run eagerly. A burst of 64
+prompts of 128 tokens spent a sixth of its eager time in the elementwise ops between the GEMMs.
 
 Shapes: one graph takes any number of rows (``dynamic=True``), and Dynamo specializes one row on
 its own: two graphs per model (``MAX_GRAPHS``; ``graphs`` counts them), both compiled at start-up.
@@ -37,7 +38,7 @@ from neo_rs.model.decoder import CausalLM, DecoderLayer, DenseMlp, RMSNorm, Rope
 from neo_rs.model.graph_ops import bound_linears, graph_op, number_linears
 from neo_rs.model.packed import PackedLinear
 from neo_rs.model.quant import GroupedInt8Linear, Int4Linear, Int8Linear
-from neo_rs.timing import StageClock
+from neo_rs.timing import HostWaits, StageClock
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +51,12 @@ _INDUCTOR = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts"
 
 @dataclass
 class _Step:
-    """What ``neo_rs::decode_attention`` needs of the iteration running in this thread."""
+    """What ``neo_rs::layer_attention`` needs of the iteration running in this thread."""
 
     attention: Attention
     pool: KvPool
-    rows: DecodeRows
+    batch: AttentionBatch
+    clock: StageClock
     attention_ms: float = 0.0
 
 
@@ -65,14 +67,17 @@ def _attention_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
     return torch.empty_like(q)
 
 
-@graph_op("decode_attention(Tensor q, Tensor k, Tensor v, int layer) -> Tensor", _attention_shape)
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-    """Layer ``layer``'s decode attention over the device pool, appending each row's K/V first:
-    the pool changes behind the graph's back, which is safe as nothing in the graph reads it."""
+@graph_op("layer_attention(Tensor q, Tensor k, Tensor v, int layer) -> Tensor", _attention_shape)
+def _layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    """Layer ``layer``'s attention over the device pool, its rows' K/V written first (the decodes'
+    appended by the kernel): the pool changes behind the graph's back, which is safe as nothing
+    in the graph reads it."""
     step: _Step = _current.step
     t = time.perf_counter()
+    for rows, slots in step.batch.device_writes:
+        step.pool.write(layer, slots, k[rows], v[rows])
     out = torch.empty_like(q)
-    step.attention.decode(q, step.pool, layer, step.rows, out, (k, v))
+    step.attention.device_part(q, k, v, step.pool, layer, step.batch, out, step.clock)
     step.attention_ms += (time.perf_counter() - t) * 1e3
     return out
 
@@ -80,7 +85,7 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: 
 def _stack(layers: Sequence[DecoderLayer], x: torch.Tensor, rope: Rope) -> torch.Tensor:
     for i, layer in enumerate(layers):
         q, k, v = layer.pre_attention(x, rope)
-        x = layer.post_attention(torch.ops.neo_rs.decode_attention(q, k, v, i), x)
+        x = layer.post_attention(torch.ops.neo_rs.layer_attention(q, k, v, i), x)
     return x
 
 
@@ -109,7 +114,7 @@ _TRACED = {
 }
 
 
-class CompiledDecode:
+class CompiledStack:
     """The compiled stack of one model and its pools (``takes`` a batch, ``run`` it)."""
 
     def __init__(self, model: CausalLM, attention: Attention, pool: KvPool) -> None:
@@ -136,47 +141,52 @@ class CompiledDecode:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Compile both graphs now, not in the first requests' decodes: each runs one step of
+        """Compile both graphs now, not in the first requests' iterations: each runs one step of
         decodes at position 0 of block 0, which nothing holds yet (the pools are new)."""
         t = time.perf_counter()
         hidden = self.model.config.hidden_size
         dtype = self.model.embed_tokens.weight.dtype
+        clock = StageClock(torch.device("cpu"), HostWaits(), timed=False)
         for rows in range(1, MAX_GRAPHS + 1):
             tables = torch.zeros(rows, 1, dtype=torch.int32)
             lens = torch.ones(rows, dtype=torch.int32)
-            decodes = DecodeRows(0, rows, tables, lens, 1, tables, lens)
-            self._call(torch.zeros(rows, hidden, dtype=dtype), torch.zeros(rows, dtype=torch.long), decodes)
+            none = torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
+            batch = AttentionBatch(
+                tokens=slice(0, rows),
+                device_writes=[],
+                host_writes=None,
+                gpu_decodes=DecodeRows(0, rows, tables, lens, 1, tables, lens),
+                cpu_decodes=DecodeRows(rows, rows, *none, 0, *none),
+                prefills=[],
+                append_decodes=True,
+            )
+            x, positions = torch.zeros(rows, hidden, dtype=dtype), torch.zeros(rows, dtype=torch.long)
+            self._call(x, positions, batch, clock)
         log.info("compiled the decoder stack in %.1f s", time.perf_counter() - t)
 
-    def takes(self, batches: list[AttentionBatch], copies: LayerCopies, rows: int) -> bool:
-        """Whether the iteration is one batch of device-pool decodes only, each appending."""
+    def takes(self, batches: list[AttentionBatch], copies: LayerCopies) -> bool:
+        """Whether the iteration is one batch over the device pool alone."""
         if len(batches) != 1 or not copies.idle:
             return False
         b = batches[0]
-        return (
-            b.append_decodes
-            and not b.prefills
-            and not b.device_writes
-            and b.host_writes is None
-            and not len(b.cpu_decodes)
-            and len(b.gpu_decodes) == rows
-        )
+        return b.host_writes is None and not len(b.cpu_decodes)
 
     def run(
         self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, clock: StageClock
     ) -> torch.Tensor:
-        """The final hidden states of a batch ``takes`` accepted; its attention is timed as
-        ``gpu_decode``, the rest as ``linear``."""
+        """The final hidden states of a batch ``takes`` accepted; its attention is timed by kind
+        (``gpu_decode``, ``prefill_attn``) inside the op, the rest as ``linear``."""
         t = time.perf_counter()
-        x, attention_ms = self._call(x, positions, batch.gpu_decodes)
-        clock.record_ms("gpu_decode", attention_ms)
+        x, attention_ms = self._call(x, positions, batch, clock)
         clock.record_ms("linear", (time.perf_counter() - t) * 1e3 - attention_ms)
         self.runs += 1
         return x
 
-    def _call(self, x: torch.Tensor, positions: torch.Tensor, rows: DecodeRows) -> tuple[torch.Tensor, float]:
-        """The stack's output, and the ms its attention took."""
-        step = _Step(self.attention, self.pool, rows)
+    def _call(
+        self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, clock: StageClock
+    ) -> tuple[torch.Tensor, float]:
+        """The stack's output, and the ms its attention (with its KV writes) took."""
+        step = _Step(self.attention, self.pool, batch, clock)
         rope = self.model.rotary.at(positions, x.dtype)
         _current.step = step
         try:

@@ -37,7 +37,7 @@ from neo_rs.model.quant import quantizer, warn_unquantized_experts
 from neo_rs.model.rust_linears import gemv_applies, quant_kernel_applies
 from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel, rank_device
 from neo_rs.timing import HostWaits, MeasuredTimes, StageClock
-from neo_rs.worker.compiled import CompiledDecode, why_eager
+from neo_rs.worker.compiled import CompiledStack, why_eager
 from neo_rs.worker.graphs import DecodeGraphs
 from neo_rs.worker.memory_plan import plan_activations
 
@@ -197,21 +197,21 @@ class ModelRunner:
         self._swapped_out: Staged | None = None
         self._landing: list[Staged] = []
 
-    def _compiled(self, args: EngineArgs) -> CompiledDecode | None:
+    def _compiled(self, args: EngineArgs) -> CompiledStack | None:
         eager = enforce_eager_default() if args.enforce_eager is None else args.enforce_eager
         reason = "enforce_eager" if eager else why_eager(self.model, self.device, self.tp.size)
         if self.device.type == "cpu":
             log.info(
-                "decode-only iterations: %s",
+                "iterations over the device pool: %s",
                 "compiled decoder stack" if reason is None else f"eager ({reason})",
             )
         if reason is not None:
             return None
-        compiled = CompiledDecode(self.model, self.attention, self.device_pool)
+        compiled = CompiledStack(self.model, self.attention, self.device_pool)
         try:
             compiled.warm_up()
         except Exception as e:  # a machine without a C++ compiler, say: serve, only slower
-            log.warning("compiling the decoder stack failed, decode-only iterations run eager: %s", e)
+            log.warning("compiling the decoder stack failed, every iteration runs eager: %s", e)
             return None
         return compiled
 
@@ -353,7 +353,7 @@ class ModelRunner:
         sample_rows = up(torch.from_numpy(np.ascontiguousarray(plan.sample_rows)))
         batches = AttentionBatch.from_plan(plan, self.transfer, self.layout.block_size)
         x = self.model.embed(ids)
-        if self.compiled is not None and self.compiled.takes(batches, copies, len(ids)):
+        if self.compiled is not None and self.compiled.takes(batches, copies):
             x = self.compiled.run(x, positions, batches[0], clock)
         elif len(batches) == 1:
             x = self._sequential(x, positions, batches[0], copies, clock)
