@@ -309,15 +309,8 @@ def draw(
     if random_rows:
         params = [rows[i].params for i in random_rows]
         u = _uniforms(rows, random_rows, default_generator, logits.device)
-        idx = torch.tensor(random_rows, device=logits.device)
-        if logits.device.type == "cpu":
-            tokens[idx] = _draw_on_cpu(logits, random_rows, params, u)
-        else:
-            # Inverse-CDF draws (torch's multinomial is ~50x slower on CPU).
-            probs = _filter(logits[idx], params).softmax(dim=-1)
-            cdf = probs.cumsum(dim=-1)
-            drawn = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
-            tokens[idx] = drawn
+        draw_rows = draw_on_cpu if logits.device.type == "cpu" else draw_in_torch
+        tokens[torch.tensor(random_rows, device=logits.device)] = draw_rows(logits, random_rows, params, u)
     return tokens, raw_logprobs
 
 
@@ -343,12 +336,22 @@ def _categorical(num_threads: int) -> Categorical:
     return Categorical(num_threads=num_threads)
 
 
-def _draw_on_cpu(
+def draw_in_torch(
     logits: torch.Tensor, random_rows: list[int], params: list[SamplingParams], u: torch.Tensor
 ) -> torch.Tensor:
-    """The tokens of ``random_rows`` drawn by the Rust sampler (two passes over a row, against
-    about eight of softmax, cumsum and search): rows that top-k, top-p or min-p narrow are
-    filtered (and divided by their temperature) first, the others read in place."""
+    """The tokens of ``random_rows`` drawn at ``u`` (``[rows, 1]``) by the inverse of their CDF
+    (torch's multinomial is ~50x slower on the CPU); on CUDA."""
+    probs = _filter(logits[torch.tensor(random_rows, device=logits.device)], params).softmax(dim=-1)
+    cdf = probs.cumsum(dim=-1)
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
+
+
+def draw_on_cpu(
+    logits: torch.Tensor, random_rows: list[int], params: list[SamplingParams], u: torch.Tensor
+) -> torch.Tensor:
+    """``draw_in_torch``'s tokens by the Rust sampler (two passes over a row, against about
+    eight of softmax, cumsum and search): rows that top-k, top-p or min-p narrow are filtered
+    (and divided by their temperature) first, the others read in place."""
     vocab = logits.shape[-1]
     temperatures = [p.temperature for p in params]
     narrowed = [j for j, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1 or p.min_p > 0]
