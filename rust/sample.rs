@@ -198,8 +198,8 @@ unsafe fn draw_row<S: Simd>(x: &[f32], inv_t: f32, u: f32, sums: &mut Vec<f32>) 
         }
     }
     // Rounding left the target past every entry: the last one with mass (before `first`, the
-    // row's largest entry has mass).
-    last_drawable.unwrap_or_else(|| x.iter().rposition(|&v| v == m).expect("the maximum is in the row"))
+    // row's largest entry has mass; none is found only in a row holding NaN, whose draw is 0).
+    last_drawable.or_else(|| x.iter().rposition(|&v| v == m)).unwrap_or(0)
 }
 
 #[cfg(test)]
@@ -274,6 +274,13 @@ mod tests {
             let below_one = 1.0 - f32::EPSILON / 2.0;
             c.draw(&x, 1000, &[0, 0, 0], &[1.0; 3], &[0.0, 0.5, below_one], &mut out).unwrap();
             assert_eq!(out, [300, 700, 700], "{tier:?}");
+            // Rows holding NaN (a broken model) draw an index of the row rather than panic.
+            x[500] = f32::NAN;
+            let nan = vec![f32::NAN; 1000];
+            for row in [&x, &nan] {
+                c.draw(row, 1000, &[0, 0, 0], &[1.0; 3], &[0.0, 0.5, below_one], &mut out).unwrap();
+                assert!(out.iter().all(|&t| t < 1000), "{tier:?}");
+            }
         }
     }
 
