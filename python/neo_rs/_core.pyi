@@ -50,19 +50,28 @@ class Bf16Linear:
 
 class Categorical:
     """Random tokens from float32 logits on the CPU: for each row, the inverse of the CDF of
-    ``softmax(row / temperature)`` at a uniform the caller drew, summed by SIMD blocks (``tier``:
-    ``NEO_RS_SIMD``, else the best this CPU has) on the calling thread's OpenMP team of
-    ``num_threads``. A row's token depends only on its row, temperature and uniform; ``-inf``
-    entries are never drawn."""
+    ``softmax(row / temperature)``, narrowed by top-k, top-p and min-p, at a uniform the caller
+    drew, summed by SIMD blocks (``tier``: ``NEO_RS_SIMD``, else the best this CPU has) on the
+    calling thread's OpenMP team of ``num_threads``. A row's token depends only on its row, its
+    parameters and its uniform; ``-inf`` entries are never drawn."""
 
     def __init__(self, *, num_threads: int, tier: str | None = None) -> None: ...
     @property
     def tier(self) -> str: ...
     def draw(
-        self, logits: torch.Tensor, rows: list[int], temperatures: list[float], uniforms: list[float]
+        self,
+        logits: torch.Tensor,
+        rows: list[int],
+        temperatures: list[float],
+        top_ks: list[int],
+        top_ps: list[float],
+        min_ps: list[float],
+        uniforms: list[float],
     ) -> list[int]:
         """The token of each row ``rows[i]`` of ``logits`` (``[num_rows, vocab]``, contiguous
-        float32) at ``temperatures[i] > 0`` and ``uniforms[i]`` in ``[0, 1)``. GIL released."""
+        float32) at ``temperatures[i] > 0``, narrowed as vLLM narrows by ``top_ks[i]`` (0: off),
+        ``top_ps[i]`` (1: off) and ``min_ps[i]`` (0: off; ties at a cut kept), at ``uniforms[i]``
+        in ``[0, 1)``. GIL released."""
 
 class QuantGemm:
     """A weight-only int8, int4 or grouped int8 linear on the CPU for any number of rows, ``out =

@@ -31,25 +31,41 @@ impl Categorical {
     }
 
     /// The token drawn for each row `rows[i]` of `logits` (`[num_rows, vocab]`, contiguous
-    /// float32) at `temperatures[i]` and the uniform `uniforms[i]` in `[0, 1)`. GIL released.
+    /// float32) at `temperatures[i]`, narrowed by `top_ks[i]` (0: off), `top_ps[i]` (1: off) and
+    /// `min_ps[i]` (0: off), at the uniform `uniforms[i]` in `[0, 1)`. GIL released.
+    #[allow(clippy::too_many_arguments)] // one list a parameter, as Python holds them
     fn draw(
         &self,
         py: Python<'_>,
         logits: &Bound<'_, PyAny>,
         rows: Vec<usize>,
         temperatures: Vec<f32>,
+        top_ks: Vec<usize>,
+        top_ps: Vec<f32>,
+        min_ps: Vec<f32>,
         uniforms: Vec<f32>,
     ) -> PyResult<Vec<u32>> {
         let t = TensorRef::extract(logits, "logits")?;
         ensure_f32(&t)?;
         let vocab = t.dims(2)?[1];
-        let mut out = vec![0u32; rows.len()];
+        let n = rows.len();
+        let same = [temperatures.len(), top_ks.len(), top_ps.len(), min_ps.len()].iter().all(|&l| l == n);
+        ensure!(same, Shape, "{n} rows need as many temperatures, top_ks, top_ps and min_ps");
+        let params: Vec<sample::RowParams> = (0..n)
+            .map(|i| sample::RowParams {
+                temperature: temperatures[i],
+                top_k: top_ks[i],
+                top_p: top_ps[i],
+                min_p: min_ps[i],
+            })
+            .collect();
+        let mut out = vec![0u32; n];
         let inner = self.inner;
         py.detach(|| {
             // SAFETY: a contiguous float32 CPU tensor of `numel` values (checked above), alive
             // for the call (the caller's argument), only read.
             let logits = unsafe { std::slice::from_raw_parts(t.addr as *const f32, t.numel()) };
-            inner.draw(logits, vocab, &rows, &temperatures, &uniforms, &mut out)
+            inner.draw(logits, vocab, &rows, &params, &uniforms, &mut out)
         })?;
         Ok(out)
     }

@@ -130,26 +130,6 @@ def test_sampler_filters_and_penalties() -> None:
     assert sample(logits, [row], g).token_ids == [2]
 
 
-def test_top_k_top_p_on_candidates_matches_the_full_sort() -> None:
-    from neo_rs.sample.sampling import _top_k_top_p, _top_k_top_p_sorted
-
-    g = torch.Generator().manual_seed(0)
-    vocab = 20000
-    logits = torch.randn(12, vocab, generator=g) * 3
-    logits[3] = 0.0  # flat: its nucleus spans most of the row (past every candidate set)
-    logits[4] = torch.randn(vocab, generator=g) * 0.01
-    logits[7] = torch.randn(vocab, generator=g)  # a nucleus past the first candidate set only
-    ks = [vocab, 5, vocab, vocab, vocab, 1500, 40, vocab, 1, vocab, 2000, vocab]
-    top_ps = [0.9, 1.0, 0.5, 0.9, 0.95, 0.8, 0.7, 0.5, 1.0, 0.1, 1.0, 0.3]
-    got = _top_k_top_p(logits, ks, top_ps)
-    want = _top_k_top_p_sorted(logits, ks, top_ps)
-    assert torch.equal(got.isinf(), want.isinf())
-    torch.testing.assert_close(got[~got.isinf()], want[~want.isinf()])
-    kept = (~got.isinf()).sum(dim=-1).tolist()
-    assert kept[1] == 5 and kept[8] == 1  # top-k
-    assert 1024 < kept[7] < 16384 and kept[3] > 16384  # the retries: more candidates, then the sort
-
-
 @pytest.mark.parametrize(
     "kw",
     [
@@ -249,31 +229,48 @@ def test_random_draws_of_narrowed_and_plain_rows_in_one_batch() -> None:
     torch.testing.assert_close(counts[1] / 3000, logits[1].softmax(-1), atol=0.03, rtol=0)
 
 
-def test_cpu_draws_are_the_inverse_cdf_in_every_simd_tier() -> None:
-    """``_core.Categorical`` on a team of two against the float64 inverse CDF, wherever the
-    target is not within rounding of a boundary."""
-    from neo_rs._core import Categorical, simd_tiers
+def test_cpu_draws_are_torch_draws_in_every_simd_tier(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``draw_on_cpu`` (``_core.Categorical``, on a team of two) against ``draw_in_torch`` (the
+    CUDA path: torch's sorted filters, then the inverse CDF) at the same uniforms, plain and
+    narrowed rows in one batch, wherever the target is not within rounding of a boundary."""
+    from neo_rs._core import simd_tiers
+    from neo_rs.sample import sampling
 
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(6, 5003, generator=g) * 4
-    logits[torch.rand(6, 5003, generator=g) < 0.3] = float("-inf")
-    rows, temps = [5, 0, 3, 3, 1, 2, 4], [1.0, 0.5, 2.0, 1.0, 0.05, 1.0, 7.0]
+    logits = torch.randn(7, 5003, generator=g) * 4
+    logits[torch.rand(7, 5003, generator=g) < 0.3] = float("-inf")
+    logits[6] = torch.randn(5003, generator=g) * 0.3  # flat: a nucleus of thousands
+    rows = [5, 0, 3, 3, 1, 2, 4, 6, 6]
+    params = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.5),
+        SamplingParams(temperature=2.0, top_p=0.8),
+        SamplingParams(temperature=1.0, top_k=20),
+        SamplingParams(temperature=0.05),
+        SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05),
+        SamplingParams(temperature=7.0, min_p=0.2),
+        SamplingParams(temperature=0.8, top_p=0.95),
+        SamplingParams(temperature=1.0, top_k=-1, top_p=0.5),
+    ]
+    probs = sampling._filter(logits[rows].double(), params).softmax(-1)
+    cdf = probs.cumsum(-1)
     checked = 0
     for _ in range(20):
-        u = torch.rand(len(rows), generator=g)
-        x = logits[rows].double() / torch.tensor(temps, dtype=torch.float64)[:, None]
-        cdf = x.softmax(-1).cumsum(-1)
-        target = u.double()[:, None] * cdf[:, -1:]
-        want = torch.searchsorted(cdf, target, right=True)[:, 0]
-        below = torch.where(
-            want > 0, cdf.gather(1, (want - 1).clamp(min=0)[:, None])[:, 0], torch.zeros(len(rows))
-        )
+        u = torch.rand(len(rows), 1, generator=g)
+        want = sampling.draw_in_torch(logits, rows, params, u)
+        target = u.double() * cdf[:, -1:]
+        below = torch.where(want > 0, cdf.gather(1, (want - 1).clamp(min=0)[:, None])[:, 0], 0.0)
         margin = torch.minimum(target[:, 0] - below, cdf.gather(1, want[:, None])[:, 0] - target[:, 0])
+        far = margin > 1e-5
         for tier in simd_tiers():
-            got = torch.tensor(Categorical(num_threads=2, tier=tier).draw(logits, rows, temps, u.tolist()))
+            monkeypatch.setenv("NEO_RS_SIMD", tier)
+            sampling._categorical.cache_clear()  # a sampler of the tier
+            try:
+                got = sampling.draw_on_cpu(logits, rows, params, u)
+            finally:
+                sampling._categorical.cache_clear()
             assert torch.isfinite(logits[rows, got]).all(), tier
-            far = margin > 1e-6
-            assert torch.equal(got[far], want[far]), tier
+            assert torch.equal(got[far], want[far]), (tier, got, want)
             checked += int(far.sum())
     assert checked > 100 * len(simd_tiers())
 

@@ -187,13 +187,7 @@ def _apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:
     logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
-# Top-k/top-p look at this many of the largest logits first: sorting a whole 128k vocabulary
-# costs ~4 ms a row on a CPU (a top-1024 ~0.3 ms), and the nucleus nearly always lies within.
-# Rows whose nucleus reaches further retry with 16x as many, then sort.
-TOP_CANDIDATES = 1024
-
-
-def _top_k_top_p_sorted(logits: torch.Tensor, ks: list[int], top_ps: list[float]) -> torch.Tensor:
+def _top_k_top_p(logits: torch.Tensor, ks: list[int], top_ps: list[float]) -> torch.Tensor:
     """Top-k then top-p (over what top-k keeps) by a full sort of each row; dropped -> -inf."""
     dev, vocab = logits.device, logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -204,38 +198,6 @@ def _top_k_top_p_sorted(logits: torch.Tensor, ks: list[int], top_ps: list[float]
     before = probs.cumsum(dim=-1) - probs
     drop |= before >= torch.tensor(top_ps, device=dev, dtype=probs.dtype)[:, None]
     return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-
-
-def _top_k_top_p(
-    logits: torch.Tensor, ks: list[int], top_ps: list[float], candidates: int = TOP_CANDIDATES
-) -> torch.Tensor:
-    """``_top_k_top_p_sorted`` on the largest ``candidates`` logits only: exact, as rows whose
-    nucleus reaches past them are redone with more."""
-    dev, vocab = logits.device, logits.shape[-1]
-    n = max([candidates] + [k for k in ks if k < vocab])
-    # On a GPU the retry's choice of rows would make the host wait for the device, and a full
-    # sort costs little there.
-    if n >= vocab or dev.type != "cpu":
-        return _top_k_top_p_sorted(logits, ks, top_ps)
-    vals, order = logits.topk(n, dim=-1)  # sorted, largest first
-    topk_on = torch.tensor([k < vocab for k in ks], device=dev)[:, None]
-    drop = torch.arange(n, device=dev)[None, :] >= torch.tensor(ks, device=dev)[:, None].clamp(max=n)
-    # Top-p renormalises over what top-k keeps: all among the candidates when top-k is on, the
-    # whole row when it is off.
-    kept = vals.masked_fill(drop, float("-inf"))
-    lse = kept.logsumexp(-1, keepdim=True)
-    if not all(k < vocab for k in ks):
-        lse = torch.where(topk_on, lse, logits.logsumexp(-1, keepdim=True))
-    probs = (kept - lse).exp()
-    top_p = torch.tensor(top_ps, device=dev, dtype=probs.dtype)[:, None]
-    before = probs.cumsum(dim=-1) - probs
-    drop |= before >= top_p
-    out = torch.full_like(logits, float("-inf")).scatter(-1, order, vals.masked_fill(drop, float("-inf")))
-    # Rows whose candidates hold less than top_p of the mass: their nucleus goes further.
-    short = ((probs.sum(dim=-1, keepdim=True) < top_p) & ~topk_on)[:, 0].nonzero()[:, 0].tolist()
-    if short:
-        out[short] = _top_k_top_p(logits[short], [ks[i] for i in short], [top_ps[i] for i in short], 16 * n)
-    return out
 
 
 def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -349,22 +311,17 @@ def draw_in_torch(
 def draw_on_cpu(
     logits: torch.Tensor, random_rows: list[int], params: list[SamplingParams], u: torch.Tensor
 ) -> torch.Tensor:
-    """``draw_in_torch``'s tokens by the Rust sampler (two passes over a row, against about
-    eight of softmax, cumsum and search): rows that top-k, top-p or min-p narrow are filtered
-    (and divided by their temperature) first, the others read in place."""
-    vocab = logits.shape[-1]
-    temperatures = [p.temperature for p in params]
-    narrowed = [j for j, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1 or p.min_p > 0]
-    source, at = logits, random_rows
-    if narrowed:
-        source = logits[random_rows]
-        sel = torch.tensor(narrowed)
-        source[sel] = _filter(source[sel], [params[j] for j in narrowed])
-        for j in narrowed:
-            temperatures[j] = 1.0  # divided by _filter
-        at = list(range(len(random_rows)))
+    """``draw_in_torch``'s tokens by the Rust sampler, which narrows each row to a threshold on
+    its logits (top-k and top-p from its largest entries, not a sort of the row) and reads it
+    about twice where torch's filters and softmax, cumsum and search read it a dozen times."""
     drawn = _categorical(torch.get_num_threads()).draw(
-        source.contiguous(), at, temperatures, u[:, 0].tolist()
+        logits.contiguous(),
+        random_rows,
+        [p.temperature for p in params],
+        [max(p.top_k, 0) for p in params],
+        [p.top_p for p in params],
+        [p.min_p for p in params],
+        u[:, 0].tolist(),
     )
     return torch.tensor(drawn, dtype=torch.long)
 
