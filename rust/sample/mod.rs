@@ -2,8 +2,9 @@
 //! inverse of its CDF at a uniform the caller drew (Python keeps the generators, so a seeded
 //! request draws the same tokens whatever its batch). torch's way on the CPU (divide, softmax,
 //! cumsum, searchsorted) passes over a 49k-wide row about eight times and allocates at each; 64
-//! such rows took 7 ms of a 47 ms step. Here a row is read twice (its maximum; the exponentials
-//! summed by blocks) and, past the blocks before the drawn token, once more in one block.
+//! such rows took 9 ms (`benches/sampling.py`). Here a row is read twice (its maximum; the
+//! exponentials summed by blocks) and, past the blocks before the drawn token, once more in one
+//! block.
 //!
 //! Top-k, top-p and min-p narrow a row to the logits at or above a threshold (`filter.rs`) before
 //! the draw, as torch's sort-based filters did at 0.5x the engine's speed (64 streams of SmolLM2).
