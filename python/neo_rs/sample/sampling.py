@@ -265,9 +265,12 @@ def draw(
                 kept = logits[i].clone()
                 kept[r.banned_ids] = float("-inf")
                 logits[i] = torch.where(kept.isfinite().any(), kept, logits[i])
-    # The first maximum, as argmax gives, in half argmax's time on the CPU.
-    tokens = logits.max(dim=-1).indices
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if len(random_rows) < len(rows):
+        # The first maximum, as argmax gives, in half argmax's time on the CPU.
+        tokens = logits.max(dim=-1).indices
+    else:  # every row drawn: no pass over the logits for a maximum no row keeps
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     if random_rows:
         params = [rows[i].params for i in random_rows]
         u = _uniforms(rows, random_rows, default_generator, logits.device)
