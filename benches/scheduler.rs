@@ -41,7 +41,7 @@ impl Load {
             force_pipeline: neo,
             enable_prefix_caching,
             num_cpu_prefix_blocks: 0,
-            sliding_window: None,
+            kv_group_windows: vec![None],
             speculation: None,
         })
         .expect("valid config");

@@ -61,15 +61,22 @@ fn workload(mode: impl Strategy<Value = OffloadMode>) -> impl Strategy<Value = W
             kv_bytes_per_token: 1024,
             force_pipeline,
             num_cpu_prefix_blocks: 0,
-            sliding_window: None,
+            kv_group_windows: vec![None],
             speculation: None,
         });
     // Prefix caching on in most workloads, with a host tier of up to the whole host pool.
     // Copies priced from free to dearer than any compute, which moves NEO's choices (host-prefill
     // copies, a host-tier hit copied in or attended in place).
     let copy_cost = prop_oneof![Just(0usize), Just(1024), Just(1 << 24)];
-    // A sliding window on every layer in some: blocks behind it are released.
-    let window = prop::option::weighted(0.3, 1usize..24);
+    // KV groups: one global (most), one sliding (every layer slides, Mistral v0.1), or hybrid
+    // (Gemma 2/3: global and sliding groups); the blocks behind a sliding group's window are
+    // released. The prefix cache's host tier takes one group: hybrid workloads run without it.
+    let groups = (1usize..24, 0u8..10).prop_map(|(w, kind)| match kind {
+        0..=4 => vec![None],
+        5..=6 => vec![Some(w)],
+        7..=8 => vec![None, Some(w)],
+        _ => vec![Some(w), None, Some(w)],
+    });
     // Speculative decoding in some, verified by the fake model with random acceptance.
     // Drafts by prompt lookup, or handed in as a draft model's (`propose`, before each step).
     let speculation =
@@ -80,14 +87,15 @@ fn workload(mode: impl Strategy<Value = OffloadMode>) -> impl Strategy<Value = W
                 always,
             })
         });
-    let config = (config, prop::bool::weighted(0.7), 0u32..=24, copy_cost, window, speculation).prop_map(
-        |(c, enable_prefix_caching, tier, kv_bytes_per_token, sliding_window, speculation)| {
-            let num_cpu_prefix_blocks = if enable_prefix_caching { tier.min(c.num_cpu_blocks) } else { 0 };
+    let config = (config, prop::bool::weighted(0.7), 0u32..=24, copy_cost, groups, speculation).prop_map(
+        |(c, enable_prefix_caching, tier, kv_bytes_per_token, kv_group_windows, speculation)| {
+            let tiered = enable_prefix_caching && kv_group_windows.len() == 1;
+            let num_cpu_prefix_blocks = if tiered { tier.min(c.num_cpu_blocks) } else { 0 };
             SchedulerConfig {
                 enable_prefix_caching,
                 num_cpu_prefix_blocks,
                 kv_bytes_per_token,
-                sliding_window,
+                kv_group_windows,
                 speculation,
                 ..c
             }
@@ -179,24 +187,28 @@ fn check_plan(s: &Scheduler, out: &SchedulerOutput) -> Result<(), TestCaseError>
         }
         prop_assert_eq!(sr.sample, sr.num_computed_tokens + sr.num_new_tokens == req.num_tokens());
         let table = s.kv(sr.device).table(sr.id);
-        let row = &m.block_tables[i * m.max_blocks..(i + 1) * m.max_blocks];
-        // Blocks released behind the window show as block 0.
-        let shown = |b: &BlockId| if b.is_null() { 0 } else { b.0 as i32 };
-        prop_assert!(table.iter().zip(row).all(|(b, &r)| shown(b) == r));
+        let groups = c.kv_group_windows.len();
+        prop_assert_eq!((m.num_groups, table.len() % groups), (groups, 0));
         prop_assert_eq!(m.seq_lens[i] as usize, sr.num_computed_tokens + sr.num_new_tokens);
-        prop_assert!(table.len() * c.block_size >= m.seq_lens[i] as usize);
+        prop_assert!(table.len() / groups * c.block_size >= m.seq_lens[i] as usize);
         let start = m.query_start_loc[i] as usize;
-        for (k, pos) in (sr.num_computed_tokens..sr.num_computed_tokens + sr.num_new_tokens).enumerate() {
-            prop_assert_eq!(m.input_ids[start + k], i64::from(req.token_ids[pos]));
-            prop_assert_eq!(m.positions[start + k], pos as i64);
-            let slot = m.slot_mapping[start + k];
-            if sr.attends_on_cpu() {
-                prop_assert_eq!(slot, -1);
-                continue;
+        for g in 0..groups {
+            // Group g's entries (every `groups`-th); blocks released behind the window show as 0.
+            let row = &m.block_tables[(g * out.scheduled.len() + i) * m.max_blocks..][..m.max_blocks];
+            let shown = |b: &BlockId| if b.is_null() { 0 } else { b.0 as i32 };
+            prop_assert!(table.iter().skip(g).step_by(groups).zip(row).all(|(b, &r)| shown(b) == r));
+            for (k, pos) in (sr.num_computed_tokens..sr.num_computed_tokens + sr.num_new_tokens).enumerate() {
+                prop_assert_eq!(m.input_ids[start + k], i64::from(req.token_ids[pos]));
+                prop_assert_eq!(m.positions[start + k], pos as i64);
+                let slot = m.slot_mapping[g * m.input_ids.len() + start + k];
+                if sr.attends_on_cpu() {
+                    prop_assert_eq!(slot, -1);
+                    continue;
+                }
+                let slot = slot as usize;
+                prop_assert_eq!(slot / c.block_size, table[pos / c.block_size * groups + g].0 as usize);
+                prop_assert!(slots.insert((sr.device, slot)), "slot {} written twice", slot);
             }
-            let slot = slot as usize;
-            prop_assert_eq!(slot / c.block_size, table[pos / c.block_size].0 as usize);
-            prop_assert!(slots.insert((sr.device, slot)), "slot {} written twice", slot);
         }
         // A prefill finishing into the host pool stages every device block to its host twin
         // (blocks released behind the window are released in both).
@@ -238,20 +250,24 @@ fn check_plan(s: &Scheduler, out: &SchedulerOutput) -> Result<(), TestCaseError>
     Ok(())
 }
 
+/// A slot a copy writes (block, offset), and what it receives (nothing: a slot never written).
+type Gathered = ((u32, usize), Option<(u32, usize)>);
+
 /// What the model would leave in the pools: the token whose KV each slot holds.
 #[derive(Default)]
 struct FakeKv {
-    slots: HashMap<(Device, u32, usize), u32>,
+    /// The token and the KV group (whose layers the block holds) of each slot's KV.
+    slots: HashMap<(Device, u32, usize), (u32, usize)>,
 }
 
 impl FakeKv {
     /// The token each slot of `pairs`' source blocks holds, keyed by destination slot.
-    fn gather(&self, pairs: &[(BlockId, BlockId)], src: Device, bs: usize) -> Vec<((u32, usize), Option<u32>)> {
+    fn gather(&self, pairs: &[(BlockId, BlockId)], src: Device, bs: usize) -> Vec<Gathered> {
         let held = |a: BlockId, o| self.slots.get(&(src, a.0, o)).copied();
         pairs.iter().flat_map(|&(a, b)| (0..bs).map(move |o| ((b.0, o), held(a, o)))).collect()
     }
 
-    fn land(&mut self, gathered: Vec<((u32, usize), Option<u32>)>, dst: Device) {
+    fn land(&mut self, gathered: Vec<Gathered>, dst: Device) {
         for ((b, o), t) in gathered {
             match t {
                 Some(t) => self.slots.insert((dst, b, o), t),
@@ -275,17 +291,22 @@ impl FakeKv {
         incoming.extend(self.gather(&out.cache_to_device.pairs, Device::Cpu, bs));
         self.land(swapped_out, Device::Cpu);
         self.land(incoming, Device::Gpu);
+        let windows = &s.config().kv_group_windows;
         for sr in &out.scheduled {
             let req = s.request(sr.id).expect("scheduled request exists");
             let table = s.kv(sr.device).table(sr.id);
-            let first = s.config().sliding_window.map_or(0, |w| (sr.num_computed_tokens + 1).saturating_sub(w));
-            for pos in first..sr.num_computed_tokens {
-                let held = self.slots.get(&(sr.device, table[pos / bs].0, pos % bs)).copied();
-                prop_assert_eq!(held, Some(req.token_ids[pos]), "request {} reads wrong KV at {}", sr.id, pos);
-            }
-            for pos in sr.num_computed_tokens..sr.num_computed_tokens + sr.num_new_tokens {
-                prop_assert!(!table[pos / bs].is_null(), "request {} writes a released block at {}", sr.id, pos);
-                self.slots.insert((sr.device, table[pos / bs].0, pos % bs), req.token_ids[pos]);
+            for (g, window) in windows.iter().enumerate() {
+                let entry = |pos: usize| table[pos / bs * windows.len() + g];
+                let first = window.map_or(0, |w| (sr.num_computed_tokens + 1).saturating_sub(w));
+                for pos in first..sr.num_computed_tokens {
+                    let held = self.slots.get(&(sr.device, entry(pos).0, pos % bs)).copied();
+                    let want = Some((req.token_ids[pos], g));
+                    prop_assert_eq!(held, want, "request {} reads wrong KV at {} in group {}", sr.id, pos, g);
+                }
+                for pos in sr.num_computed_tokens..sr.num_computed_tokens + sr.num_new_tokens {
+                    prop_assert!(!entry(pos).is_null(), "request {} writes a released block at {}", sr.id, pos);
+                    self.slots.insert((sr.device, entry(pos).0, pos % bs), (req.token_ids[pos], g));
+                }
             }
         }
         let staged = self.gather(&out.prefill_to_host.pairs, Device::Gpu, bs);
@@ -307,11 +328,12 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
             let prompt = (0..job.prompt_len)
                 .map(|p| if p < job.shared { token(1_000 + job.family, p) } else { token(id, p) })
                 .collect();
-            // At most a chunk's worth beyond the window is held at once.
-            let mut need = (job.prompt_len + job.max_tokens - 1).div_ceil(w.config.block_size);
-            if let Some(window) = w.config.sliding_window {
-                need = need.min((window - 1 + w.config.max_num_batched_tokens).div_ceil(w.config.block_size) + 1);
-            }
+            // Every block of a global group; at most a chunk's worth beyond the window of a
+            // sliding one is held at once.
+            let all = (job.prompt_len + job.max_tokens - 1).div_ceil(w.config.block_size);
+            let span = |w: usize, c: &SchedulerConfig| (w - 1 + c.max_num_batched_tokens).div_ceil(c.block_size) + 1;
+            let need: usize =
+                w.config.kv_group_windows.iter().map(|g| g.map_or(all, |win| all.min(span(win, &w.config)))).sum();
             let fits = job.prompt_len + job.max_tokens <= w.config.max_model_len
                 && need <= w.config.num_gpu_blocks as usize
                 && (w.config.offload == OffloadMode::GpuOnly || need <= w.config.num_cpu_blocks as usize);
@@ -392,16 +414,18 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
             prop_assert!(outcome.insert(id.0, reason).is_none(), "request {} finished twice", id);
         }
         s.check_invariants().map_err(TestCaseError::fail)?;
-        if let Some(window) = w.config.sliding_window {
-            // However long a request, it holds the window's blocks and one more.
+        // However long a request, each sliding group holds the window's blocks and one more.
+        let windows = &w.config.kv_group_windows;
+        for (g, window) in windows.iter().enumerate().filter_map(|(g, w)| w.map(|w| (g, w))) {
             for kv in [s.kv(Device::Gpu), s.kv(Device::Cpu)] {
                 for (id, table) in kv.tables() {
-                    let held = table.iter().filter(|b| !b.is_null()).count();
+                    let held = table.iter().skip(g).step_by(windows.len()).filter(|b| !b.is_null()).count();
                     prop_assert!(
                         held <= window.div_ceil(w.config.block_size) + 1,
-                        "request {} holds {} blocks",
+                        "request {} holds {} blocks of group {}",
                         id,
-                        held
+                        held,
+                        g
                     );
                 }
             }
@@ -469,7 +493,7 @@ fn a_device_prefill_does_not_pin_the_host_room_of_an_earlier_in_place_one() {
             force_pipeline: false,
             enable_prefix_caching: true,
             num_cpu_prefix_blocks: 22,
-            sliding_window: None,
+            kv_group_windows: vec![None],
             speculation: None,
         },
         jobs: vec![

@@ -21,7 +21,7 @@ fn config(gpu: u32, cpu: u32, budget: usize) -> SchedulerConfig {
         force_pipeline: false,
         enable_prefix_caching: false,
         num_cpu_prefix_blocks: 0,
-        sliding_window: None,
+        kv_group_windows: vec![None],
         speculation: None,
     }
 }
@@ -137,7 +137,7 @@ fn neo_mode_offloads_pipelines_and_swaps_both_ways() {
         force_pipeline: false,
         enable_prefix_caching: false,
         num_cpu_prefix_blocks: 0,
-        sliding_window: None,
+        kv_group_windows: vec![None],
         speculation: None,
         max_model_len: 128,
     };
@@ -259,7 +259,7 @@ fn neo_admits_host_bound_prompts_while_the_device_is_full() {
         force_pipeline: true,
         enable_prefix_caching: false,
         num_cpu_prefix_blocks: 0,
-        sliding_window: None,
+        kv_group_windows: vec![None],
         speculation: None,
     };
     let mut s = Scheduler::new(cfg).unwrap();
@@ -322,7 +322,7 @@ fn neo_steady_state(
         force_pipeline: false,
         enable_prefix_caching: false,
         num_cpu_prefix_blocks: 0,
-        sliding_window: None,
+        kv_group_windows: vec![None],
         speculation: None,
     };
     let mut s = Scheduler::new(cfg).unwrap();
@@ -458,7 +458,7 @@ fn under_neo_a_host_bound_prompt_decodes_in_place_over_host_tier_blocks() {
         offload: OffloadMode::Neo,
         enable_prefix_caching: true,
         num_cpu_prefix_blocks: 8,
-        sliding_window: None,
+        kv_group_windows: vec![None],
         speculation: None,
         ..config(8, 32, 64)
     };
@@ -530,7 +530,7 @@ fn under_neo_a_host_tier_hit_starts_in_place_where_copying_it_costs_more() {
             offload: OffloadMode::Neo,
             enable_prefix_caching: true,
             num_cpu_prefix_blocks: 128,
-            sliding_window: None,
+            kv_group_windows: vec![None],
             speculation: None,
             max_model_len: 512,
             kv_bytes_per_token,
@@ -572,7 +572,7 @@ fn a_sliding_window_generation_ten_windows_long_holds_the_window() {
     // step (a prefill chunk of 8 more while it runs). 86 tokens would need 22 blocks of a pool
     // of 6 without the window: the request is admitted only because of it.
     for offload in [OffloadMode::GpuOnly, OffloadMode::Neo, OffloadMode::AllCpu] {
-        let cfg = SchedulerConfig { offload, max_model_len: 128, sliding_window: Some(8), ..config(6, 6, 8) };
+        let cfg = SchedulerConfig { offload, max_model_len: 128, kv_group_windows: vec![Some(8)], ..config(6, 6, 8) };
         let mut s = Scheduler::new(cfg.clone()).unwrap();
         s.add_request(RequestId(0), vec![5; 20], 66).unwrap();
         let mut most = 0;
@@ -585,7 +585,42 @@ fn a_sliding_window_generation_ten_windows_long_holds_the_window() {
             most = most.max(used[0] + used[1]);
         }
         assert_eq!(most, 3, "{offload:?}");
-        let without = SchedulerConfig { sliding_window: None, ..cfg };
+        let without = SchedulerConfig { kv_group_windows: vec![None], ..cfg };
         assert!(Scheduler::new(without).unwrap().add_request(RequestId(0), vec![5; 20], 66).is_err());
+    }
+}
+
+#[test]
+fn a_hybrid_model_holds_every_block_of_its_global_group_and_the_window_of_its_sliding_one() {
+    // Gemma-style: a global group and a sliding one (window 8, blocks of 4). Between steps the
+    // request holds every global block (21 for the 84 tokens cached before its last step) and
+    // at most 8 / 4 + 1 sliding ones. Admission counts 22 global blocks (85 tokens written) and
+    // a sliding chunk's peak of 5: a pool of 27 admits it only because the sliding group releases.
+    for offload in [OffloadMode::GpuOnly, OffloadMode::Neo, OffloadMode::AllCpu] {
+        let hybrid = vec![None, Some(8)];
+        let cfg = SchedulerConfig { offload, max_model_len: 128, kv_group_windows: hybrid, ..config(27, 27, 8) };
+        let mut s = Scheduler::new(cfg.clone()).unwrap();
+        s.add_request(RequestId(0), vec![5; 20], 66).unwrap();
+        let mut most = [0; 2];
+        while s.has_unfinished() {
+            let out = s.schedule().unwrap();
+            let sampled: Vec<u32> = out.inputs.sample_ids.iter().map(|_| 7).collect();
+            s.update(&sampled, &[]).unwrap();
+            s.check_invariants().unwrap();
+            for d in [Device::Gpu, Device::Cpu] {
+                let table = s.kv(d).table(RequestId(0));
+                for (g, most) in most.iter_mut().enumerate() {
+                    *most = (*most).max(table.iter().skip(g).step_by(2).filter(|b| !b.is_null()).count());
+                }
+            }
+        }
+        assert_eq!(most, [21, 3], "{offload:?}");
+        for d in [Device::Gpu, Device::Cpu] {
+            assert_eq!(s.kv(d).num_free_blocks(), 27);
+        }
+        let global = SchedulerConfig { kv_group_windows: vec![None, None], ..cfg.clone() };
+        assert!(Scheduler::new(global).unwrap().add_request(RequestId(0), vec![5; 20], 66).is_err());
+        let tier = SchedulerConfig { enable_prefix_caching: true, num_cpu_prefix_blocks: 4, ..cfg };
+        assert!(Scheduler::new(tier).is_err(), "a host tier over several groups is refused");
     }
 }

@@ -27,7 +27,7 @@ fn config(num_gpu_blocks: u32, budget: usize) -> SchedulerConfig {
         force_pipeline: false,
         enable_prefix_caching: true,
         num_cpu_prefix_blocks: 0,
-        sliding_window: None,
+        kv_group_windows: vec![None],
         speculation: Some(Speculation {
             num_tokens: 4,
             drafter: Drafter::PromptLookup { min: 1, max: 2 },

@@ -11,11 +11,15 @@ def simd_tiers() -> list[str]:
     """SIMD tiers this CPU supports, slowest first (``scalar``, ``avx2``, ``avx512``, ``neon``)."""
 
 def peak_kv_blocks(
-    num_tokens: int, *, block_size: int, max_num_batched_tokens: int, sliding_window: int | None = None
+    num_tokens: int,
+    *,
+    block_size: int,
+    max_num_batched_tokens: int,
+    kv_group_windows: list[int | None] | None = None,
 ) -> int:
-    """The most KV blocks of a pool a request of ``num_tokens`` cached tokens holds at once:
-    all of them, or under ``sliding_window`` on every layer, a chunk beyond the window. The
-    scheduler refuses a request that needs more than a pool has."""
+    """The most KV blocks of a pool a request of ``num_tokens`` cached tokens holds at once,
+    summed over the KV groups: all of them for a global group (``None``), a chunk beyond the
+    window for a sliding one. The scheduler refuses a request that needs more than a pool has."""
 
 def quantize_rows(src: torch.Tensor, out: torch.Tensor, scales: torch.Tensor) -> None:
     """Each row (last dim) of ``src`` as the int8 host pool stores it, into ``out``: rotated by a
@@ -238,9 +242,11 @@ class SchedulerOutput:
     input_ids: npt.NDArray[np.int64]
     positions: npt.NDArray[np.int64]
     slot_mapping: npt.NDArray[np.int64]
+    """``[num_groups, num_tokens]``: each token's slot in each KV group's blocks."""
     query_start_loc: npt.NDArray[np.int32]
     seq_lens: npt.NDArray[np.int32]
     block_tables: npt.NDArray[np.int32]
+    """``[num_groups, num_reqs, max_blocks]``: each KV group's tables (released blocks as 0)."""
     sample_rows: npt.NDArray[np.int64]
     sample_ids: npt.NDArray[np.int64]
     """The request of each sampled row; a request verifying ``k`` drafts has ``k + 1`` rows in a run
@@ -279,15 +285,17 @@ class Scheduler:
         force_pipeline: bool = False,
         enable_prefix_caching: bool = False,
         num_cpu_prefix_blocks: int = 0,
-        sliding_window: int | None = None,
+        kv_group_windows: list[int | None] | None = None,
         speculation: tuple[int, tuple[int, int] | None, bool] | None = None,
     ) -> None:
         """``offload``: ``neo`` (partial offload, pipelined when it pays), ``none`` (GPU-only,
         overflow swapped) or ``all`` (every decode on the CPU). ``enable_prefix_caching``: new
         prompts start after the full device blocks they share with earlier ones.
         ``num_cpu_prefix_blocks``: host blocks that keep prefix blocks the device evicts (the
-        host tier; needs ``enable_prefix_caching``). ``sliding_window``: every layer's window,
-        when all of them slide: blocks behind it are released as requests advance.
+        host tier; needs ``enable_prefix_caching``). ``kv_group_windows``: the KV groups
+        (layers sharing a table) and each one's sliding window (``None``: global; default one
+        global group): a sliding group's blocks behind its window are released as requests
+        advance. Prefix caching takes one group.
         ``speculation``: ``(num_tokens, (lookup_min, lookup_max) or None, always)``: each decode
         drafts up to ``num_tokens`` tokens by prompt lookup (or, with None, takes a draft model's
         from ``propose``), into the budget and blocks left over, as many as the predictor says

@@ -340,12 +340,6 @@ class ModelConfig:
             for s in slides
         ]
 
-    def every_layer_window(self) -> int | None:
-        """The sliding window when every layer has it (Mistral v0.1 style): the scheduler then
-        releases each request's KV blocks behind it. None when some layer attends globally."""
-        windows = {k.window for k in self.attention_kinds()}
-        return windows.pop() if len(windows) == 1 else None
-
 
 def _ropes(cfg: dict[str, Any]) -> tuple[RopeConfig, RopeConfig | None]:
     """The RoPE of the global layers, and the sliding layers' where it differs: transformers 5

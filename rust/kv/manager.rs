@@ -1,17 +1,21 @@
 //! One pool's KV manager (vLLM's `KvCacheManager`): a block table per request, grown by
 //! `allocate_slots` (which answers "no room" instead of failing), whole-request swap plans, and
 //! with prefix caching on, blocks shared by reference count between requests whose prompts
-//! start alike (`prefix.rs`). Under a sliding window on every layer, the blocks behind the
-//! window leave the tables (`window.rs`).
+//! start alike (`prefix.rs`). Layers form KV groups (vLLM's KV cache groups), each with a
+//! table entry per block of tokens; a sliding group's blocks behind its window leave the tables
+//! (`window.rs`).
 
 use std::collections::HashMap;
 
-use super::prefix::{hash_block, BlockHash, Evicted, PrefixCache};
+use super::prefix::{BlockHash, Evicted, PrefixCache};
 use super::{BlockId, BlockPool, Device};
 use crate::kv::RequestId;
 
+mod hits;
 mod host_tier;
 mod window;
+
+pub use hits::PrefixHit;
 
 #[derive(Debug, Clone)]
 pub struct KvManager {
@@ -31,8 +35,9 @@ pub struct KvManager {
     evicted: Option<Vec<Evicted>>,
     /// Host-tier blocks held while they are copied to the device (`pin_host_hit`).
     pins: Vec<BlockId>,
-    /// Every layer's sliding window (tokens), if all of them slide (`with_window`).
-    window: Option<usize>,
+    /// Each KV group's sliding window (tokens; `None`: global), one table entry per group per
+    /// block of tokens (`with_groups`).
+    windows: Vec<Option<usize>>,
 }
 
 /// Block pairs `(src, dst)` that move one or more requests from pool `src` to pool `dst`; every
@@ -47,63 +52,6 @@ pub struct SwapPlan {
 impl SwapPlan {
     pub fn new(src: Device, dst: Device) -> Self {
         SwapPlan { src, dst, pairs: Vec::new() }
-    }
-}
-
-/// The cached blocks a prompt starts with: device blocks (`KvManager::lookup`), then the host
-/// tier's blocks that continue the chain (`KvManager::extend_hit`), copied to the device.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct PrefixHit {
-    /// The namespace it was looked up in (its first block's parent).
-    salt: Option<BlockHash>,
-    pub blocks: Vec<BlockId>,
-    hashes: Vec<BlockHash>,
-    /// Of the device blocks, how many no request holds (taking them uses up free blocks).
-    pub evictable: usize,
-    pub host: Vec<BlockId>,
-    host_hashes: Vec<BlockHash>,
-    /// Leading blocks of the hit (device ones first) behind the sliding window of the prompt's
-    /// next token: found, but neither held, pinned nor copied (`KvManager::skip_behind_window`).
-    skip: usize,
-}
-
-impl PrefixHit {
-    /// Leading blocks of the prompt found, on both tiers.
-    pub fn num_blocks(&self) -> usize {
-        self.blocks.len() + self.host.len()
-    }
-
-    /// Keep the device blocks only (the host ones are to be recomputed); skip none until
-    /// `KvManager::skip_behind_window` counts them again.
-    pub fn drop_host(&mut self) {
-        self.host.clear();
-        self.host_hashes.clear();
-        self.skip = 0;
-    }
-
-    fn skipped_device(&self) -> usize {
-        self.skip.min(self.blocks.len())
-    }
-
-    fn skipped_host(&self) -> usize {
-        self.skip.saturating_sub(self.blocks.len())
-    }
-
-    /// The host blocks to copy to the device: those not behind the window.
-    pub fn host_kept(&self) -> &[BlockId] {
-        &self.host[self.skipped_host()..]
-    }
-
-    /// Entries of the table of a request that takes the hit, before it grows: the device blocks
-    /// (skipped ones as `BlockId::NULL`), then a `NULL` for each skipped host block.
-    pub fn table_len(&self) -> usize {
-        self.blocks.len() + self.skipped_host()
-    }
-
-    /// Blocks a request takes up by growing from the hit to `table_blocks` table entries: new
-    /// ones, and the cached ones it holds that no request held.
-    pub fn blocks_taken(&self, table_blocks: usize) -> usize {
-        table_blocks.saturating_sub(self.table_len()) + self.evictable
     }
 }
 
@@ -122,7 +70,7 @@ impl KvManager {
             chains: HashMap::new(),
             evicted: None,
             pins: Vec::new(),
-            window: None,
+            windows: vec![None],
         }
     }
 
@@ -157,9 +105,10 @@ impl KvManager {
         self.pool.num_blocks()
     }
 
-    /// Blocks that hold `num_tokens` tokens.
+    /// Blocks that hold `num_tokens` tokens: a block per KV group per `block_size` tokens (the
+    /// table entries of a request of that length).
     pub fn blocks_for(&self, num_tokens: usize) -> usize {
-        num_tokens.div_ceil(self.block_size)
+        self.windows.len() * num_tokens.div_ceil(self.block_size)
     }
 
     /// The request's block table (empty when it holds no blocks here).
@@ -257,103 +206,6 @@ impl KvManager {
         }
     }
 
-    /// The cached full blocks `tokens` starts with, at most `(len - 1) / block_size` of them (the
-    /// last token is always computed, for its logits, into a block of the request's own), in
-    /// the namespace `salt` (`Request::salt`). `known`: the hashes of the first blocks, if the
-    /// caller keeps them (`Request::block_hashes`); the rest are hashed here. Empty without
-    /// prefix caching.
-    pub fn lookup(&self, tokens: &[u32], salt: Option<BlockHash>, known: &[BlockHash]) -> PrefixHit {
-        let (blocks, hashes) = self.walk(salt, tokens, 0, known);
-        let evictable = blocks.iter().filter(|b| self.refs[b.0 as usize] == 0).count();
-        PrefixHit { salt, blocks, hashes, evictable, ..PrefixHit::default() }
-    }
-
-    /// The cached blocks that hold `tokens`' full blocks from block `from` on, the first one's
-    /// parent being `parent`, up to the lookup's cap; `known[i]` is block `i`'s hash, where given.
-    fn walk(
-        &self,
-        mut parent: Option<BlockHash>,
-        tokens: &[u32],
-        from: usize,
-        known: &[BlockHash],
-    ) -> (Vec<BlockId>, Vec<BlockHash>) {
-        let (mut blocks, mut hashes) = (Vec::new(), Vec::new());
-        let Some(cache) = &self.cache else { return (blocks, hashes) };
-        let max_blocks = tokens.len().saturating_sub(1) / self.block_size;
-        for (i, block) in tokens.chunks_exact(self.block_size).enumerate().take(max_blocks).skip(from) {
-            let hash = known.get(i).copied().unwrap_or_else(|| hash_block(parent, block));
-            let Some((b, hash)) = cache.get(hash, parent, block) else { break };
-            blocks.push(b);
-            hashes.push(hash);
-            parent = Some(hash);
-        }
-        (blocks, hashes)
-    }
-
-    /// Give a request that holds nothing here the blocks of `hit` (from `lookup`, with nothing
-    /// changed since) and new ones up to `num_tokens` tokens. `false` (nothing changed) when the
-    /// pool has no room for the new ones.
-    pub fn allocate_with_prefix(&mut self, id: RequestId, hit: &PrefixHit, num_tokens: usize) -> bool {
-        if hit.blocks_taken(self.blocks_for(num_tokens)) > self.num_free_blocks() {
-            return false;
-        }
-        self.take_prefix(id, hit);
-        let grown = self.allocate_slots(id, num_tokens);
-        debug_assert!(grown, "room was checked");
-        grown
-    }
-
-    /// Give a request that holds nothing here the blocks of `hit` (from `lookup`; blocks freed
-    /// since may have been taken again, none evicted), so that allocations for other requests
-    /// cannot evict them before its own. Its skipped blocks enter the table as `NULL`s.
-    pub fn take_prefix(&mut self, id: RequestId, hit: &PrefixHit) {
-        assert!(!self.holds(id), "request {id} already holds blocks");
-        if hit.table_len() == 0 {
-            return;
-        }
-        let skip = hit.skipped_device();
-        self.hold(&hit.blocks[skip..], &hit.hashes[skip..]);
-        let mut table = vec![BlockId::NULL; skip];
-        table.extend_from_slice(&hit.blocks[skip..]);
-        table.resize(hit.table_len(), BlockId::NULL);
-        self.tables.insert(id, table);
-        self.chains.insert(id, hit.hashes.clone());
-    }
-
-    /// One more holder for each cached block (registered under `hashes` at the lookup, none
-    /// evicted since); `release_blocks` drops it.
-    fn hold(&mut self, blocks: &[BlockId], hashes: &[BlockHash]) {
-        if blocks.is_empty() {
-            return;
-        }
-        let cache = self.cache.as_mut().expect("a hit needs the cache");
-        for (&b, &hash) in blocks.iter().zip(hashes) {
-            assert_eq!(cache.hash_of(b), Some(hash), "prefix block {b} was evicted after the lookup");
-            let r = &mut self.refs[b.0 as usize];
-            if *r == 0 {
-                cache.reuse(b);
-            }
-            *r += 1;
-        }
-    }
-
-    /// Register the request's full blocks among its first `num_computed` tokens (`tokens`: its
-    /// prompt and outputs; `salt`: its namespace) for later prompts to reuse; a block released
-    /// behind the window only extends the chain. A no-op without prefix caching.
-    pub fn cache_full_blocks(&mut self, id: RequestId, tokens: &[u32], num_computed: usize, salt: Option<BlockHash>) {
-        let Some(cache) = &mut self.cache else { return };
-        let Some(table) = self.tables.get(&id) else { return };
-        let chain = self.chains.entry(id).or_default();
-        let full = (num_computed / self.block_size).min(table.len());
-        for i in chain.len()..full {
-            let block = &tokens[i * self.block_size..(i + 1) * self.block_size];
-            let parent = chain.last().copied().or(salt);
-            let hash =
-                if table[i].is_null() { hash_block(parent, block) } else { cache.register(table[i], parent, block) };
-            chain.push(hash);
-        }
-    }
-
     /// Free every block of the request (a no-op when it holds none here); shared blocks stay
     /// with their other holders, cached ones stay cached.
     pub fn free(&mut self, id: RequestId) {
@@ -370,23 +222,18 @@ impl KvManager {
         debug_assert!(plan.src == self.device && plan.dst == dst.device && self.block_size == dst.block_size);
         debug_assert!(!dst.holds(id), "request {id} already holds blocks in the destination pool");
         let Some(src_blocks) = self.tables.get(&id) else { return true };
-        let live = src_blocks.iter().filter(|b| !b.is_null()).count();
-        let Some(fresh) = dst.take_blocks(live) else { return false };
-        let mut fresh = fresh.into_iter();
-        let dst_blocks = src_blocks
-            .iter()
-            .map(|&b| match b.is_null() {
-                true => b,
-                false => {
-                    let d = fresh.next().expect("one per live block");
-                    plan.pairs.push((b, d));
-                    d
-                }
-            })
-            .collect();
+        let Some(dst_blocks) = dst.take_like(src_blocks) else { return false };
+        plan.pairs.extend(src_blocks.iter().copied().zip(dst_blocks.iter().copied()).filter(|(s, _)| !s.is_null()));
         self.free(id);
         dst.tables.insert(id, dst_blocks);
         true
+    }
+
+    /// A table like `pattern`: `NULL` where it is, a fresh block elsewhere; all or none.
+    fn take_like(&mut self, pattern: &[BlockId]) -> Option<Vec<BlockId>> {
+        let live = pattern.iter().filter(|b| !b.is_null()).count();
+        let mut fresh = self.take_blocks(live)?.into_iter();
+        Some(pattern.iter().map(|&b| if b.is_null() { b } else { fresh.next().expect("one per live block") }).collect())
     }
 
     /// The pool, the reference counts, the tables and the cache agree: every block is clean

@@ -41,19 +41,20 @@ fn simd_tiers() -> Vec<&'static str> {
 /// The most KV blocks of a pool a request of `num_tokens` cached tokens holds at once (the
 /// scheduler refuses one that needs more than a pool has).
 #[pyfunction]
-#[pyo3(signature = (num_tokens, *, block_size, max_num_batched_tokens, sliding_window = None))]
+#[pyo3(signature = (num_tokens, *, block_size, max_num_batched_tokens, kv_group_windows = None))]
 fn peak_kv_blocks(
     num_tokens: usize,
     block_size: usize,
     max_num_batched_tokens: usize,
-    sliding_window: Option<usize>,
+    kv_group_windows: Option<Vec<Option<usize>>>,
 ) -> PyResult<usize> {
+    let windows = kv_group_windows.unwrap_or_else(|| vec![None]);
     crate::error::ensure!(
-        block_size >= 1 && sliding_window != Some(0),
+        block_size >= 1 && !windows.is_empty() && !windows.contains(&Some(0)),
         Value,
-        "block_size and sliding_window must be positive"
+        "block_size and every sliding window must be positive, with at least one KV group"
     );
-    Ok(crate::sched::peak_blocks(num_tokens, block_size, max_num_batched_tokens, sliding_window))
+    Ok(crate::sched::peak_blocks(num_tokens, block_size, max_num_batched_tokens, &windows))
 }
 
 #[pymodule]

@@ -1,7 +1,7 @@
 //! `Scheduler` for Python: requests in by id and token list, plans out as numpy arrays (the flat
 //! model inputs are built in Rust), sampled tokens back in. `schedule`/`update` release the GIL.
 
-use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArray3, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -33,10 +33,10 @@ pub struct SchedulerOutput {
     sub_batch1_start: usize,
     input_ids: Py<PyArray1<i64>>,
     positions: Py<PyArray1<i64>>,
-    slot_mapping: Py<PyArray1<i64>>,
+    slot_mapping: Py<PyArray2<i64>>,
     query_start_loc: Py<PyArray1<i32>>,
     seq_lens: Py<PyArray1<i32>>,
-    block_tables: Py<PyArray2<i32>>,
+    block_tables: Py<PyArray3<i32>>,
     sample_rows: Py<PyArray1<i64>>,
     sample_ids: Py<PyArray1<i64>>,
     swap_out: Py<PyArray2<i64>>,
@@ -100,7 +100,7 @@ fn column(v: impl Iterator<Item = usize>) -> Vec<i64> {
 #[pymethods]
 impl Scheduler {
     #[new]
-    #[pyo3(signature = (*, max_num_seqs, max_num_batched_tokens, max_model_len, block_size, num_gpu_blocks, num_cpu_blocks, offload = "none", transfer_bytes_per_decode = 0, kv_bytes_per_token = 0, force_pipeline = false, enable_prefix_caching = false, num_cpu_prefix_blocks = 0, sliding_window = None, speculation = None))]
+    #[pyo3(signature = (*, max_num_seqs, max_num_batched_tokens, max_model_len, block_size, num_gpu_blocks, num_cpu_blocks, offload = "none", transfer_bytes_per_decode = 0, kv_bytes_per_token = 0, force_pipeline = false, enable_prefix_caching = false, num_cpu_prefix_blocks = 0, kv_group_windows = None, speculation = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         max_num_seqs: usize,
@@ -115,7 +115,7 @@ impl Scheduler {
         force_pipeline: bool,
         enable_prefix_caching: bool,
         num_cpu_prefix_blocks: u32,
-        sliding_window: Option<usize>,
+        kv_group_windows: Option<Vec<Option<usize>>>,
         speculation: Option<SpeculationArgs>,
     ) -> PyResult<Self> {
         let config = SchedulerConfig {
@@ -131,7 +131,7 @@ impl Scheduler {
             force_pipeline,
             enable_prefix_caching,
             num_cpu_prefix_blocks,
-            sliding_window,
+            kv_group_windows: kv_group_windows.unwrap_or_else(|| vec![None]),
             speculation: speculation.map(|(num_tokens, lookup, always)| Speculation {
                 num_tokens,
                 drafter: lookup.map_or(Drafter::Model, |(min, max)| Drafter::PromptLookup { min, max }),
@@ -166,7 +166,7 @@ impl Scheduler {
         let out = py.detach(|| self.inner.schedule())?;
         let s = &out.scheduled;
         let m = out.inputs;
-        let num_reqs = s.len();
+        let (num_reqs, num_tokens) = (s.len(), m.input_ids.len());
         Ok(SchedulerOutput {
             req_ids: s.iter().map(|r| r.id.0 as i64).collect::<Vec<_>>().into_pyarray(py).unbind(),
             num_computed_tokens: column(s.iter().map(|r| r.num_computed_tokens)).into_pyarray(py).unbind(),
@@ -177,10 +177,10 @@ impl Scheduler {
             sub_batch1_start: out.sub_batch1_start,
             input_ids: m.input_ids.into_pyarray(py).unbind(),
             positions: m.positions.into_pyarray(py).unbind(),
-            slot_mapping: m.slot_mapping.into_pyarray(py).unbind(),
+            slot_mapping: m.slot_mapping.into_pyarray(py).reshape([m.num_groups, num_tokens])?.unbind(),
             query_start_loc: m.query_start_loc.into_pyarray(py).unbind(),
             seq_lens: m.seq_lens.into_pyarray(py).unbind(),
-            block_tables: m.block_tables.into_pyarray(py).reshape([num_reqs, m.max_blocks])?.unbind(),
+            block_tables: m.block_tables.into_pyarray(py).reshape([m.num_groups, num_reqs, m.max_blocks])?.unbind(),
             sample_rows: m.sample_rows.into_pyarray(py).unbind(),
             sample_ids: m.sample_ids.iter().map(|&i| i as i64).collect::<Vec<_>>().into_pyarray(py).unbind(),
             swap_out: pairs(py, &out.swap_out)?.unbind(),

@@ -58,9 +58,11 @@ pub struct SchedulerConfig {
     /// Host pool blocks that keep prefix blocks evicted from the device cache (the host tier; 0:
     /// none). They stay free room for swap-outs and CPU decodes, which take them when needed.
     pub num_cpu_prefix_blocks: u32,
-    /// The sliding window (tokens) when every layer has one: blocks behind it are released as
-    /// requests advance, in both pools. `None`: every block is kept (some or all layers global).
-    pub sliding_window: Option<usize>,
+    /// The KV groups (vLLM's KV cache groups: layers sharing a block table), each with its
+    /// sliding window in tokens (`None`: global). A sliding group's blocks behind its window are
+    /// released as requests advance, in both pools. `[None]` for a model without windows, one
+    /// window for Mistral v0.1 (every layer slides), several groups for Gemma 2/3.
+    pub kv_group_windows: Vec<Option<usize>>,
     /// Speculative decoding (`None`: off).
     pub speculation: Option<Speculation>,
 }
@@ -90,24 +92,31 @@ pub enum Drafter {
 /// The most tokens one step may draft per request (vLLM's bound on `num_speculative_tokens`).
 pub const MAX_SPECULATIVE_TOKENS: usize = 16;
 
-/// The most blocks of a pool a request of `num_tokens` cached tokens holds at once: all of them,
-/// or under a window on every layer, a chunk of `max_num_batched_tokens` beyond the window (a
-/// block more where they straddle block edges).
+/// The most blocks of a pool a request of `num_tokens` cached tokens holds at once, summed over
+/// the KV groups `windows`: all of them for a global group; for a sliding one, a chunk of
+/// `max_num_batched_tokens` beyond the window (a block more where they straddle block edges).
 pub fn peak_blocks(
     num_tokens: usize,
     block_size: usize,
     max_num_batched_tokens: usize,
-    window: Option<usize>,
+    windows: &[Option<usize>],
 ) -> usize {
     let all = num_tokens.div_ceil(block_size);
     let span = |w: usize| (w - 1 + max_num_batched_tokens).div_ceil(block_size) + 1;
-    window.map_or(all, |w| all.min(span(w)))
+    windows.iter().map(|window| window.map_or(all, |w| all.min(span(w)))).sum()
 }
 
 impl SchedulerConfig {
     /// `peak_blocks` under these settings.
     pub fn peak_blocks(&self, num_tokens: usize) -> usize {
-        peak_blocks(num_tokens, self.block_size, self.max_num_batched_tokens, self.sliding_window)
+        peak_blocks(num_tokens, self.block_size, self.max_num_batched_tokens, &self.kv_group_windows)
+    }
+
+    /// The window when every layer slides with it (one KV group, or groups that all share it):
+    /// then each row reads at most the window. `None` when any layer attends globally.
+    pub fn every_layer_window(&self) -> Option<usize> {
+        let first = *self.kv_group_windows.first()?;
+        self.kv_group_windows.iter().all(|&w| w == first).then_some(first).flatten()
     }
 
     pub fn validate(&self) -> Result<()> {
@@ -116,7 +125,14 @@ impl SchedulerConfig {
         ensure!(self.max_model_len >= 1, Value, "max_model_len must be at least 1");
         ensure!(self.block_size >= 1, Value, "block_size must be at least 1");
         ensure!(self.num_gpu_blocks >= 1, Value, "num_gpu_blocks must be at least 1");
-        ensure!(self.sliding_window != Some(0), Value, "sliding_window must be at least 1");
+        ensure!(!self.kv_group_windows.is_empty(), Value, "kv_group_windows needs at least one group");
+        ensure!(!self.kv_group_windows.contains(&Some(0)), Value, "a sliding window must be at least 1");
+        ensure!(
+            self.num_cpu_prefix_blocks == 0 || self.kv_group_windows.len() == 1,
+            Value,
+            "the prefix cache's host tier over several KV groups (a model with sliding and global \
+             layers) is not supported yet"
+        );
         ensure!(
             self.num_cpu_prefix_blocks <= self.num_cpu_blocks,
             Value,

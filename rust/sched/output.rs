@@ -35,17 +35,19 @@ pub struct ModelInputs {
     /// `[num_tokens]` token ids and their positions.
     pub input_ids: Vec<i64>,
     pub positions: Vec<i64>,
-    /// `[num_tokens]` flat slot `block * block_size + offset` each token's K/V goes to: in the
-    /// device pool, or for host prefills in the host pool; -1 for rows attending on the CPU
-    /// (the CPU kernel appends their K/V to the host pool itself).
+    /// `[num_groups, num_tokens]` flat slot `block * block_size + offset` each token's K/V goes
+    /// to, per KV group: in the device pool, or for host prefills in the host pool; -1 for rows
+    /// attending on the CPU (the CPU kernel appends their K/V to the host pool itself).
     pub slot_mapping: Vec<i64>,
     /// `[num_reqs + 1]` start row of each request (cumulative `num_new_tokens`).
     pub query_start_loc: Vec<i32>,
     /// `[num_reqs]` context length after this iteration (`num_computed + num_new`).
     pub seq_lens: Vec<i32>,
-    /// `[num_reqs, max_blocks]` block tables (of the row's pool), row-major, padded with block 0
-    /// (which also stands for the blocks released behind a sliding window).
+    /// `[num_groups, num_reqs, max_blocks]` block tables (of the row's pool) per KV group,
+    /// row-major, padded with block 0 (which also stands for the blocks released behind a
+    /// sliding window).
     pub block_tables: Vec<i32>,
+    pub num_groups: usize,
     pub max_blocks: usize,
     /// Rows whose logits are sampled, and their requests, in batch order: a request verifying
     /// `k` drafts has `k + 1` consecutive rows (its last ones).
@@ -123,16 +125,17 @@ impl ModelInputs {
         cpu: &KvManager,
     ) -> ModelInputs {
         let kv_of = |s: &ScheduledRequest| if s.device == Device::Gpu { gpu } else { cpu };
-        let bs = gpu.block_size();
+        let (bs, groups) = (gpu.block_size(), gpu.num_groups());
         let num_tokens: usize = scheduled.iter().map(|s| s.num_new_tokens).sum();
-        let max_blocks = scheduled.iter().map(|s| kv_of(s).table(s.id).len()).max().unwrap_or(0);
+        let max_blocks = scheduled.iter().map(|s| kv_of(s).table(s.id).len() / groups).max().unwrap_or(0);
         let mut m = ModelInputs {
             input_ids: Vec::with_capacity(num_tokens),
             positions: Vec::with_capacity(num_tokens),
-            slot_mapping: Vec::with_capacity(num_tokens),
+            slot_mapping: vec![0; groups * num_tokens],
             query_start_loc: Vec::with_capacity(scheduled.len() + 1),
             seq_lens: Vec::with_capacity(scheduled.len()),
-            block_tables: vec![0; scheduled.len() * max_blocks],
+            block_tables: vec![0; groups * scheduled.len() * max_blocks],
+            num_groups: groups,
             max_blocks,
             ..ModelInputs::default()
         };
@@ -141,18 +144,26 @@ impl ModelInputs {
             let req = request(s.id);
             let table = kv_of(s).table(s.id);
             let range = s.num_computed_tokens..s.num_computed_tokens + s.num_new_tokens;
-            debug_assert!(table.len() * bs >= range.end, "request {} has too few blocks", s.id);
+            debug_assert!(table.len() / groups * bs >= range.end, "request {} has too few blocks", s.id);
+            let row0 = m.input_ids.len();
             m.input_ids.extend(req.token_ids[range.clone()].iter().map(|&t| i64::from(t)));
-            for pos in range.clone() {
-                m.positions.push(pos as i64);
-                debug_assert!(!table[pos / bs].is_null(), "request {} writes a released block", s.id);
-                let slot = if s.attends_on_cpu() { -1 } else { (table[pos / bs].0 as usize * bs + pos % bs) as i64 };
-                m.slot_mapping.push(slot);
-            }
-            let row = &mut m.block_tables[i * max_blocks..i * max_blocks + table.len()];
-            // Blocks released behind the window read as block 0; no kernel reads them.
-            for (dst, b) in row.iter_mut().zip(table).filter(|(_, b)| !b.is_null()) {
-                *dst = b.0 as i32;
+            m.positions.extend(range.clone().map(|pos| pos as i64));
+            for g in 0..groups {
+                // Group `g`'s entries: one per block of tokens (`KvManager`'s table layout).
+                let entries = table.iter().skip(g).step_by(groups);
+                for (row, pos) in range.clone().enumerate() {
+                    let b = table[pos / bs * groups + g];
+                    debug_assert!(!b.is_null(), "request {} writes a released block", s.id);
+                    let slot = if s.attends_on_cpu() { -1 } else { (b.0 as usize * bs + pos % bs) as i64 };
+                    m.slot_mapping[g * num_tokens + row0 + row] = slot;
+                }
+                let start = (g * scheduled.len() + i) * max_blocks;
+                // Blocks released behind the window read as block 0; no kernel reads them.
+                for (dst, b) in m.block_tables[start..start + max_blocks].iter_mut().zip(entries) {
+                    if !b.is_null() {
+                        *dst = b.0 as i32;
+                    }
+                }
             }
             m.query_start_loc.push(m.input_ids.len() as i32);
             m.seq_lens.push(range.end as i32);

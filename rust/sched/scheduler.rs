@@ -91,7 +91,7 @@ impl Scheduler {
         config.validate()?;
         let mut gpu =
             KvManager::new(Device::Gpu, config.num_gpu_blocks, config.block_size, config.enable_prefix_caching)
-                .with_window(config.sliding_window);
+                .with_groups(config.kv_group_windows.clone());
         let tier = config.num_cpu_prefix_blocks as usize;
         if tier > 0 {
             gpu.record_evictions();
@@ -100,7 +100,7 @@ impl Scheduler {
             gpu,
             cpu: KvManager::new(Device::Cpu, config.num_cpu_blocks, config.block_size, false)
                 .limit_cache(tier)
-                .with_window(config.sliding_window),
+                .with_groups(config.kv_group_windows.clone()),
             config,
             requests: HashMap::new(),
             waiting: VecDeque::new(),

@@ -134,8 +134,9 @@ def test_two_ranks_each_on_a_fake_gpu(monkeypatch, mode: str) -> None:
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
 def test_sliding_windows_and_soft_caps(monkeypatch, checkpoints, kind: str, backend: str) -> None:
-    """Gemma's sliding and global layers (capped scores and logits, two RoPE tables), chunked
-    prefills and NEO's pipeline: each kernel gets its layer's kind, within the budget."""
+    """Gemma's sliding and global layers (capped scores and logits, two RoPE tables; a KV group
+    each) in NEO's pipeline, then in later prefill chunks beside first ones (no prefix hits to
+    shorten them): each kernel gets its layer's kind and its group's tables, within the budget."""
     with fake_gpu(monkeypatch, backend) as checks:
         engine = engine_on(
             str(checkpoints[kind]),
@@ -146,6 +147,13 @@ def test_sliding_windows_and_soft_caps(monkeypatch, checkpoints, kind: str, back
         )
         queue(engine)
         assert "pipelined" in run(engine, checks)
+        assert_all_blocks_free(engine)
+        engine.shutdown()
+        engine = engine_on(
+            str(checkpoints[kind]), num_gpu_blocks=64, max_num_batched_tokens=16, enable_prefix_caching=False
+        )
+        queue(engine)
+        run(engine, checks)
         if backend == "triton":
             assert checks.ops["neo_rs.paged_decode.default"] and checks.ops["neo_rs.paged_prefill.default"], (
                 checks.ops

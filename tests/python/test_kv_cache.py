@@ -6,6 +6,7 @@ from mmap import PAGESIZE
 from pathlib import Path
 
 import torch
+from neo_rs.kv.groups import KvGroups
 from neo_rs.kv.pools import KvLayout, KvPool, page_aligned_empty
 
 HUGE = 2 << 20
@@ -68,3 +69,25 @@ def test_page_aligned_empty_is_a_plain_contiguous_tensor():
         want = torch.arange(105).view(3, 5, 7)
         t.copy_(want)
         assert torch.equal(t.long(), want)
+
+
+def test_kv_groups_split_a_hybrid_models_layers_into_equal_groups() -> None:
+    # Gemma 3 1B: five sliding layers, then a global one, 26 layers (22 sliding, 4 global):
+    # groups of 4 layers, the last sliding group short; each group's layers take slots 0, 1, ...
+    windows = [None if i % 6 == 5 else 512 for i in range(26)]
+    g = KvGroups.of(windows)
+    assert (g.num_groups, g.num_slots) == (7, 4)
+    assert g.windows == (512, 512, None, 512, 512, 512, 512)  # in the order of their first layers
+    by_group = [[i for i in range(26) if g.group[i] == n] for n in range(7)]
+    assert by_group[1] == [4, 6, 7, 8] and by_group[2] == [5, 11, 17, 23] and by_group[6] == [24, 25]
+    assert all([g.slot[i] for i in ls] == list(range(len(ls))) for ls in by_group)
+    # A slot's copies go before its first writer and after its last.
+    assert [i for i in range(26) if g.first_writer(i)] == [0, 1, 2, 3]
+    assert [i for i in range(26) if g.last_writer(i)] == [21, 23, 24, 25]
+    # Gemma 2: alternating, two groups of half the layers.
+    alt = KvGroups.of([4096, None] * 13)
+    assert (alt.windows, alt.num_slots, alt.slot[:4]) == ((4096, None), 13, (0, 0, 1, 1))
+    # One kind of layer: one group of every layer, a slot each.
+    for one in (KvGroups.of([None] * 3), KvGroups.of([8] * 3)):
+        assert (one.num_groups, one.slot, one.group) == (1, (0, 1, 2), (0, 0, 0))
+    assert KvGroups.of([8] * 3).windows == (8,)

@@ -1,7 +1,8 @@
 """KV memory that follows a sliding window: on a model whose every layer slides (Mistral v0.1
 style), generations ten windows long hold about a window of blocks each, in every offload mode
 and on the CUDA path (fake, ``fake_cuda.py``), and still match transformers token for token; a
-hybrid model (Gemma 3) matches as far."""
+hybrid model (Gemma 2/3) keeps every block of its global layers' group and a window of its
+sliding layers' group, and matches as far."""
 
 from __future__ import annotations
 
@@ -86,12 +87,53 @@ def test_without_the_window_the_same_request_does_not_fit(sliding, tmp_path) -> 
             llm.generate([PROMPTS[0]], SamplingParams(max_tokens=NEW), use_tqdm=False)
 
 
-def test_a_hybrid_model_ten_windows_long_matches_transformers(checkpoints) -> None:
-    # Gemma 3: sliding and global layers; its blocks are all kept (the global layers read them).
-    tokens, _, _, llm = _generate(checkpoints["gemma3"], offload="neo", num_gpu_blocks=24, num_cpu_blocks=64)
-    assert tokens == _hf(checkpoints["gemma3"], PROMPTS)
+# The hybrid checkpoints' layers (conftest) alternate sliding and global: two KV groups, so a
+# block holds half the layers. 80 tokens: 10 global blocks a request; a sliding group holds its
+# window's blocks and one more between steps, a chunk's worth more while prefilling (5 at most).
+GLOBAL_BLOCKS, SLIDING_PEAK = 80 // BLOCK, (WINDOW - 1 + 24) // BLOCK + 1 + 1
+
+
+@pytest.mark.parametrize(("kind", "offload"), [("gemma3", "none"), ("gemma3", "neo"), ("gemma2", "all")])
+def test_a_hybrid_model_holds_its_global_blocks_and_a_window_of_sliding_ones(
+    checkpoints, kind: str, offload: str
+) -> None:
+    # One request needs 10 + 5 blocks of a pool: 16 admit one at a time on the device (its
+    # layers' tables kept whole would take 20 such blocks' bytes); the host pool takes all three
+    # (swapped out, or decoding there).
+    pipeline = dict(neo_force_pipeline=True) if offload == "neo" else {}
+    tokens, most, seen, llm = _generate(
+        checkpoints[kind], offload=offload, num_gpu_blocks=16, num_cpu_blocks=64, **pipeline
+    )
+    assert tokens == _hf(checkpoints[kind], PROMPTS)
+    runner = llm.engine.runner
+    assert runner.kv_groups.windows == (WINDOW, None)
+    # Layers' worth of blocks held in both pools, against what two groups of half the layers
+    # each may hold.
+    half = runner.model.config.num_layers // 2
+    assert most * runner.layout.num_layers <= len(PROMPTS) * (GLOBAL_BLOCKS + SLIDING_PEAK) * half, most
+    if offload != "none":
+        assert seen["cpu_decodes"] > 0, seen
     assert_all_blocks_free(llm.engine)
     llm.shutdown()
+
+
+def test_a_hybrid_models_prefix_hits_take_every_groups_blocks(checkpoints) -> None:  # noqa: ANN001
+    # Prompts of 40 tokens sharing their first 32, run one after the other: each later one finds
+    # the first four blocks of tokens in both groups' caches (the sliding group's registered
+    # before the window released them) and still matches transformers.
+    shared = list(range(40, 72))
+    prompts = [shared + [200 + i] * 8 for i in range(3)]
+    path = checkpoints["gemma3"]
+    with LLM(str(path), dtype="float32", block_size=BLOCK, num_gpu_blocks=64, num_cpu_blocks=0) as llm:
+        assert llm.engine.runner.num_cpu_prefix_blocks == 0  # no host tier over several groups
+        params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+        tokens = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+        stats = llm.engine.scheduler.stats()
+        assert stats["prefix_cache_hits"] == 2 * len(shared), stats
+        assert_all_blocks_free(llm.engine)
+    assert tokens == _hf(path, prompts)
+    with pytest.raises(ValueError, match="host tier"):
+        LLM(str(path), dtype="float32", block_size=BLOCK, num_gpu_blocks=64, cpu_prefix_cache_gib=0.01)
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

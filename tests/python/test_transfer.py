@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from neo_rs.kv.groups import KvGroups
 from neo_rs.kv.layer_copies import LayerCopies
 from neo_rs.kv.pools import KvLayout, KvPool
 from neo_rs.kv.transfer import INT_POISON, HostTransfer
@@ -102,6 +103,7 @@ def test_layer_copies_gather_an_evicted_block_before_a_copy_reuses_it(emulate: b
         t,
         device,
         host,
+        KvGroups.of([None] * LAYOUT.num_layers),
         demote=np.array([[2, 3]]),
         incoming=np.array([[5, 2]]),
         staged=np.zeros((0, 2), dtype=np.int64),

@@ -15,6 +15,7 @@ from neo_rs._core import AttentionHandle, CpuAttention
 from neo_rs.attention.device_decode import masked_attention, select_device_decode, select_paged_prefill
 from neo_rs.attention.metadata import AttentionBatch, DecodeRows, Prefill
 from neo_rs.config import AttentionKind
+from neo_rs.kv.groups import KvGroups
 from neo_rs.kv.pools import KvPool
 from neo_rs.kv.transfer import HostTransfer, Staged
 from neo_rs.timing import StageClock
@@ -55,9 +56,15 @@ class Attention:
     decodes too when the device pool lives in CPU memory."""
 
     def __init__(
-        self, kinds: list[AttentionKind], cpu_attention: CpuAttention, transfer: HostTransfer
+        self,
+        kinds: list[AttentionKind],
+        cpu_attention: CpuAttention,
+        transfer: HostTransfer,
+        groups: KvGroups,
     ) -> None:
         self.kinds = kinds  # per layer
+        # Where each layer's KV lives: its group's tables, its slot on the pools' layer axis.
+        self.groups = groups
         self.cpu_attention = cpu_attention
         self.transfer = transfer
         cuda = transfer.device.type == "cuda"
@@ -81,13 +88,14 @@ class Attention:
     ) -> None:
         """Device-pool decodes into ``out``: their K/V already written, or ``new_kv`` to append
         first (a pool in CPU memory only: the Rust kernel appends and attends in one call)."""
+        slot = self.groups.slot[layer]
         if pool.device.type == "cpu":
             new_k, new_v = (t.contiguous() for t in new_kv) if new_kv is not None else (None, None)
             self.cpu_attention.forward(
                 q.contiguous(),
                 pool.k,
                 pool.v,
-                layer,
+                slot,
                 rows.block_tables,
                 rows.seq_lens,
                 self.kinds[layer].scale,
@@ -99,7 +107,7 @@ class Attention:
             )
             return
         assert new_kv is None and self.device_decode is not None, "a CUDA pool: a device backend, no append"
-        self.device_decode(q, pool, layer, rows, self.kinds[layer], out)
+        self.device_decode(q, pool, slot, rows, self.kinds[layer], out)
 
     def stage_cpu(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch
@@ -116,13 +124,13 @@ class Attention:
         """Once the rows are on the host, the kernel appends k/v at ``seq_len - 1`` of the host
         pool and attends, on the Rust pool, while this thread goes on."""
         q, k, v = staged.ready()
-        c = batch.cpu_decodes
+        c = batch.group(self.groups.group[layer]).cpu_decodes
         out = self.transfer.host_buffer(q)
         handle = self.cpu_attention.submit(
             q,
             host.k,
             host.v,
-            layer,
+            self.groups.slot[layer],
             c.block_tables,
             c.seq_lens,
             self.kinds[layer].scale,
@@ -162,7 +170,7 @@ class Attention:
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KvPool, layer: int, p: Prefill
     ) -> torch.Tensor:
-        kind = self.kinds[layer]
+        kind, slot = self.kinds[layer], self.groups.slot[layer]
         if p.num_computed == 0:
             return attend_positions(q, k, v, 0, kind)
         if p.kernel_rows is not None:
@@ -173,7 +181,7 @@ class Attention:
                 q.contiguous(),
                 pool.k,
                 pool.v,
-                layer,
+                slot,
                 tables,
                 lens,
                 kind.scale,
@@ -186,8 +194,8 @@ class Attention:
             # A later chunk: earlier tokens are only in the pool, read there in place.
             return self.paged_prefill(
                 q,
-                pool.k[layer],
-                pool.v[layer],
+                pool.k[slot],
+                pool.v[slot],
                 p.block_table,
                 p.num_computed,
                 p.seq_len,
@@ -200,7 +208,7 @@ class Attention:
         bs, kvh = pool.layout.block_size, pool.layout.num_kv_heads
         skip = max(p.num_computed + 1 - kind.window, 0) // bs * bs if kind.window is not None else 0
         kc, vc = (
-            c[layer][p.block_table[skip // bs :]]
+            c[slot][p.block_table[skip // bs :]]
             .transpose(0, 1)
             .reshape(kvh, -1, q.shape[-1])[:, : p.seq_len - skip]
             .transpose(0, 1)
@@ -221,6 +229,7 @@ class Attention:
     ) -> None:
         """GPU decodes and prefill chunks of the batch, into their rows of ``out``, each kind
         timed as its own stage."""
+        batch = batch.group(self.groups.group[layer])
         g = batch.gpu_decodes
         if len(g):
             with clock.span("gpu_decode"):

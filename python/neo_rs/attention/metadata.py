@@ -1,10 +1,11 @@
 """The per-iteration attention metadata every layer shares, built once from the scheduler's plan:
-prefill chunks, decode rows over one pool, and the sub-batch (``AttentionBatch``) that holds them.
-vLLM's attention metadata builders are the model."""
+prefill chunks, decode rows over one pool, and the sub-batch (``AttentionBatch``) that holds them,
+one per KV group (``kv/groups.py``: each group has its own block tables and slots). vLLM's
+attention metadata builders are the model."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -65,6 +66,13 @@ class AttentionBatch:
     prefills: list[Prefill]
     # The GPU decodes' K/V is appended by the decode kernel (not in ``device_writes``).
     append_decodes: bool = False
+    # With several KV groups, the same rows over each group's tables and slots (this batch is
+    # group 0's); empty with one group.
+    by_group: tuple[AttentionBatch, ...] = ()
+
+    def group(self, g: int) -> AttentionBatch:
+        """The batch over KV group ``g``'s tables and slots."""
+        return self.by_group[g] if self.by_group else self
 
     @staticmethod
     def from_plan(plan: SchedulerOutput, transfer: HostTransfer, block_size: int) -> list[AttentionBatch]:
@@ -72,22 +80,28 @@ class AttentionBatch:
         count from its own first token."""
         n, s1 = len(plan.req_ids), plan.sub_batch1_start
         nd, ncd, nhp = plan.num_decodes, plan.num_cpu_decodes, plan.num_host_prefills
-        batches = [AttentionBatch._rows(plan, 0, s1, (nd, ncd, nhp), transfer, block_size)]
-        if s1 < n:
-            batches.append(AttentionBatch._rows(plan, s1, n, (n - s1, n - s1, 0), transfer, block_size))
+        subs = [(0, s1, (nd, ncd, nhp))] + ([(s1, n, (n - s1, n - s1, 0))] if s1 < n else [])
+        groups = range(plan.block_tables.shape[0])
+        batches = []
+        for lo, hi, counts in subs:
+            by_group = [AttentionBatch._rows(plan, g, lo, hi, counts, transfer, block_size) for g in groups]
+            first = by_group[0]
+            batches.append(replace(first, by_group=tuple(by_group)) if len(by_group) > 1 else first)
         return batches
 
     @staticmethod
     def _rows(
         plan: SchedulerOutput,
+        group: int,
         lo: int,
         hi: int,
         counts: tuple[int, int, int],
         transfer: HostTransfer,
         block_size: int,
     ) -> AttentionBatch:
-        """Requests ``lo:hi``; ``counts``: their decodes, CPU decodes among them, host prefills.
-        Everything the device reads is uploaded here, once per iteration, not per layer."""
+        """Requests ``lo:hi`` over KV group ``group``; ``counts``: their decodes, CPU decodes among
+        them, host prefills. Everything the device reads is uploaded here, once per iteration,
+        not per layer."""
         up = transfer.upload
 
         def up_slots(rows: slice) -> Slots:
@@ -98,7 +112,7 @@ class AttentionBatch:
         ngd = nd - ncd
         qsl = plan.query_start_loc[lo : hi + 1] - plan.query_start_loc[lo]
         lens = plan.seq_lens[lo:hi]
-        tables = torch.from_numpy(plan.block_tables[lo:hi])
+        tables = torch.from_numpy(plan.block_tables[group, lo:hi])
         seq_lens = torch.from_numpy(lens)
         prefills = []
         on_host = transfer.device.type == "cpu"
@@ -115,7 +129,7 @@ class AttentionBatch:
                 Prefill(start, end, computed, seq_len, up(tables[i, :nblocks].long()), kernel_rows)
             )
         t0, t1 = int(plan.query_start_loc[lo]), int(plan.query_start_loc[hi])
-        slots = plan.slot_mapping[t0:t1]
+        slots = plan.slot_mapping[group, t0:t1]
         # Rows: GPU decodes, CPU attention (the kernel appends their K/V), device prefills, then
         # host prefills (the last rows). Slots are split once here, not once per layer.
         cpu_start, cpu_end, host = int(qsl[ngd]), int(qsl[nd]), int(qsl[hi - lo - nhp])

@@ -105,6 +105,7 @@ class DraftModel:
             block_size=args.block_size,
             num_gpu_blocks=self.runner.num_gpu_blocks,
             num_cpu_blocks=0,
+            kv_group_windows=list(self.runner.kv_groups.windows),
         )
         self.held: set[int] = set()  # the requests its scheduler holds
         log.info("draft model %s: %d KV blocks of its own", spec.model, self.runner.num_gpu_blocks)

@@ -46,7 +46,7 @@ class _BlockShape(TypedDict):
 
     block_size: int
     max_num_batched_tokens: int
-    sliding_window: int | None
+    kv_group_windows: list[int | None]
 
 
 @dataclass
@@ -171,7 +171,7 @@ class LLMEngine:
         self._block_shape = _BlockShape(
             block_size=args.block_size,
             max_num_batched_tokens=args.token_budget,
-            sliding_window=cfg.every_layer_window(),
+            kv_group_windows=list(self.runner.kv_groups.windows),
         )
         self.scheduler = Scheduler(
             max_num_seqs=args.max_num_seqs,

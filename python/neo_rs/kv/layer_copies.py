@@ -4,6 +4,9 @@ of every layer at once holds the device stream or a device buffer of that size. 
 synchronous, on a CPU device without the async-copy emulation, those before the writes go at once,
 at layer 0.)
 
+Layers that share a pool slot (``kv/groups.py``: a layer of each KV group) share its copies: they
+go before the slot's first writer, or after its last.
+
 Before layer ``i``'s KV writes:
 - device blocks evicted from the prefix cache are gathered into the host tier (``cache_to_host``).
   The plan has handed their ids out again, so the gather must come before anything writes layer
@@ -22,6 +25,7 @@ import numpy as np
 import torch
 
 from neo_rs._core import SchedulerOutput
+from neo_rs.kv.groups import KvGroups
 from neo_rs.kv.pools import KvPool, block_pairs
 from neo_rs.kv.transfer import HostTransfer, Staged
 
@@ -32,6 +36,7 @@ class LayerCopies:
         transfer: HostTransfer,
         dev: KvPool,
         host: KvPool,
+        groups: KvGroups,
         *,
         demote: np.ndarray,
         incoming: np.ndarray,
@@ -39,7 +44,7 @@ class LayerCopies:
     ) -> None:
         """Block pairs ``[n, 2]`` (source, destination): ``demote`` device to host tier,
         ``incoming`` host to device, ``staged`` host-bound prefills' device blocks to the host."""
-        self.transfer, self.dev, self.host = transfer, dev, host
+        self.transfer, self.dev, self.host, self.groups = transfer, dev, host, groups
         self.landing: list[Staged] = []
         self._demote = block_pairs(demote, dev, host) if len(demote) else None
         self._staged = block_pairs(staged, dev, host) if len(staged) else None
@@ -49,10 +54,18 @@ class LayerCopies:
             self._to_device = transfer.gather_from_host(host, src), dst
 
     @classmethod
-    def of_plan(cls, plan: SchedulerOutput, transfer: HostTransfer, dev: KvPool, host: KvPool) -> LayerCopies:
+    def of_plan(
+        cls, plan: SchedulerOutput, transfer: HostTransfer, dev: KvPool, host: KvPool, groups: KvGroups
+    ) -> LayerCopies:
         incoming = np.concatenate([plan.swap_in, plan.cache_to_device])
         return cls(
-            transfer, dev, host, demote=plan.cache_to_host, incoming=incoming, staged=plan.prefill_to_host
+            transfer,
+            dev,
+            host,
+            groups,
+            demote=plan.cache_to_host,
+            incoming=incoming,
+            staged=plan.prefill_to_host,
         )
 
     @property
@@ -63,11 +76,13 @@ class LayerCopies:
     def before_writes(self, layer: int) -> None:
         # Synchronous copies (a CPU device) gain nothing from the split: every layer goes at
         # layer 0, still before any write, in a few large copies rather than many small ones.
-        at: int | None = layer
+        at: int | None = self.groups.slot[layer]
         if not self.transfer.overlaps:
             if layer > 0:
                 return
             at = None
+        elif not self.groups.first_writer(layer):
+            return
         with self.transfer.unpriced():
             if self._demote is not None:
                 self.landing.append(self.transfer.blocks_to_host(self.dev, self.host, self._demote, at))
@@ -76,5 +91,6 @@ class LayerCopies:
                 self.transfer.layer_to_device(gathered, self.dev, blocks, at)
 
     def after_writes(self, layer: int) -> None:
-        if self._staged is not None:
-            self.landing.append(self.transfer.blocks_to_host(self.dev, self.host, self._staged, layer))
+        if self._staged is not None and self.groups.last_writer(layer):
+            slot = self.groups.slot[layer]
+            self.landing.append(self.transfer.blocks_to_host(self.dev, self.host, self._staged, slot))

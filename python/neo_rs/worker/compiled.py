@@ -74,8 +74,9 @@ def _layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
     in the graph reads it."""
     step: _Step = _current.step
     t = time.perf_counter()
-    for rows, slots in step.batch.device_writes:
-        step.pool.write(layer, slots, k[rows], v[rows])
+    groups = step.attention.groups
+    for rows, slots in step.batch.group(groups.group[layer]).device_writes:
+        step.pool.write(groups.slot[layer], slots, k[rows], v[rows])
     out = torch.empty_like(q)
     step.attention.device_part(q, k, v, step.pool, layer, step.batch, out, step.clock)
     step.attention_ms += (time.perf_counter() - t) * 1e3

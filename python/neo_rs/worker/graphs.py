@@ -151,14 +151,14 @@ class DecodeGraphs:
             out[:n] = values
             return up(torch.from_numpy(out))
 
-        blocks, offsets = split_slots(plan.slot_mapping, self.block_size)
+        blocks, offsets = split_slots(plan.slot_mapping[0], self.block_size)  # one KV group
         b.ids.copy_(padded(plan.input_ids, 0))
         b.positions.copy_(padded(plan.positions, 0))
         b.slot_blocks.copy_(padded(blocks.numpy(), self.scratch))
         b.slot_offsets.copy_(padded(offsets.numpy(), 0))
         b.lens.copy_(padded(plan.seq_lens, 1, np.int32))
         tables = np.full((size, self.width), self.scratch, dtype=np.int32)
-        tables[:n, : plan.block_tables.shape[1]] = plan.block_tables
+        tables[:n, : plan.block_tables.shape[2]] = plan.block_tables[0]
         b.tables.copy_(up(torch.from_numpy(tables)))
 
     def _capture(self, b: _Bucket) -> Any:

@@ -22,6 +22,7 @@ from neo_rs.config import EngineArgs, ModelConfig
 from neo_rs.cuda_runtime import runtime
 from neo_rs.environment import emulate_async_copies, enforce_eager_default, openmp_team
 from neo_rs.errors import InvalidArgumentError
+from neo_rs.kv.groups import KvGroups
 from neo_rs.kv.layer_copies import LayerCopies
 from neo_rs.kv.pools import KvLayout, KvPool, block_pairs
 from neo_rs.kv.transfer import HostTransfer, Staged
@@ -58,9 +59,20 @@ def resolve_device(name: str | None) -> torch.device:
     return dev
 
 
-def _prefix_tier_blocks(args: EngineArgs, num_cpu: int, per_block: int) -> int:
-    """Host blocks of the prefix cache's host tier (``EngineArgs.cpu_prefix_cache_gib``)."""
+def _prefix_tier_blocks(args: EngineArgs, num_cpu: int, per_block: int, groups: KvGroups) -> int:
+    """Host blocks of the prefix cache's host tier (``EngineArgs.cpu_prefix_cache_gib``); none
+    over several KV groups (not supported yet)."""
     if not args.enable_prefix_caching:
+        return 0
+    if groups.num_groups > 1:
+        if args.cpu_prefix_cache_gib:
+            raise InvalidArgumentError(
+                "cpu_prefix_cache_gib: the prefix cache's host tier over a model of sliding and global "
+                "layers (several KV groups) is not supported yet"
+            )
+        log.info(
+            "prefix caching without its host tier: this model's layers form %d KV groups", groups.num_groups
+        )
         return 0
     if args.cpu_prefix_cache_gib is None:
         return num_cpu // 4
@@ -117,9 +129,13 @@ class ModelRunner:
         self.quantization = quantization = args.quantization_for(cfg)
         self.model = self._load(model_dir, cfg, dtype, max_model_len, quantization)
         cfg_all, cfg = cfg, self.model.config  # the whole model's shapes, this rank's
-        self.layout = KvLayout(cfg.num_layers, cfg.num_kv_heads, args.block_size, cfg.head_dim, dtype)
+        kinds = cfg.attention_kinds()
+        self.kv_groups = KvGroups.of([k.window for k in kinds])
+        self.layout = KvLayout(
+            self.kv_groups.num_slots, cfg.num_kv_heads, args.block_size, cfg.head_dim, dtype
+        )
         self.transfer = HostTransfer(device, emulate_async=emulate_async_copies())
-        self.attention = Attention(cfg.attention_kinds(), cpu_attention(args, device), self.transfer)
+        self.attention = Attention(kinds, cpu_attention(args, device), self.transfer, self.kv_groups)
         if packing_applies(device, dtype):
             # After ``cpu_attention``, which sets torch's threads: the Rust linears run on them.
             gemv_threads = torch.get_num_threads() if gemv_applies() else None
@@ -163,10 +179,12 @@ class ModelRunner:
             if args.num_cpu_blocks is not None
             else int(args.cpu_kv_gib * (1 << 30)) // host_per_block
         )
-        self.num_cpu_prefix_blocks = _prefix_tier_blocks(args, num_cpu, host_per_block)
-        graphs = args.cuda_graphs and self.attention.graph_safe
-        if args.cuda_graphs and not graphs:
+        self.num_cpu_prefix_blocks = _prefix_tier_blocks(args, num_cpu, host_per_block, self.kv_groups)
+        graphs = args.cuda_graphs and self.attention.graph_safe and self.kv_groups.num_groups == 1
+        if args.cuda_graphs and not self.attention.graph_safe:
             log.warning("CUDA graphs are off: FlashInfer's decode plans on the host each iteration")
+        elif args.cuda_graphs and not graphs:
+            log.warning("CUDA graphs are off: they capture one KV group's tables, this model has several")
         # With graphs, one block more than the scheduler's: where padded rows write (graphs.py).
         self.device_pool = KvPool(self.layout, num_gpu + int(graphs), device)
         self.graphs = (
@@ -270,7 +288,8 @@ class ModelRunner:
             # Leave (1 - utilization) of the card, and room for one worst-case iteration.
             budget = free - (1 - args.gpu_memory_utilization) * total - self.activation_plan.reserve_bytes
         else:
-            wanted = args.max_num_seqs * -(-max_model_len // args.block_size) * per_block
+            per_seq = self.kv_groups.num_groups * -(-max_model_len // args.block_size)
+            wanted = args.max_num_seqs * per_seq * per_block
             budget = min(wanted, _CPU_DEVICE_KV_BYTES)
         blocks = int(budget // per_block)
         if blocks < 1:
@@ -323,7 +342,7 @@ class ModelRunner:
         self.last_times = MeasuredTimes(clock, waits=clock.waits)
         self.transfer.waits, self.transfer.clock = clock.waits, clock
         # Before the swap-outs land: blocks bound for the device are gathered from the host now.
-        copies = LayerCopies.of_plan(plan, self.transfer, self.device_pool, self.host_pool)
+        copies = LayerCopies.of_plan(plan, self.transfer, self.device_pool, self.host_pool, self.kv_groups)
         self._landing = copies.landing
         if self._swapped_out is not None:
             self._swapped_out.ready()
@@ -388,11 +407,13 @@ class ModelRunner:
             q, k, v = model.decoder_layers[i].pre_attention(x, rope)
         if copies is not None:
             copies.before_writes(i)
+        groups = self.attention.groups
+        slot, batch = groups.slot[i], batch.group(groups.group[i])
         for r, slots in batch.device_writes:
-            pool.write(i, slots, k[r], v[r])
+            pool.write(slot, slots, k[r], v[r])
         if batch.host_writes is not None:
             h, slots = batch.host_writes
-            self._landing.append(self.transfer.rows_to_host(self.host_pool, i, slots, k[h], v[h]))
+            self._landing.append(self.transfer.rows_to_host(self.host_pool, slot, slots, k[h], v[h]))
         if copies is not None:
             copies.after_writes(i)
         return q, k, v

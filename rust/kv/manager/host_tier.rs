@@ -4,7 +4,7 @@
 //! unheld, evictable least recently stored first, and free room for every other use of the
 //! host pool (swap-outs and CPU decodes take them when no clean block is left).
 
-use super::{BlockHash, BlockId, Evicted, KvManager, PrefixCache, PrefixHit};
+use super::{BlockId, Evicted, KvManager, PrefixCache, PrefixHit};
 
 impl KvManager {
     /// Keep at most `cap` cached blocks that no request holds (0: no cache at all). For the
@@ -25,13 +25,6 @@ impl KvManager {
     /// again: their bytes must be copied before anything writes them.
     pub fn take_evicted(&mut self) -> Vec<Evicted> {
         self.evicted.as_mut().map(std::mem::take).unwrap_or_default()
-    }
-
-    /// Extend a device `hit` with this pool's cached blocks that continue its chain.
-    pub fn extend_hit(&self, hit: &mut PrefixHit, tokens: &[u32], known: &[BlockHash]) {
-        let parent = hit.hashes.last().copied().or(hit.salt);
-        let (blocks, hashes) = self.walk(parent, tokens, hit.blocks.len(), known);
-        (hit.host, hit.host_hashes) = (blocks, hashes);
     }
 
     /// Hold the host blocks of `hit` to copy (from `extend_hit`, none evicted since) while they
@@ -89,12 +82,12 @@ impl KvManager {
 
     /// The hash chain of a request's registered blocks, for tests.
     #[cfg(test)]
-    fn chain(&self, id: crate::kv::RequestId) -> &[BlockHash] {
+    fn chain(&self, id: crate::kv::RequestId) -> &[super::BlockHash] {
         self.chains.get(&id).map_or(&[], Vec::as_slice)
     }
 
     #[cfg(test)]
-    fn hash_of(&self, block: BlockId) -> Option<BlockHash> {
+    fn hash_of(&self, block: BlockId) -> Option<super::BlockHash> {
         self.cache.as_ref()?.hash_of(block)
     }
 }

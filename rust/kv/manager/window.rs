@@ -1,24 +1,48 @@
-//! KV memory that follows a sliding window on every layer (Mistral v0.1 style): a query at
-//! position `p` reads positions `p + 1 - window ..= p` only, so once a request has computed
-//! `n` tokens no later query reads a block that ends at or before position `n - window`. Those
-//! blocks go back to the pool and stay in the table as `BlockId::NULL`, so a long generation
-//! holds about `window / block_size` blocks, not its whole length; table indices (and so
-//! positions) do not move. Prefix hits skip their blocks behind the window the same way.
+//! KV memory that follows sliding windows. Layers form KV groups (vLLM's KV cache groups): a
+//! request's table holds, for each block of tokens `i`, one entry per group (entry `i * G + g`
+//! for group `g` of `G`), each a block of the pool that holds that group's layers. A sliding
+//! group's query at position `p` reads positions `p + 1 - window ..= p` only, so once a request
+//! has computed `n` tokens no later query of that group reads a block that ends at or before
+//! position `n - window`. Those blocks go back to the pool and stay in the table as
+//! `BlockId::NULL`, so a long generation holds about `window / block_size` blocks per sliding
+//! group, not its whole length, while global groups keep every block; table indices (and so
+//! positions) do not move. Models whose every layer slides (Mistral v0.1) have one group; hybrid
+//! ones (Gemma 2/3) a global group and sliding ones. Prefix hits skip their blocks behind the
+//! window the same way.
 
 use super::{BlockId, KvManager, PrefixHit, RequestId};
 
 impl KvManager {
-    /// Release blocks behind `window` tokens (every layer's window; `None`: keep every block).
-    pub fn with_window(mut self, window: Option<usize>) -> Self {
-        assert!(window != Some(0), "a sliding window holds at least one token");
-        self.window = window;
+    /// The KV groups' sliding windows (`None`: a global group), a table entry each per block of
+    /// tokens; `[None]` by default.
+    pub fn with_groups(mut self, windows: Vec<Option<usize>>) -> Self {
+        assert!(!windows.is_empty(), "at least one KV group");
+        assert!(!windows.contains(&Some(0)), "a sliding window holds at least one token");
+        self.windows = windows;
         self
     }
 
-    /// Leading blocks of a request that has computed `num_computed` tokens that no later query
-    /// reads: those ending at or before position `num_computed - window`.
+    pub fn num_groups(&self) -> usize {
+        self.windows.len()
+    }
+
+    /// Leading blocks of tokens of a request that has computed `num_computed` tokens that no
+    /// later query of a group with `window` reads: those ending at or before `num_computed - window`.
+    fn behind(&self, window: Option<usize>, num_computed: usize) -> usize {
+        window.map_or(0, |w| (num_computed + 1).saturating_sub(w) / self.block_size)
+    }
+
+    /// Table entries of a request that has computed `num_computed` tokens that no later query
+    /// reads, over every group.
     pub fn blocks_behind_window(&self, num_computed: usize) -> usize {
-        self.window.map_or(0, |w| (num_computed + 1).saturating_sub(w) / self.block_size)
+        self.windows.iter().map(|&w| self.behind(w, num_computed)).sum()
+    }
+
+    /// Whether table entry `entry` of a request that has computed `num_computed` tokens lies
+    /// behind its group's window.
+    pub fn is_behind_window(&self, entry: usize, num_computed: usize) -> bool {
+        let g = self.windows.len();
+        entry / g < self.behind(self.windows[entry % g], num_computed)
     }
 
     /// Blocks a request holds once its table covers `num_tokens` tokens, `num_computed` of them
@@ -27,35 +51,58 @@ impl KvManager {
         self.blocks_for(num_tokens).saturating_sub(self.blocks_behind_window(num_computed))
     }
 
-    /// Release the request's blocks behind the window now that it has computed `num_computed`
-    /// tokens (cached ones stay cached, as any released block). Earlier releases left a prefix
-    /// of `NULL`s: only the blocks after it are visited (every step, for every request).
+    /// Release the request's blocks behind each sliding group's window now that it has computed
+    /// `num_computed` tokens (cached ones stay cached, as any released block). Earlier releases
+    /// left each group's leading entries `NULL`: only the entries after them are visited (every
+    /// step, for every request).
     pub fn release_behind_window(&mut self, id: RequestId, num_computed: usize) {
-        let behind = self.blocks_behind_window(num_computed);
+        let g = self.windows.len();
+        let ends: Vec<usize> = self.windows.iter().map(|&w| self.behind(w, num_computed)).collect();
         let Some(table) = self.tables.get_mut(&id) else { return };
-        let end = behind.min(table.len());
-        let live = table[..end].iter().rev().take_while(|b| !b.is_null()).count();
-        let released: Vec<BlockId> =
-            table[end - live..end].iter_mut().map(|b| std::mem::replace(b, BlockId::NULL)).collect();
+        let mut released = Vec::new();
+        for (group, &end) in ends.iter().enumerate() {
+            let entries: Vec<usize> = (0..end).map(|i| i * g + group).take_while(|&e| e < table.len()).collect();
+            for &e in entries.iter().rev() {
+                if table[e].is_null() {
+                    break;
+                }
+                released.push(std::mem::replace(&mut table[e], BlockId::NULL));
+            }
+        }
+        // In table order: `release_blocks` lets the last ones go first (a tail is evicted first).
+        released.reverse();
         self.release_blocks(&released);
     }
 
-    /// Start the table of a request that holds nothing here with `n` `NULL` entries: it comes
-    /// from the other pool, where its first `n` blocks were released behind the window.
-    pub fn skip_blocks(&mut self, id: RequestId, n: usize) {
+    /// Give a request that holds nothing here a table like `pattern` (its table in the other
+    /// pool): `NULL` where `pattern` is (released behind the window there), a fresh block
+    /// elsewhere, then grown to `num_tokens` tokens. `false` (nothing changed) when the pool has
+    /// no room.
+    pub fn allocate_like(&mut self, id: RequestId, pattern: &[BlockId], num_tokens: usize) -> bool {
         assert!(!self.holds(id), "request {id} already holds blocks");
-        if n > 0 {
-            self.tables.insert(id, vec![BlockId::NULL; n]);
+        let grow = self.blocks_for(num_tokens).saturating_sub(pattern.len());
+        let live = pattern.iter().filter(|b| !b.is_null()).count();
+        if live + grow > self.num_free_blocks() {
+            return false;
         }
+        let table = self.take_like(pattern).expect("room was checked");
+        if !table.is_empty() {
+            self.tables.insert(id, table);
+        }
+        let grown = self.allocate_slots(id, num_tokens);
+        debug_assert!(grown, "room was checked");
+        grown
     }
 
-    /// Mark the blocks of `hit` (found here, on either tier) behind the window of the prompt's
-    /// next token as skipped: taking the hit neither holds nor copies them. Recounts the
-    /// evictable device blocks it takes.
+    /// Mark the blocks of `hit` (found here, on either tier) behind each group's window of the
+    /// prompt's next token as skipped: taking the hit neither holds nor copies them. Recounts
+    /// the evictable device blocks it takes.
     pub fn skip_behind_window(&self, hit: &mut PrefixHit) {
-        hit.skip = self.blocks_behind_window(hit.num_blocks() * self.block_size);
-        let kept = &hit.blocks[hit.skipped_device()..];
-        hit.evictable = kept.iter().filter(|b| self.refs[b.0 as usize] == 0).count();
+        let computed = hit.num_blocks() * self.block_size;
+        hit.skip = self.windows.iter().map(|&w| self.behind(w, computed)).collect();
+        debug_assert!(hit.host.is_empty() || self.windows.len() == 1, "the host tier takes one KV group");
+        let unheld = |(e, b): (usize, &BlockId)| !hit.is_skipped(e) && self.refs[b.0 as usize] == 0;
+        hit.evictable = hit.blocks.iter().enumerate().filter(|&x| unheld(x)).count();
     }
 }
 
@@ -68,7 +115,7 @@ mod tests {
     fn blocks_behind_the_window_go_back_and_swaps_keep_their_places() {
         // Window 6, blocks of 4: after 9 tokens the next query (position 9) reads 4..=9, so
         // block 0 (positions 0..=3) goes; after 11, block 1 (4..=7) is still read by 6..=11.
-        let mut gpu = KvManager::new(Device::Gpu, 8, 4, false).with_window(Some(6));
+        let mut gpu = KvManager::new(Device::Gpu, 8, 4, false).with_groups(vec![Some(6)]);
         let id = RequestId(1);
         assert!(gpu.allocate_slots(id, 10));
         gpu.release_behind_window(id, 9);
@@ -81,7 +128,7 @@ mod tests {
         assert_eq!((&gpu.table(id)[..2], gpu.num_used_blocks()), (&[BlockId::NULL; 2][..], 2));
         gpu.check().unwrap();
 
-        let mut cpu = KvManager::new(Device::Cpu, 8, 4, false).with_window(Some(6));
+        let mut cpu = KvManager::new(Device::Cpu, 8, 4, false).with_groups(vec![Some(6)]);
         let mut plan = SwapPlan::new(Device::Gpu, Device::Cpu);
         let live = gpu.table(id)[2..].to_vec();
         assert!(gpu.swap_to(&mut cpu, id, &mut plan));
@@ -97,7 +144,7 @@ mod tests {
 
     #[test]
     fn a_prefix_hit_skips_its_blocks_behind_the_window() {
-        let mut m = KvManager::new(Device::Gpu, 8, 2, true).with_window(Some(3));
+        let mut m = KvManager::new(Device::Gpu, 8, 2, true).with_groups(vec![Some(3)]);
         let prompt: Vec<u32> = (0..9).collect();
         assert!(m.allocate_slots(RequestId(1), 9));
         m.cache_full_blocks(RequestId(1), &prompt, 9, None);
@@ -113,5 +160,33 @@ mod tests {
         assert_eq!(m.table(RequestId(2))[3], hit.blocks[3]);
         assert_eq!(free - m.num_free_blocks(), 2);
         m.check().unwrap();
+    }
+
+    #[test]
+    fn a_hybrid_table_releases_its_sliding_entries_and_keeps_its_global_ones() {
+        // A global group and a sliding one (window 6, blocks of 4): entries alternate.
+        let mut gpu = KvManager::new(Device::Gpu, 16, 4, false).with_groups(vec![None, Some(6)]);
+        let id = RequestId(1);
+        assert!(gpu.allocate_slots(id, 13));
+        assert_eq!((gpu.table(id).len(), gpu.blocks_for(13)), (8, 8));
+        gpu.release_behind_window(id, 13); // position 13 reads 8..=13: sliding blocks 0 and 1 go
+        let nulls: Vec<bool> = gpu.table(id).iter().map(|b| b.is_null()).collect();
+        assert_eq!(nulls, [false, true, false, true, false, false, false, false]);
+        assert!((0..8).all(|e| nulls[e] == gpu.is_behind_window(e, 13)));
+        assert_eq!((gpu.num_used_blocks(), gpu.blocks_held(13, 13)), (6, 6));
+        // Staged to the host pool, the table keeps its pattern; the other pool's NULLs stay NULL.
+        let mut cpu = KvManager::new(Device::Cpu, 16, 4, false).with_groups(vec![None, Some(6)]);
+        assert!(cpu.allocate_like(id, gpu.table(id), 17));
+        let host: Vec<bool> = cpu.table(id).iter().map(|b| b.is_null()).collect();
+        assert_eq!((&host[..8], host.len(), cpu.num_used_blocks()), (&nulls[..], 10, 8));
+        let mut small = KvManager::new(Device::Cpu, 7, 4, false).with_groups(vec![None, Some(6)]);
+        assert!(!small.allocate_like(id, gpu.table(id), 17) && !small.holds(id));
+        cpu.free(id);
+        let mut plan = SwapPlan::new(Device::Gpu, Device::Cpu);
+        assert!(gpu.swap_to(&mut cpu, id, &mut plan));
+        assert_eq!(plan.pairs.len(), 6);
+        for kv in [&gpu, &cpu] {
+            kv.check().unwrap();
+        }
     }
 }

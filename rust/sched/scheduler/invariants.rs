@@ -5,20 +5,21 @@ use super::*;
 impl Scheduler {
     /// Check the accounting between iterations: pools agree with their tables and reference
     /// counts (`KvManager::check`), every request is in exactly one queue and holds blocks only
-    /// where its status says, and none behind a window on every layer.
+    /// where its status says, and none behind a sliding group's window.
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         for kv in [&self.gpu, &self.cpu] {
             kv.check()?;
             if let Some((id, _)) = kv.tables().find(|(id, _)| !self.requests.contains_key(id)) {
                 return Err(format!("{} pool holds blocks of unknown request {id}", kv.device().name()));
             }
-            // Under a window on every layer, exactly the blocks behind it are released.
+            // Exactly the blocks behind each sliding group's window are released.
             for (id, table) in kv.tables() {
-                let behind = kv.blocks_behind_window(self.requests[&id].num_computed_tokens).min(table.len());
-                if table.iter().enumerate().any(|(i, b)| b.is_null() != (i < behind)) {
+                let computed = self.requests[&id].num_computed_tokens;
+                if let Some(e) = (0..table.len()).find(|&e| table[e].is_null() != kv.is_behind_window(e, computed)) {
                     return Err(format!(
-                        "{} pool: request {id} should release its first {behind} blocks",
-                        kv.device().name()
+                        "{} pool: request {id} ({computed} computed) has table entry {e} {}",
+                        kv.device().name(),
+                        if table[e].is_null() { "released" } else { "held behind the window" }
                     ));
                 }
             }

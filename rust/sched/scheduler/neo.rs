@@ -194,7 +194,7 @@ impl Scheduler {
                 u8::from(place.placed.is_empty() || r[1] > r[0])
             };
             let target = if sub == 1 { &mut *b1 } else { &mut *b0 };
-            let window = self.config.sliding_window;
+            let window = self.config.every_layer_window();
             add_cpu_decode(target, ctx, window, 1);
             if !self.config.force_pipeline && self.min_remains(b0, b1) < 0.0 {
                 let target = if sub == 1 { &mut *b1 } else { &mut *b0 };
@@ -215,7 +215,7 @@ impl Scheduler {
         for s in scheduled {
             let b = &mut loads[usize::from(s.sub_batch)];
             if s.attends_on_cpu() {
-                add_cpu_rows(b, s.num_computed_tokens, s.num_new_tokens, self.config.sliding_window, 1);
+                add_cpu_rows(b, s.num_computed_tokens, s.num_new_tokens, self.config.every_layer_window(), 1);
             } else {
                 if s.device == Device::Cpu {
                     b.host_kv_tokens += s.num_new_tokens;
@@ -251,9 +251,10 @@ impl Scheduler {
         }
     }
 
-    /// The context a row at `ctx` tokens reads: at most the window, when every layer slides.
+    /// The context a row at `ctx` tokens reads: at most the window, when every layer slides (a
+    /// hybrid model's rows are priced as if each of its layers read the whole context).
     pub(super) fn attended(&self, ctx: usize) -> usize {
-        self.config.sliding_window.map_or(ctx, |w| ctx.min(w))
+        self.config.every_layer_window().map_or(ctx, |w| ctx.min(w))
     }
 
     /// A prefill chunk's attention, its earlier context read only as far as the window reaches.
@@ -423,7 +424,7 @@ pub(super) mod tests {
             force_pipeline: false,
             enable_prefix_caching: false,
             num_cpu_prefix_blocks: 0,
-            sliding_window,
+            kv_group_windows: vec![sliding_window],
             speculation: None,
         })
         .unwrap()

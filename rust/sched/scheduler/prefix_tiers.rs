@@ -49,7 +49,7 @@ impl Scheduler {
         let req = self.requests.get_mut(&id).expect("admitted request exists");
         if self.gpu.prefix_caching() && req.num_computed_tokens == 0 {
             let bs = self.config.block_size;
-            let on_host = hit.host.len() + if in_place { hit.blocks.len() } else { 0 };
+            let on_host = if in_place { hit.num_blocks() } else { hit.num_host_blocks() };
             self.stats.prefix_cache_queries += req.num_tokens() as u64;
             self.stats.prefix_cache_hits += ((hit.num_blocks() - on_host) * bs) as u64;
             self.stats.prefix_cache_host_hits += (on_host * bs) as u64;
@@ -67,7 +67,7 @@ impl Scheduler {
         if host.is_empty() {
             return;
         }
-        let dst = &self.gpu.table(id)[hit.table_len()..hit.num_blocks()];
+        let dst = &self.gpu.table(id)[hit.copied_entries()];
         step.cache_to_device.pairs.extend(host.iter().copied().zip(dst.iter().copied()));
         self.stats.num_cache_blocks_to_device += host.len() as u64;
         self.host_hit_copies.push(id);

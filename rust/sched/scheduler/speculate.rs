@@ -176,7 +176,7 @@ impl Scheduler {
     pub fn rewind(&mut self, id: RequestId, tokens: Vec<u32>) -> Result<()> {
         ensure!(!self.awaiting_update, Runtime, "rewind() called between schedule() and update()");
         ensure!(
-            !self.gpu.prefix_caching() && self.config.sliding_window.is_none(),
+            !self.gpu.prefix_caching() && self.config.kv_group_windows == [None],
             Runtime,
             "rewind() needs a scheduler without prefix caching or a sliding window"
         );

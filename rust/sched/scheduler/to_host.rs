@@ -21,9 +21,7 @@ impl Scheduler {
     /// device blocks (which stay allocated as staging until `update()`). Only for a prompt whose
     /// earlier chunks already sit on the device; whole prompts go straight to the host.
     pub(super) fn stage_to_host(&mut self, id: RequestId, num_tokens: usize, step: &mut Step) {
-        let released = self.gpu.table(id).iter().take_while(|b| b.is_null()).count();
-        self.cpu.skip_blocks(id, released);
-        let grown = self.cpu.allocate_slots(id, num_tokens);
+        let grown = self.cpu.allocate_like(id, self.gpu.table(id), num_tokens);
         debug_assert!(grown, "host room was checked");
         let pairs = self.gpu.table(id).iter().copied().zip(self.cpu.table(id).iter().copied());
         step.to_host.pairs.extend(pairs.filter(|(g, _)| !g.is_null()));
