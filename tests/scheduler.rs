@@ -70,7 +70,7 @@ fn workload(mode: impl Strategy<Value = OffloadMode>) -> impl Strategy<Value = W
     let copy_cost = prop_oneof![Just(0usize), Just(1024), Just(1 << 24)];
     // KV groups: one global (most), one sliding (every layer slides, Mistral v0.1), or hybrid
     // (Gemma 2/3: global and sliding groups); the blocks behind a sliding group's window are
-    // released. The prefix cache's host tier takes one group: hybrid workloads run without it.
+    // released.
     let groups = (1usize..24, 0u8..10).prop_map(|(w, kind)| match kind {
         0..=4 => vec![None],
         5..=6 => vec![Some(w)],
@@ -89,8 +89,7 @@ fn workload(mode: impl Strategy<Value = OffloadMode>) -> impl Strategy<Value = W
         });
     let config = (config, prop::bool::weighted(0.7), 0u32..=24, copy_cost, groups, speculation).prop_map(
         |(c, enable_prefix_caching, tier, kv_bytes_per_token, kv_group_windows, speculation)| {
-            let tiered = enable_prefix_caching && kv_group_windows.len() == 1;
-            let num_cpu_prefix_blocks = if tiered { tier.min(c.num_cpu_blocks) } else { 0 };
+            let num_cpu_prefix_blocks = if enable_prefix_caching { tier.min(c.num_cpu_blocks) } else { 0 };
             SchedulerConfig {
                 enable_prefix_caching,
                 num_cpu_prefix_blocks,

@@ -183,17 +183,7 @@ impl KvManager {
     /// Grow the request's table to cover `num_tokens` tokens. `false` (and nothing allocated)
     /// when the pool has no room.
     pub fn allocate_slots(&mut self, id: RequestId, num_tokens: usize) -> bool {
-        let need = self.blocks_needed(id, num_tokens);
-        if need == 0 {
-            return true;
-        }
-        match self.take_blocks(need) {
-            Some(blocks) => {
-                self.tables.entry(id).or_default().extend(blocks);
-                true
-            }
-            None => false,
-        }
+        self.grow_past_hit(id, &PrefixHit::default(), num_tokens)
     }
 
     /// Shrink the request's table to its first `num_blocks` blocks (speculative tokens rejected:

@@ -128,12 +128,6 @@ impl SchedulerConfig {
         ensure!(!self.kv_group_windows.is_empty(), Value, "kv_group_windows needs at least one group");
         ensure!(!self.kv_group_windows.contains(&Some(0)), Value, "a sliding window must be at least 1");
         ensure!(
-            self.num_cpu_prefix_blocks == 0 || self.kv_group_windows.len() == 1,
-            Value,
-            "the prefix cache's host tier over several KV groups (a model with sliding and global \
-             layers) is not supported yet"
-        );
-        ensure!(
             self.num_cpu_prefix_blocks <= self.num_cpu_blocks,
             Value,
             "num_cpu_prefix_blocks ({}) exceeds num_cpu_blocks ({})",

@@ -117,23 +117,33 @@ def test_a_hybrid_model_holds_its_global_blocks_and_a_window_of_sliding_ones(
     llm.shutdown()
 
 
-def test_a_hybrid_models_prefix_hits_take_every_groups_blocks(checkpoints) -> None:  # noqa: ANN001
-    # Prompts of 40 tokens sharing their first 32, run one after the other: each later one finds
-    # the first four blocks of tokens in both groups' caches (the sliding group's registered
-    # before the window released them) and still matches transformers.
+@pytest.mark.parametrize("tier", ["device", "host"])
+def test_a_hybrid_models_prefix_hits_take_every_groups_blocks(checkpoints, tier: str) -> None:  # noqa: ANN001
+    # Prompts of 40 tokens sharing their first 32, one after the other, each followed by one of
+    # 80 tokens of its own whose blocks take cached ones: later prompts find the first four
+    # blocks of tokens in the device cache (a pool of 64) or, a pool of 32 having evicted them,
+    # in the host tier, and still match transformers. The sliding group's blocks behind the
+    # window of the prompt's next token are neither needed nor copied back: a host hit copies
+    # the global group's four blocks and the sliding group's last.
     shared = list(range(40, 72))
     prompts = [shared + [200 + i] * 8 for i in range(3)]
     path = checkpoints["gemma3"]
-    with LLM(str(path), dtype="float32", block_size=BLOCK, num_gpu_blocks=64, num_cpu_blocks=0) as llm:
-        assert llm.engine.runner.num_cpu_prefix_blocks == 0  # no host tier over several groups
+    device_blocks = 64 if tier == "device" else 32
+    pools = dict(num_gpu_blocks=device_blocks, num_cpu_blocks=128, cpu_prefix_cache_gib=1)
+    with LLM(str(path), dtype="float32", block_size=BLOCK, **pools) as llm:
         params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
-        tokens = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
-        stats = llm.engine.scheduler.stats()
-        assert stats["prefix_cache_hits"] == 2 * len(shared), stats
+        tokens = []
+        for i, p in enumerate(prompts):
+            tokens.append(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids)
+            llm.generate([[250 + i] * 80], SamplingParams(max_tokens=8), use_tqdm=False)
+        st = llm.engine.scheduler.stats()
         assert_all_blocks_free(llm.engine)
     assert tokens == _hf(path, prompts)
-    with pytest.raises(ValueError, match="host tier"):
-        LLM(str(path), dtype="float32", block_size=BLOCK, num_gpu_blocks=64, cpu_prefix_cache_gib=0.01)
+    if tier == "device":
+        assert (st["prefix_cache_hits"], st["prefix_cache_host_hits"]) == (2 * len(shared), 0), st
+    else:
+        host_hits = st["prefix_cache_host_hits"] // len(shared)
+        assert host_hits > 0 and st["num_cache_blocks_to_device"] == host_hits * (4 + 1), st
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

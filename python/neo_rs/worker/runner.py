@@ -59,20 +59,9 @@ def resolve_device(name: str | None) -> torch.device:
     return dev
 
 
-def _prefix_tier_blocks(args: EngineArgs, num_cpu: int, per_block: int, groups: KvGroups) -> int:
-    """Host blocks of the prefix cache's host tier (``EngineArgs.cpu_prefix_cache_gib``); none
-    over several KV groups (not supported yet)."""
+def _prefix_tier_blocks(args: EngineArgs, num_cpu: int, per_block: int) -> int:
+    """Host blocks of the prefix cache's host tier (``EngineArgs.cpu_prefix_cache_gib``)."""
     if not args.enable_prefix_caching:
-        return 0
-    if groups.num_groups > 1:
-        if args.cpu_prefix_cache_gib:
-            raise InvalidArgumentError(
-                "cpu_prefix_cache_gib: the prefix cache's host tier over a model of sliding and global "
-                "layers (several KV groups) is not supported yet"
-            )
-        log.info(
-            "prefix caching without its host tier: this model's layers form %d KV groups", groups.num_groups
-        )
         return 0
     if args.cpu_prefix_cache_gib is None:
         return num_cpu // 4
@@ -179,7 +168,7 @@ class ModelRunner:
             if args.num_cpu_blocks is not None
             else int(args.cpu_kv_gib * (1 << 30)) // host_per_block
         )
-        self.num_cpu_prefix_blocks = _prefix_tier_blocks(args, num_cpu, host_per_block, self.kv_groups)
+        self.num_cpu_prefix_blocks = _prefix_tier_blocks(args, num_cpu, host_per_block)
         graphs = args.cuda_graphs and self.attention.graph_safe and self.kv_groups.num_groups == 1
         if args.cuda_graphs and not self.attention.graph_safe:
             log.warning("CUDA graphs are off: FlashInfer's decode plans on the host each iteration")

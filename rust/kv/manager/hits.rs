@@ -2,13 +2,14 @@
 //! hashes, and what taking them costs. With several KV groups each group keeps its own chain
 //! (in a namespace of its own, `group_salt`) and a block of tokens is found only when every
 //! group's block of it is cached; a sliding group's blocks behind the window of the prompt's
-//! next token are then skipped (`KvManager::skip_behind_window`). Registered while computed,
-//! before the window releases them, they stay cached until evicted: a hit ends at the first
-//! block of tokens some group no longer holds, however far behind a window it lies.
+//! next token are then skipped (`KvManager::skip_behind_window`): neither held, pinned nor
+//! copied, and `NULL` in the table of the request that takes the hit (`grow_past_hit`).
+//! Registered while computed, before the window releases them, they stay cached until evicted
+//! (on the device, then in the host tier): a hit ends at the first block of tokens some group
+//! no longer holds on either tier, however far behind a window it lies.
 
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
-use std::ops::Range;
 
 use super::{BlockHash, BlockId, KvManager};
 use crate::kv::prefix::hash_block;
@@ -77,31 +78,30 @@ impl PrefixHit {
         self.skip.get(e % g).is_some_and(|&behind| e / g < behind)
     }
 
-    /// The host entries skipped: a leading run (the host tier takes one KV group).
-    pub(super) fn skipped_host(&self) -> usize {
-        (self.blocks.len()..self.blocks.len() + self.host.len()).take_while(|&e| self.is_skipped(e)).count()
+    /// The host entries not skipped, with their hashes.
+    pub(super) fn host_entries_kept(&self) -> impl Iterator<Item = (BlockId, BlockHash)> + '_ {
+        let first = self.blocks.len();
+        (0..self.host.len()).filter(move |&j| !self.is_skipped(first + j)).map(|j| (self.host[j], self.host_hashes[j]))
     }
 
     /// The host blocks to copy to the device: those not behind the window.
-    pub fn host_kept(&self) -> &[BlockId] {
-        &self.host[self.skipped_host()..]
+    pub fn host_kept(&self) -> Vec<BlockId> {
+        self.host_entries_kept().map(|(b, _)| b).collect()
     }
 
-    /// Entries of the table of a request that takes the hit, before it grows: the device blocks
-    /// (skipped ones as `BlockId::NULL`), then a `NULL` for each skipped host block.
-    pub fn table_len(&self) -> usize {
-        self.blocks.len() + self.skipped_host()
-    }
-
-    /// The table entries that receive the host blocks kept (`host_kept`), once it has grown.
-    pub fn copied_entries(&self) -> Range<usize> {
-        self.table_len()..self.blocks.len() + self.host.len()
+    /// The `(host, device)` pairs that copy the kept host blocks into the table of the request
+    /// that took the hit (`table`, grown past it), entry for entry.
+    pub fn host_copies<'a>(&'a self, table: &'a [BlockId]) -> impl Iterator<Item = (BlockId, BlockId)> + 'a {
+        let first = self.blocks.len();
+        (0..self.host.len())
+            .filter(move |&j| !self.is_skipped(first + j))
+            .map(move |j| (self.host[j], table[first + j]))
     }
 
     /// Blocks a request takes up by growing from the hit to `table_blocks` table entries: new
-    /// ones, and the cached ones it holds that no request held.
+    /// ones (none for the entries skipped), and the cached ones it holds that no request held.
     pub fn blocks_taken(&self, table_blocks: usize) -> usize {
-        table_blocks.saturating_sub(self.table_len()) + self.evictable
+        (self.blocks.len()..table_blocks).filter(|&e| !self.is_skipped(e)).count() + self.evictable
     }
 }
 
@@ -115,7 +115,7 @@ impl KvManager {
         let groups = self.num_groups();
         let parents = (0..groups).map(|g| group_salt(salt, g)).collect();
         let (blocks, hashes) = self.walk(parents, tokens, 0, known);
-        let evictable = blocks.iter().filter(|b| self.refs[b.0 as usize] == 0).count();
+        let evictable = blocks.iter().filter(|b| !b.is_null() && self.refs[b.0 as usize] == 0).count();
         PrefixHit { salt, blocks, hashes, evictable, groups, ..PrefixHit::default() }
     }
 
@@ -130,7 +130,9 @@ impl KvManager {
 
     /// The cached entries that hold `tokens`' full blocks from block `from` on, each group's
     /// first one's parent being `parents[group]`, up to the lookup's cap; `known[i]` is block
-    /// `i`'s hash in group 0, where given. A block of tokens counts only with every group's.
+    /// `i`'s hash in group 0, where given. A sliding group's block may be missing (`NULL`: no
+    /// later query may need it, `skip_behind_window` decides); the walk ends at a block of
+    /// tokens a global group lacks, or every group does.
     fn walk(
         &self,
         mut parents: Vec<Option<BlockHash>>,
@@ -145,12 +147,14 @@ impl KvManager {
             let found: Vec<(BlockId, BlockHash)> = parents
                 .iter()
                 .enumerate()
-                .map_while(|(g, &parent)| {
+                .map(|(g, &parent)| {
                     let given = if g == 0 { known.get(i).copied() } else { None };
-                    cache.get(given.unwrap_or_else(|| hash_block(parent, block)), parent, block)
+                    let hash = given.unwrap_or_else(|| hash_block(parent, block));
+                    cache.get(hash, parent, block).unwrap_or((BlockId::NULL, hash))
                 })
                 .collect();
-            if found.len() < parents.len() {
+            let missing = |(g, (b, _)): (usize, &(BlockId, BlockHash))| b.is_null() && self.windows[g].is_none();
+            if found.iter().enumerate().any(missing) || found.iter().all(|(b, _)| b.is_null()) {
                 break;
             }
             for ((b, hash), parent) in found.into_iter().zip(&mut parents) {
@@ -170,7 +174,7 @@ impl KvManager {
             return false;
         }
         self.take_prefix(id, hit);
-        let grown = self.allocate_slots(id, num_tokens);
+        let grown = self.grow_past_hit(id, hit, num_tokens);
         debug_assert!(grown, "room was checked");
         grown
     }
@@ -180,18 +184,34 @@ impl KvManager {
     /// cannot evict them before its own. Its skipped blocks enter the table as `NULL`s.
     pub fn take_prefix(&mut self, id: RequestId, hit: &PrefixHit) {
         assert!(!self.holds(id), "request {id} already holds blocks");
-        if hit.table_len() == 0 {
+        if hit.blocks.is_empty() {
             return;
         }
         let kept: Vec<usize> = (0..hit.blocks.len()).filter(|&e| !hit.is_skipped(e)).collect();
         let blocks: Vec<BlockId> = kept.iter().map(|&e| hit.blocks[e]).collect();
         let hashes: Vec<BlockHash> = kept.iter().map(|&e| hit.hashes[e]).collect();
         self.hold(&blocks, &hashes);
-        let mut table: Vec<BlockId> =
-            (0..hit.blocks.len()).map(|e| if hit.is_skipped(e) { BlockId::NULL } else { hit.blocks[e] }).collect();
-        table.resize(hit.table_len(), BlockId::NULL);
-        self.tables.insert(id, table);
+        let table = (0..hit.blocks.len()).map(|e| if hit.is_skipped(e) { BlockId::NULL } else { hit.blocks[e] });
+        self.tables.insert(id, table.collect());
         self.chains.insert(id, hit.hashes.clone());
+    }
+
+    /// Grow the table of a request that took `hit` (`take_prefix`) to `num_tokens` tokens: a
+    /// `NULL` for each entry the hit skips (its host blocks behind the window), fresh blocks
+    /// elsewhere (the host blocks kept are copied into theirs). `false` (nothing allocated)
+    /// when the pool has no room.
+    pub fn grow_past_hit(&mut self, id: RequestId, hit: &PrefixHit, num_tokens: usize) -> bool {
+        let entries = self.table(id).len()..self.blocks_for(num_tokens);
+        if entries.is_empty() {
+            return true;
+        }
+        let Some(fresh) = self.take_blocks(entries.clone().filter(|&e| !hit.is_skipped(e)).count()) else {
+            return false;
+        };
+        let mut fresh = fresh.into_iter();
+        let grown = entries.map(|e| if hit.is_skipped(e) { BlockId::NULL } else { fresh.next().expect("counted") });
+        self.tables.entry(id).or_default().extend(grown);
+        true
     }
 
     /// One more holder for each cached block (registered under `hashes` at the lookup, none
@@ -261,13 +281,24 @@ mod tests {
         assert!(t2[8..].iter().all(|b| !b.is_null() && !table[..8].contains(b)));
         m.check().unwrap();
         m.free(RequestId(2));
-        // Sliding blocks released before they were registered only extend the chain: with the
-        // first block of tokens' sliding block gone, nothing of another prompt is found.
+        // Sliding blocks released before they were registered only extend the chain: a hit
+        // passes over those behind the window of the prompt's next token ...
         let other: Vec<u32> = (100..109).collect();
         assert!(m.allocate_slots(RequestId(3), 9));
-        m.release_behind_window(RequestId(3), 9);
+        m.release_behind_window(RequestId(3), 9); // sliding blocks 0..=2 go first
         m.cache_full_blocks(RequestId(3), &other, 9, None);
-        assert_eq!((m.lookup(&other, None, &[]).num_blocks(), m.lookup(&prompt, None, &[]).num_blocks()), (0, 4));
+        let mut hit = m.lookup(&other, None, &[]);
+        m.skip_behind_window(&mut hit);
+        assert_eq!((hit.num_blocks(), hit.skip.as_slice(), hit.evictable), (4, &[0, 3][..], 0));
+        // ... but ends before a block of tokens whose window lacks one.
+        let third: Vec<u32> = (200..209).collect();
+        assert!(m.allocate_slots(RequestId(4), 9));
+        m.release_behind_window(RequestId(4), 11); // sliding blocks 0..=3
+        m.cache_full_blocks(RequestId(4), &third, 9, None);
+        let mut hit = m.lookup(&third, None, &[]);
+        assert_eq!(hit.num_blocks(), 4);
+        m.skip_behind_window(&mut hit);
+        assert_eq!(hit.num_blocks(), 0);
         m.check().unwrap();
     }
 }

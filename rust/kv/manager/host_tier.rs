@@ -30,9 +30,9 @@ impl KvManager {
     /// Hold the host blocks of `hit` to copy (from `extend_hit`, none evicted since) while they
     /// are copied to the device, until `unpin_all`.
     pub fn pin_host_hit(&mut self, hit: &PrefixHit) {
-        let skip = hit.skipped_host();
-        self.hold(&hit.host[skip..], &hit.host_hashes[skip..]);
-        self.pins.extend_from_slice(&hit.host[skip..]);
+        let (blocks, hashes): (Vec<BlockId>, Vec<_>) = hit.host_entries_kept().unzip();
+        self.hold(&blocks, &hashes);
+        self.pins.extend(blocks);
     }
 
     /// Let go of every pinned block (the copies that read them are done, or abandoned).
@@ -201,5 +201,40 @@ mod tests {
         cpu.forget(&[b1]);
         assert_eq!((cpu.num_cached_blocks(), cpu.num_free_blocks()), (0, 6));
         cpu.check().unwrap();
+    }
+
+    #[test]
+    fn a_hybrid_host_hit_copies_the_blocks_inside_each_groups_window() {
+        // A global group and a sliding one (window 3), blocks of 2: entries alternate.
+        let hybrid = || vec![None, Some(3)];
+        let mut gpu = KvManager::new(Device::Gpu, 10, 2, true).with_groups(hybrid());
+        gpu.record_evictions();
+        let mut cpu = KvManager::new(Device::Cpu, 16, 2, false).limit_cache(16).with_groups(hybrid());
+        let a = tokens(1, 9);
+        assert!(gpu.allocate_slots(RequestId(1), 9));
+        gpu.cache_full_blocks(RequestId(1), &a, 9, None);
+        gpu.free(RequestId(1));
+        assert!(gpu.allocate_slots(RequestId(2), 10)); // ten entries: evicts all eight cached
+        assert_eq!(demote(&mut gpu, &mut cpu).len(), 8);
+        gpu.free(RequestId(2));
+        let mut hit = gpu.lookup(&a, None, &[]);
+        cpu.extend_hit(&mut hit, &a, &[]);
+        assert_eq!((hit.blocks.len(), hit.num_blocks(), hit.num_host_blocks()), (0, 4, 4));
+        // Position 8 reads 6..=8 in the sliding group: its first three host blocks are skipped.
+        gpu.skip_behind_window(&mut hit);
+        let kept = [0, 2, 4, 6, 7].map(|j| hit.host[j]);
+        assert_eq!((hit.host_kept(), hit.blocks_taken(10)), (kept.to_vec(), 7));
+        assert!(gpu.allocate_with_prefix(RequestId(3), &hit, 9));
+        cpu.pin_host_hit(&hit);
+        let table = gpu.table(RequestId(3)).to_vec();
+        let nulls: Vec<usize> = (0..10).filter(|&e| table[e].is_null()).collect();
+        assert_eq!((nulls, gpu.num_used_blocks()), (vec![1, 3, 5], 7));
+        let pairs: Vec<_> = hit.host_copies(&table).collect();
+        assert_eq!(pairs, [0, 2, 4, 6, 7].map(|e| (hit.host[e], table[e])));
+        assert_eq!(cpu.num_free_blocks(), 16 - 5);
+        cpu.unpin_all();
+        for kv in [&gpu, &cpu] {
+            kv.check().unwrap();
+        }
     }
 }

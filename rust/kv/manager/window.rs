@@ -94,13 +94,27 @@ impl KvManager {
         grown
     }
 
-    /// Mark the blocks of `hit` (found here, on either tier) behind each group's window of the
-    /// prompt's next token as skipped: taking the hit neither holds nor copies them. Recounts
-    /// the evictable device blocks it takes.
+    /// Cut `hit` (found here, on either tier) to its longest run of blocks of tokens whose
+    /// sliding groups hold every block inside the window of the prompt's next token (the walk
+    /// passes over their missing ones), and mark the blocks behind each group's window as
+    /// skipped: taking the hit neither holds nor copies them. Recounts the evictable device
+    /// blocks it takes.
     pub fn skip_behind_window(&self, hit: &mut PrefixHit) {
-        let computed = hit.num_blocks() * self.block_size;
-        hit.skip = self.windows.iter().map(|&w| self.behind(w, computed)).collect();
-        debug_assert!(hit.host.is_empty() || self.windows.len() == 1, "the host tier takes one KV group");
+        let g = self.windows.len();
+        let entry = |e: usize| if e < hit.blocks.len() { hit.blocks[e] } else { hit.host[e - hit.blocks.len()] };
+        let whole = |n: usize| {
+            self.windows
+                .iter()
+                .enumerate()
+                .all(|(k, &w)| (self.behind(w, n * self.block_size)..n).all(|i| !entry(i * g + k).is_null()))
+        };
+        let n = (0..=hit.num_blocks()).rev().find(|&n| whole(n)).unwrap_or(0);
+        let (device, host) = ((n * g).min(hit.blocks.len()), (n * g).saturating_sub(hit.blocks.len()));
+        hit.blocks.truncate(device);
+        hit.hashes.truncate(device);
+        hit.host.truncate(host);
+        hit.host_hashes.truncate(host);
+        hit.skip = self.windows.iter().map(|&w| self.behind(w, n * self.block_size)).collect();
         let unheld = |(e, b): (usize, &BlockId)| !hit.is_skipped(e) && self.refs[b.0 as usize] == 0;
         hit.evictable = hit.blocks.iter().enumerate().filter(|&x| unheld(x)).count();
     }

@@ -59,18 +59,17 @@ impl Scheduler {
     }
 
     /// Plan the copy of `hit`'s host blocks (those not behind the window) into the device
-    /// blocks that follow its device blocks in the request's table (just allocated). The host
+    /// blocks at their entries of the request's table (just allocated). The host
     /// blocks must be pinned (`KvManager::pin_host_hit`) since the lookup; the device copies
     /// are registered in the cache by `update()`, once they hold the bytes.
     pub(super) fn copy_host_hit(&mut self, id: RequestId, hit: &PrefixHit, step: &mut Step) {
-        let host = hit.host_kept();
-        if host.is_empty() {
-            return;
+        let before = step.cache_to_device.pairs.len();
+        step.cache_to_device.pairs.extend(hit.host_copies(self.gpu.table(id)));
+        let copied = step.cache_to_device.pairs.len() - before;
+        if copied > 0 {
+            self.stats.num_cache_blocks_to_device += copied as u64;
+            self.host_hit_copies.push(id);
         }
-        let dst = &self.gpu.table(id)[hit.copied_entries()];
-        step.cache_to_device.pairs.extend(host.iter().copied().zip(dst.iter().copied()));
-        self.stats.num_cache_blocks_to_device += host.len() as u64;
-        self.host_hit_copies.push(id);
     }
 
     /// Copy the device blocks this plan evicted from the cache into the host tier. Their ids

@@ -60,7 +60,7 @@ impl Scheduler {
             // The whole prompt to the host pool, after the host blocks it starts with.
             let to_host = || {
                 let place = self.in_place_hit(req);
-                let n = req.num_pending_tokens() - place.blocks.len() * self.config.block_size;
+                let n = req.num_pending_tokens() - place.num_blocks() * self.config.block_size;
                 let host_blocks = place.blocks_taken(self.cpu.blocks_for(req.num_tokens()));
                 let fits = n <= budget && host_blocks + swap_reserve <= free_cpu;
                 let attn_ms = self.prefill_attn_ms(req.num_computed_tokens, n);
@@ -169,7 +169,7 @@ impl Scheduler {
         for p in prefills {
             debug_assert_eq!(self.waiting.front(), Some(&p.id));
             let kv = if p.to_host { &mut self.cpu } else { &mut self.gpu };
-            let grown = kv.allocate_slots(p.id, p.target);
+            let grown = kv.grow_past_hit(p.id, &p.hit, p.target);
             assert!(grown, "tentative prefills were counted against the free blocks");
             if !p.to_host {
                 self.copy_host_hit(p.id, &p.hit, step);
