@@ -18,12 +18,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [list(range(3, 10 + 5 * i)) for i in range(7)]  # 7 rows: bucket 8, one padded row
 
 
-def generate(path: str, offload: str, graphs: bool) -> tuple[dict[str, list[int]], int, dict]:
+def generate(
+    path: str, offload: str, graphs: bool, blocks: int = 12
+) -> tuple[dict[str, list[int]], int, dict]:
     """A long request alone first (device decodes only: replayed), then seven more than the
-    12-block device pool holds (swapped, or under ``neo`` decoded on the CPU: eager iterations
-    between replays), all to the end."""
+    device pool of ``blocks`` holds (swapped, or under ``neo`` decoded on the CPU: eager
+    iterations between replays), all to the end."""
     with LLM(
-        path, dtype="float32", block_size=8, offload=offload, num_gpu_blocks=12, cuda_graphs=graphs
+        path, dtype="float32", block_size=8, offload=offload, num_gpu_blocks=blocks, cuda_graphs=graphs
     ) as llm:
         engine, outs = llm.engine, {}
         engine.add_request(
@@ -43,10 +45,13 @@ def generate(path: str, offload: str, graphs: bool) -> tuple[dict[str, list[int]
 
 
 @pytest.mark.parametrize("offload", ["none", "neo"])
-def test_replayed_decodes_give_the_eager_tokens(checkpoints, offload: str) -> None:
-    path = str(checkpoints["llama3"])
-    eager, _, _ = generate(path, offload, graphs=False)
-    graphed, replays, st = generate(path, offload, graphs=True)
+@pytest.mark.parametrize("kind", ["llama3", "gemma3"])
+def test_replayed_decodes_give_the_eager_tokens(checkpoints, kind: str, offload: str) -> None:
+    # Gemma 3: two KV groups, each with its slots and tables in the buffers; blocks of half the
+    # layers, so twice as many.
+    path, blocks = str(checkpoints[kind]), 24 if kind == "gemma3" else 12
+    eager, _, _ = generate(path, offload, False, blocks)
+    graphed, replays, st = generate(path, offload, True, blocks)
     assert graphed == eager and len(graphed) == 8
     assert replays >= 4  # the long request's first decodes, at least
     # Pressure on the device pool: iterations that move blocks (or decode on the CPU) run eagerly.
@@ -65,9 +70,11 @@ def test_flags() -> None:
         args.validate()
 
 
-def test_graphed_iterations_on_fake_cuda(monkeypatch) -> None:
+@pytest.mark.parametrize("kind", ["demo", "gemma2"])
+def test_graphed_iterations_on_fake_cuda(monkeypatch, checkpoints, kind: str) -> None:
     with fake_gpu(monkeypatch) as checks:
-        engine = engine_on("demo", offload="none", num_gpu_blocks=64, cuda_graphs=True)
+        model = kind if kind == "demo" else str(checkpoints[kind])
+        engine = engine_on(model, offload="none", num_gpu_blocks=64, cuda_graphs=True)
         queue(engine, 5)
         run(engine, checks)  # each iteration, graphed or not, within the sync budget
         assert engine.runner.graphs.replays > 0 and checks.runtime.captures > 0
@@ -86,12 +93,12 @@ def test_padded_rows_write_and_read_only_the_scratch_block(checkpoints) -> None:
         plan = engine.scheduler.schedule()  # three decodes: bucket 4, one padded row
         bucket = graphs._bucket(4)
         graphs._fill(bucket, plan)
-        assert bucket.slot_blocks[3] == scratch and bucket.slot_offsets[3] == 0
-        assert bucket.tables[3, 0] == scratch and bucket.lens[3] == 1 and bucket.ids[3] == 0
+        assert bucket.slot_blocks[0, 3] == scratch and bucket.slot_offsets[0, 3] == 0
+        assert bucket.tables[0, 3, 0] == scratch and bucket.lens[3] == 1 and bucket.ids[3] == 0
         assert bucket.lens[:3].tolist() == plan.seq_lens.tolist()
-        tables = plan.block_tables[0]  # one KV group
-        assert (bucket.tables[:3, : tables.shape[1]].numpy() == tables).all()
-        assert scratch not in tables[:, : -(-int(plan.seq_lens.max()) // 8)]
+        tables = plan.block_tables  # [groups, rows, blocks]: one KV group
+        assert (bucket.tables[:, :3, : tables.shape[2]].numpy() == tables).all()
+        assert scratch not in tables[:, :, : -(-int(plan.seq_lens.max()) // 8)]
         engine.scheduler.abort_step()
         for r in list(engine._requests):
             engine.abort(r)

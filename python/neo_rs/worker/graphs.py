@@ -9,7 +9,8 @@ the CPU-attention hand-off stay outside it.
 
 Padded rows are decodes of length 1 over a scratch block the scheduler never hands out: they
 write their K/V there and attend to it, and their logits are dropped. Every block a row of the
-batch may read is within its table, so the kernels need no knowledge of the padding.
+batch may read is within its table, so the kernels need no knowledge of the padding. With several
+KV groups (``kv/groups.py``) each group has its slots and tables in the buffers, and its batch.
 
 On a CPU device the same buffers and the same loop run without a graph (``Replayed``): the CPU
 tests hold a replayed iteration's tokens to the eager ones, which checks the padding and the
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -63,9 +64,9 @@ class _Bucket:
     size: int
     ids: torch.Tensor
     positions: torch.Tensor
-    slot_blocks: torch.Tensor
-    slot_offsets: torch.Tensor
-    tables: torch.Tensor
+    slot_blocks: torch.Tensor  # [groups, size]
+    slot_offsets: torch.Tensor  # [groups, size]
+    tables: torch.Tensor  # [groups, size, width]
     lens: torch.Tensor
     batch: AttentionBatch
     graph: Any = None  # captured at the bucket's first iteration
@@ -84,10 +85,13 @@ class DecodeGraphs:
         max_batch: int,
         max_model_len: int,
         scratch_block: int,
+        num_groups: int = 1,
     ) -> None:
         """Graphs of ``forward`` over decode iterations of up to ``max_batch`` rows;
-        ``scratch_block``: a device block outside the scheduler's pool, for padded rows."""
+        ``scratch_block``: a device block outside the scheduler's pool, for padded rows;
+        ``num_groups``: the model's KV groups."""
         self.forward, self.transfer, self.device = forward, transfer, transfer.device
+        self.num_groups = num_groups
         self.block_size, self.scratch, self.max_model_len = block_size, scratch_block, max_model_len
         self.width = -(-max_model_len // block_size)  # blocks a table can hold
         self.sizes = buckets(max_batch)
@@ -126,19 +130,25 @@ class DecodeGraphs:
             def zeros(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
                 return torch.zeros(shape, dtype=dtype, device=dev)
 
-            ids, positions, blocks, offsets = (zeros(size) for _ in range(4))
-            tables, lens = zeros(size, self.width, dtype=torch.int32), zeros(size, dtype=torch.int32)
+            ids, positions, lens = zeros(size), zeros(size), zeros(size, dtype=torch.int32)
+            g = self.num_groups
+            blocks, offsets = zeros(g, size), zeros(g, size)
+            tables = zeros(g, size, self.width, dtype=torch.int32)
             # On a pool in CPU memory the Rust kernel appends each row's K/V itself.
             appends = dev.type == "cpu"
-            batch = AttentionBatch(
-                tokens=slice(0, size),
-                device_writes=[] if appends else [(slice(0, size), (blocks, offsets))],
-                host_writes=None,
-                gpu_decodes=DecodeRows(0, size, tables, lens, self.max_model_len, tables, lens),
-                cpu_decodes=DecodeRows(0, 0, tables[:0], lens[:0], 0, tables[:0], lens[:0]),
-                prefills=[],
-                append_decodes=appends,
+            by_group = tuple(
+                AttentionBatch(
+                    tokens=slice(0, size),
+                    device_writes=[] if appends else [(slice(0, size), (blocks[k], offsets[k]))],
+                    host_writes=None,
+                    gpu_decodes=DecodeRows(0, size, tables[k], lens, self.max_model_len, tables[k], lens),
+                    cpu_decodes=DecodeRows(0, 0, tables[k, :0], lens[:0], 0, tables[k, :0], lens[:0]),
+                    prefills=[],
+                    append_decodes=appends,
+                )
+                for k in range(g)
             )
+            batch = replace(by_group[0], by_group=by_group) if g > 1 else by_group[0]
             self._buckets[size] = _Bucket(size, ids, positions, blocks, offsets, tables, lens, batch)
         return self._buckets[size]
 
@@ -151,14 +161,15 @@ class DecodeGraphs:
             out[:n] = values
             return up(torch.from_numpy(out))
 
-        blocks, offsets = split_slots(plan.slot_mapping[0], self.block_size)  # one KV group
         b.ids.copy_(padded(plan.input_ids, 0))
         b.positions.copy_(padded(plan.positions, 0))
-        b.slot_blocks.copy_(padded(blocks.numpy(), self.scratch))
-        b.slot_offsets.copy_(padded(offsets.numpy(), 0))
         b.lens.copy_(padded(plan.seq_lens, 1, np.int32))
-        tables = np.full((size, self.width), self.scratch, dtype=np.int32)
-        tables[:n, : plan.block_tables.shape[2]] = plan.block_tables[0]
+        for k in range(self.num_groups):
+            blocks, offsets = split_slots(plan.slot_mapping[k], self.block_size)
+            b.slot_blocks[k].copy_(padded(blocks.numpy(), self.scratch))
+            b.slot_offsets[k].copy_(padded(offsets.numpy(), 0))
+        tables = np.full((self.num_groups, size, self.width), self.scratch, dtype=np.int32)
+        tables[:, :n, : plan.block_tables.shape[2]] = plan.block_tables
         b.tables.copy_(up(torch.from_numpy(tables)))
 
     def _capture(self, b: _Bucket) -> Any:

@@ -169,16 +169,20 @@ class ModelRunner:
             else int(args.cpu_kv_gib * (1 << 30)) // host_per_block
         )
         self.num_cpu_prefix_blocks = _prefix_tier_blocks(args, num_cpu, host_per_block)
-        graphs = args.cuda_graphs and self.attention.graph_safe and self.kv_groups.num_groups == 1
-        if args.cuda_graphs and not self.attention.graph_safe:
+        graphs = args.cuda_graphs and self.attention.graph_safe
+        if args.cuda_graphs and not graphs:
             log.warning("CUDA graphs are off: FlashInfer's decode plans on the host each iteration")
-        elif args.cuda_graphs and not graphs:
-            log.warning("CUDA graphs are off: they capture one KV group's tables, this model has several")
         # With graphs, one block more than the scheduler's: where padded rows write (graphs.py).
         self.device_pool = KvPool(self.layout, num_gpu + int(graphs), device)
         self.graphs = (
             DecodeGraphs(
-                self.graph_forward, self.transfer, args.block_size, args.max_num_seqs, max_model_len, num_gpu
+                self.graph_forward,
+                self.transfer,
+                args.block_size,
+                args.max_num_seqs,
+                max_model_len,
+                num_gpu,
+                self.kv_groups.num_groups,
             )
             if graphs
             else None
