@@ -112,13 +112,6 @@ impl SchedulerConfig {
         peak_blocks(num_tokens, self.block_size, self.max_num_batched_tokens, &self.kv_group_windows)
     }
 
-    /// The window when every layer slides with it (one KV group, or groups that all share it):
-    /// then each row reads at most the window. `None` when any layer attends globally.
-    pub fn every_layer_window(&self) -> Option<usize> {
-        let first = *self.kv_group_windows.first()?;
-        self.kv_group_windows.iter().all(|&w| w == first).then_some(first).flatten()
-    }
-
     pub fn validate(&self) -> Result<()> {
         ensure!(self.max_num_seqs >= 1, Value, "max_num_seqs must be at least 1");
         ensure!(self.max_num_batched_tokens >= 1, Value, "max_num_batched_tokens must be at least 1");

@@ -194,11 +194,11 @@ impl Scheduler {
                 u8::from(place.placed.is_empty() || r[1] > r[0])
             };
             let target = if sub == 1 { &mut *b1 } else { &mut *b0 };
-            let window = self.config.every_layer_window();
-            add_cpu_decode(target, ctx, window, 1);
+            let windows = &self.config.kv_group_windows;
+            add_cpu_decode(target, ctx, windows, 1);
             if !self.config.force_pipeline && self.min_remains(b0, b1) < 0.0 {
                 let target = if sub == 1 { &mut *b1 } else { &mut *b0 };
-                add_cpu_decode(target, ctx, window, -1);
+                add_cpu_decode(target, ctx, windows, -1);
                 place.fail_ctx = ctx;
                 continue;
             }
@@ -215,7 +215,7 @@ impl Scheduler {
         for s in scheduled {
             let b = &mut loads[usize::from(s.sub_batch)];
             if s.attends_on_cpu() {
-                add_cpu_rows(b, s.num_computed_tokens, s.num_new_tokens, self.config.every_layer_window(), 1);
+                add_cpu_rows(b, s.num_computed_tokens, s.num_new_tokens, &self.config.kv_group_windows, 1);
             } else {
                 if s.device == Device::Cpu {
                     b.host_kv_tokens += s.num_new_tokens;
@@ -251,10 +251,11 @@ impl Scheduler {
         }
     }
 
-    /// The context a row at `ctx` tokens reads: at most the window, when every layer slides (a
-    /// hybrid model's rows are priced as if each of its layers read the whole context).
+    /// The context a row at `ctx` tokens reads: at most the window in a KV group that slides
+    /// (the mean over the groups, which hold as many layers each).
     pub(super) fn attended(&self, ctx: usize) -> usize {
-        self.config.every_layer_window().map_or(ctx, |w| ctx.min(w))
+        let windows = &self.config.kv_group_windows;
+        windows.iter().map(|w| w.map_or(ctx, |w| ctx.min(w))).sum::<usize>() / windows.len()
     }
 
     /// A prefill chunk's attention, its earlier context read only as far as the window reaches.
@@ -383,18 +384,22 @@ impl Scheduler {
 }
 
 /// Add (`sign` 1) or take back (-1) one CPU decode of context `ctx`.
-fn add_cpu_decode(b: &mut Load, ctx: usize, window: Option<usize>, sign: isize) {
-    add_cpu_rows(b, ctx - 1, 1, window, sign);
+fn add_cpu_decode(b: &mut Load, ctx: usize, windows: &[Option<usize>], sign: isize) {
+    add_cpu_rows(b, ctx - 1, 1, windows, sign);
 }
 
 /// Add (`sign` 1) or take back (-1) one request's `n` rows attending on the CPU after its
-/// first `computed` tokens: each costs the kernel a decode over its own context, or over the
-/// `window` once the context is longer.
-fn add_cpu_rows(b: &mut Load, computed: usize, n: usize, window: Option<usize>, sign: isize) {
+/// first `computed` tokens: each costs the kernel a decode over its own context, or in a KV
+/// group of `windows` that slides, over the window once the context is longer (the mean over
+/// the groups, which hold as many layers each).
+fn add_cpu_rows(b: &mut Load, computed: usize, n: usize, windows: &[Option<usize>], sign: isize) {
     let step = |x: &mut usize, by: usize| *x = x.wrapping_add_signed(sign * by as isize);
     // Rows at contexts computed + 1 ..= computed + n; those past the window read the window.
-    let below = window.map_or(n, |w| n.min(w.saturating_sub(computed)));
-    let ctx = below * computed + below * (below + 1) / 2 + (n - below) * window.unwrap_or(0);
+    let read = |window: Option<usize>| {
+        let below = window.map_or(n, |w| n.min(w.saturating_sub(computed)));
+        below * computed + below * (below + 1) / 2 + (n - below) * window.unwrap_or(0)
+    };
+    let ctx = windows.iter().map(|&w| read(w)).sum::<usize>() / windows.len();
     step(&mut b.reqs, 1);
     step(&mut b.tokens, n);
     step(&mut b.cpu_seqs, n);
@@ -435,10 +440,16 @@ pub(super) mod tests {
         let s = windowed(0, Some(256));
         // Rows at contexts 250 ..= 260: seven read their context, four the window.
         let mut b = Load::default();
-        add_cpu_rows(&mut b, 249, 11, Some(256), 1);
-        assert_eq!(b.cpu_ctx, (250..=256).sum::<usize>() + 4 * 256);
-        add_cpu_rows(&mut b, 249, 11, Some(256), -1);
+        let sliding = (250..=256).sum::<usize>() + 4 * 256;
+        add_cpu_rows(&mut b, 249, 11, &[Some(256)], 1);
+        assert_eq!(b.cpu_ctx, sliding);
+        add_cpu_rows(&mut b, 249, 11, &[Some(256)], -1);
         assert_eq!(b.cpu_ctx, 0);
+        // A hybrid model: a global group reads every row's context, a sliding one the window.
+        add_cpu_rows(&mut b, 249, 11, &[None, Some(256)], 1);
+        assert_eq!(b.cpu_ctx, ((250..=260).sum::<usize>() + sliding) / 2);
+        let hybrid = Scheduler::new(SchedulerConfig { kv_group_windows: vec![None, Some(256)], ..s.config.clone() });
+        assert_eq!(hybrid.unwrap().attended(4000), (4000 + 256) / 2);
         let mut g = Load::default();
         s.add_gpu_work(&mut g, 4000, 1);
         assert_eq!(g.decode_ctx, 256);
@@ -471,7 +482,7 @@ pub(super) mod tests {
             s.add_prefill(&mut b0, &host_prompt, 1);
             let mut b1 = Load::default();
             for _ in 0..100 {
-                add_cpu_decode(&mut b1, 100, None, 1);
+                add_cpu_decode(&mut b1, 100, &[None], 1);
             }
             assert_eq!(s.pipeline_pays(&g, &b0, &b1), pays, "{kv_bytes_per_token} B/token");
             let copy = s.host_kv_ms(&b0);

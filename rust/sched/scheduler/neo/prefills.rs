@@ -185,7 +185,7 @@ impl Scheduler {
     /// Add (`sign` 1) or take back (-1) one tentative prefill.
     pub(super) fn add_prefill(&self, b: &mut Load, p: &Tentative, sign: isize) {
         if p.in_place() {
-            add_cpu_rows(b, p.target - p.n, p.n, self.config.every_layer_window(), sign);
+            add_cpu_rows(b, p.target - p.n, p.n, &self.config.kv_group_windows, sign);
             return;
         }
         let step = |x: &mut usize, by: usize| *x = x.wrapping_add_signed(sign * by as isize);
