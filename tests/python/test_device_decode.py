@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import types
+from dataclasses import replace
 
 import pytest
 import torch
@@ -208,11 +209,14 @@ def test_backends_plan_once_per_iterations_rows(
         decode, _Wrapper.plans = FlashInferDecode(torch.device("cpu")), 0
     out = torch.empty_like(q)
     kind = AttentionKind(0.125)
-    for layer in (0, 1, 0):
-        decode(q, pool, layer, rows, kind, out)
+    # A hybrid model's layers alternate KV groups, each with rows (tables) of its own: a plan
+    # each, kept while the layers alternate.
+    other = replace(rows, group=1)
+    for layer, r in ((0, rows), (1, other), (0, rows), (1, other)):
+        decode(q, pool, layer, r, kind, out)
     again = DecodeRows(**vars(rows))  # the next iteration's rows, equal but new
     decode(q, pool, 1, again, kind, out)
-    assert (len(calls) if backend == "torch" else _Wrapper.plans) == 2
+    assert (len(calls) if backend == "torch" else _Wrapper.plans) == 3
 
 
 def test_flashinfer_plans_each_attention_kind_apart(fake_flashinfer: None) -> None:

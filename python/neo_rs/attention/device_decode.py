@@ -104,8 +104,9 @@ def paged_decode_torch(
 
 class TorchDecode:
     def __init__(self) -> None:
-        # The rows planned for, and their index per window (Gemma's layers alternate two).
-        self._planned: tuple[DecodeRows, dict[int | None, TokenIndex]] | None = None
+        # Per KV group, the rows planned for and their index per window (Gemma's layers
+        # alternate two; a hybrid model's groups have tables of their own).
+        self._planned: dict[int, tuple[DecodeRows, dict[int | None, TokenIndex]]] = {}
 
     def __call__(
         self,
@@ -116,9 +117,10 @@ class TorchDecode:
         kind: AttentionKind,
         out: torch.Tensor,
     ) -> None:
-        if self._planned is None or self._planned[0] is not rows:
-            self._planned = rows, {}
-        indices = self._planned[1]
+        planned = self._planned.get(rows.group)
+        if planned is None or planned[0] is not rows:
+            planned = self._planned[rows.group] = rows, {}
+        indices = planned[1]
         if kind.window not in indices:
             indices[kind.window] = TokenIndex.of(
                 rows.block_tables, rows.seq_lens, pool.layout.block_size, rows.max_seq_len, kind.window
@@ -131,7 +133,7 @@ class TritonDecode:
         from neo_rs.attention.cuda.paged_decode import SplitPlan, paged_decode  # noqa: PLC0415 (needs Triton)
 
         self._kernel, self._split = paged_decode, SplitPlan.for_lengths
-        self._planned: tuple[DecodeRows, SplitPlan] | None = None
+        self._planned: dict[int, tuple[DecodeRows, SplitPlan]] = {}  # per KV group
 
     def __call__(
         self,
@@ -142,9 +144,10 @@ class TritonDecode:
         kind: AttentionKind,
         out: torch.Tensor,
     ) -> None:
-        if self._planned is None or self._planned[0] is not rows:
-            self._planned = rows, self._split(rows.max_seq_len, pool.layout.block_size)
-        k, v, plan = pool.k[layer], pool.v[layer], self._planned[1]
+        planned = self._planned.get(rows.group)
+        if planned is None or planned[0] is not rows:
+            planned = self._planned[rows.group] = rows, self._split(rows.max_seq_len, pool.layout.block_size)
+        k, v, plan = pool.k[layer], pool.v[layer], planned[1]
         self._kernel(
             q.contiguous(),
             k,

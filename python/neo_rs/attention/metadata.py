@@ -47,6 +47,7 @@ class DecodeRows:
     # The same tables and lengths in CPU memory, for backends that plan on the host.
     host_tables: torch.Tensor
     host_lens: torch.Tensor
+    group: int = 0  # the KV group whose tables these are (backends keep a plan per group)
 
     def __len__(self) -> int:
         return self.end - self.start
@@ -173,6 +174,7 @@ class AttentionBatch:
                 int(gpu_lens.max()) if gpu_rows else 0,
                 gpu_tables,
                 gpu_lens,
+                group,
             ),
             cpu_decodes=DecodeRows(
                 cpu_start,
@@ -182,6 +184,7 @@ class AttentionBatch:
                 int(lens[ngd:nd].max(initial=0)),
                 cpu_tables,
                 cpu_lens,
+                group,
             ),
             prefills=prefills,
             append_decodes=append_decodes,

@@ -141,8 +141,8 @@ class DecodeGraphs:
                     tokens=slice(0, size),
                     device_writes=[] if appends else [(slice(0, size), (blocks[k], offsets[k]))],
                     host_writes=None,
-                    gpu_decodes=DecodeRows(0, size, tables[k], lens, self.max_model_len, tables[k], lens),
-                    cpu_decodes=DecodeRows(0, 0, tables[k, :0], lens[:0], 0, tables[k, :0], lens[:0]),
+                    gpu_decodes=DecodeRows(0, size, tables[k], lens, self.max_model_len, tables[k], lens, k),
+                    cpu_decodes=DecodeRows(0, 0, tables[k, :0], lens[:0], 0, tables[k, :0], lens[:0], k),
                     prefills=[],
                     append_decodes=appends,
                 )

@@ -52,7 +52,8 @@ class _Planned:
 class FlashInferDecode:
     """The ``DeviceDecode`` backend (``attention/device_decode.py``) on FlashInfer's
     ``BatchDecodeWithPagedKVCacheWrapper``: one wrapper per attention kind of the model's layers
-    (Gemma's sliding and global layers plan apart), each with its own workspace."""
+    and KV group (Gemma's sliding and global layers plan apart, over their groups' tables), each
+    with its own workspace."""
 
     plans_on_host = True  # its plan() reads the lengths on the host: no CUDA graph around it
 
@@ -61,7 +62,7 @@ class FlashInferDecode:
 
         self._make = flashinfer.BatchDecodeWithPagedKVCacheWrapper
         self._device = device
-        self._by_kind: dict[AttentionKind, _Planned] = {}
+        self._by_kind: dict[tuple[AttentionKind, int], _Planned] = {}
 
     def __call__(
         self,
@@ -72,10 +73,10 @@ class FlashInferDecode:
         kind: AttentionKind,
         out: torch.Tensor,
     ) -> None:
-        planned = self._by_kind.get(kind)
+        planned = self._by_kind.get((kind, rows.group))
         if planned is None:
             workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=self._device)
-            planned = self._by_kind[kind] = _Planned(self._make(workspace, "HND"))
+            planned = self._by_kind[kind, rows.group] = _Planned(self._make(workspace, "HND"))
         if rows is not planned.rows:
             layout = pool.layout
             indptr, indices, last = paged_kv_args(
