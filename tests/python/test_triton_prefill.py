@@ -16,6 +16,7 @@ from neo_rs.attention.device_decode import select_paged_prefill
 from neo_rs.attention.layer import Attention, attend_positions
 from neo_rs.attention.metadata import Prefill
 from neo_rs.config import AttentionKind
+from neo_rs.kv.groups import KvGroups
 from neo_rs.kv.pools import KvLayout, KvPool
 from neo_rs.kv.transfer import HostTransfer
 
@@ -101,7 +102,7 @@ def test_windows_and_caps_in_every_prefill_path(
     layout = KvLayout(num_layers=1, num_kv_heads=kv_heads, block_size=bs, head_dim=head_dim, dtype=dtype)
     pool = KvPool(layout, k_cache.shape[0], torch.device("cpu"))
     pool.k[0], pool.v[0] = k_cache, v_cache
-    attn = Attention([kind], CpuAttention(), HostTransfer(torch.device("cpu")))
+    attn = Attention([kind], CpuAttention(), HostTransfer(torch.device("cpu")), KvGroups.of([kind.window]))
     chunk = Prefill(0, len(q), computed, seq_len, table)
     own = k_seq[computed:], v_seq[computed:]  # the chunk's K/V (a first chunk reads only these)
     torch.testing.assert_close(attn.prefill(q, *own, pool, 0, chunk).double(), want, **tol)
@@ -129,7 +130,7 @@ def test_attention_hands_later_chunks_to_the_kernel_as_it_would_on_cuda() -> Non
     layout = KvLayout(num_layers=2, num_kv_heads=2, block_size=16, head_dim=32, dtype=torch.float32)
     pool = KvPool(layout, 8, on)
     pool.k.normal_(), pool.v.normal_()
-    attn = Attention([AttentionKind(32**-0.5)] * 2, CpuAttention(), HostTransfer(on))
+    attn = Attention([AttentionKind(32**-0.5)] * 2, CpuAttention(), HostTransfer(on), KvGroups.of([None] * 2))
     assert attn.paged_prefill is (paged_prefill if on.type == "cuda" else None)
     attn.paged_prefill = None
     q, k, v = (torch.randn(20, n, 32, device=on) for n in (8, 2, 2))
