@@ -1,12 +1,13 @@
 //! Prefix hits: the cached blocks a prompt starts with, found by walking its chained block
 //! hashes, and what taking them costs. With several KV groups each group keeps its own chain
-//! (in a namespace of its own, `group_salt`) and a block of tokens is found only when every
-//! group's block of it is cached; a sliding group's blocks behind the window of the prompt's
-//! next token are then skipped (`KvManager::skip_behind_window`): neither held, pinned nor
-//! copied, and `NULL` in the table of the request that takes the hit (`grow_past_hit`).
-//! Registered while computed, before the window releases them, they stay cached until evicted
-//! (on the device, then in the host tier): a hit ends at the first block of tokens some group
-//! no longer holds on either tier, however far behind a window it lies.
+//! (in a namespace of its own, `group_salt`). A global group's block must be cached for a
+//! block of tokens to count; a sliding group's only inside the window of the prompt's next
+//! token (vLLM's rule): the walk passes over its missing blocks and `skip_behind_window` cuts
+//! the hit where a window lacks one. The blocks behind each window are skipped: neither held,
+//! pinned nor copied, and `NULL` in the table of the request that takes the hit
+//! (`grow_past_hit`). The host tier's walk starts where the device's ended: a sliding block
+//! inside the window held only by the host tier, its block of tokens' global block being on the
+//! device, is not used, and the hit is cut before it.
 
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
@@ -189,6 +190,10 @@ impl KvManager {
         }
         let kept: Vec<usize> = (0..hit.blocks.len()).filter(|&e| !hit.is_skipped(e)).collect();
         let blocks: Vec<BlockId> = kept.iter().map(|&e| hit.blocks[e]).collect();
+        debug_assert!(
+            !blocks.contains(&BlockId::NULL),
+            "a hit's missing blocks lie behind the window (skip_behind_window)"
+        );
         let hashes: Vec<BlockHash> = kept.iter().map(|&e| hit.hashes[e]).collect();
         self.hold(&blocks, &hashes);
         let table = (0..hit.blocks.len()).map(|e| if hit.is_skipped(e) { BlockId::NULL } else { hit.blocks[e] });
@@ -258,7 +263,7 @@ mod tests {
     use crate::kv::Device;
 
     #[test]
-    fn a_hybrid_hit_needs_every_groups_block_and_skips_the_sliding_ones_behind_the_window() {
+    fn a_hybrid_hit_needs_the_global_blocks_and_the_sliding_ones_inside_the_window() {
         // A global group and a sliding one (window 3), blocks of 2: entries alternate.
         let mut m = KvManager::new(Device::Gpu, 32, 2, true).with_groups(vec![None, Some(3)]);
         let prompt: Vec<u32> = (0..9).collect();
