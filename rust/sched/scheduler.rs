@@ -411,14 +411,14 @@ impl Scheduler {
             let mut hit = self.prefix_hit(req);
             let hit_tokens = hit.num_blocks() * self.config.block_size;
             if self.config.offload == OffloadMode::AllCpu
-                && !self.host_has_room(hit_tokens, req.num_tokens(), hit.host_kept().len())
+                && !self.host_has_room(hit_tokens, req.num_tokens(), hit.num_host_kept())
             {
                 // Its KV ends in the host pool: room for it comes before pinning the tier's
                 // blocks, which would otherwise keep it waiting for good.
                 self.drop_host_tier(&mut hit);
             }
             let computed = req.num_computed_tokens + hit.num_blocks() * self.config.block_size;
-            let pinned = hit.host_kept().len();
+            let pinned = hit.num_host_kept();
             let n = (req.num_tokens() - computed).min(step.budget);
             let target = computed + n;
             let to_host = self.prefill_goes_to_host(req, computed, n);

@@ -10,6 +10,7 @@ scheduler keeps a table entry per group per block of tokens (``kv_group_windows`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,18 @@ class KvGroups:
 
     def first_writer(self, layer: int) -> bool:
         """Whether ``layer`` is the first to write its slot (copies into it go before)."""
-        return all(self.slot[i] != self.slot[layer] for i in range(layer))
+        return self._writers[0][self.slot[layer]] == layer
 
     def last_writer(self, layer: int) -> bool:
         """Whether ``layer`` is the last to write its slot (copies out of it go after)."""
-        return all(self.slot[i] != self.slot[layer] for i in range(layer + 1, len(self.slot)))
+        return self._writers[1][self.slot[layer]] == layer
+
+    @cached_property
+    def _writers(self) -> tuple[list[int], list[int]]:
+        """Per slot, its first and last writing layer (asked at every layer of an iteration)."""
+        first, last = [-1] * self.num_slots, [-1] * self.num_slots
+        for layer, slot in enumerate(self.slot):
+            if first[slot] < 0:
+                first[slot] = layer
+            last[slot] = layer
+        return first, last

@@ -79,24 +79,25 @@ impl PrefixHit {
         self.skip.get(e % g).is_some_and(|&behind| e / g < behind)
     }
 
-    /// The host entries not skipped, with their hashes.
-    pub(super) fn host_entries_kept(&self) -> impl Iterator<Item = (BlockId, BlockHash)> + '_ {
-        let first = self.blocks.len();
-        (0..self.host.len()).filter(move |&j| !self.is_skipped(first + j)).map(|j| (self.host[j], self.host_hashes[j]))
+    /// Indices into `host` of the host entries not skipped.
+    fn host_kept(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.host.len()).filter(|&j| !self.is_skipped(self.blocks.len() + j))
     }
 
-    /// The host blocks to copy to the device: those not behind the window.
-    pub fn host_kept(&self) -> Vec<BlockId> {
-        self.host_entries_kept().map(|(b, _)| b).collect()
+    /// The host entries not skipped, with their hashes.
+    pub(super) fn host_entries_kept(&self) -> impl Iterator<Item = (BlockId, BlockHash)> + '_ {
+        self.host_kept().map(|j| (self.host[j], self.host_hashes[j]))
+    }
+
+    /// How many host blocks are copied to the device: those not behind the window.
+    pub fn num_host_kept(&self) -> usize {
+        self.host_kept().count()
     }
 
     /// The `(host, device)` pairs that copy the kept host blocks into the table of the request
     /// that took the hit (`table`, grown past it), entry for entry.
     pub fn host_copies<'a>(&'a self, table: &'a [BlockId]) -> impl Iterator<Item = (BlockId, BlockId)> + 'a {
-        let first = self.blocks.len();
-        (0..self.host.len())
-            .filter(move |&j| !self.is_skipped(first + j))
-            .map(move |j| (self.host[j], table[first + j]))
+        self.host_kept().map(|j| (self.host[j], table[self.blocks.len() + j]))
     }
 
     /// Blocks a request takes up by growing from the hit to `table_blocks` table entries: new
@@ -144,21 +145,19 @@ impl KvManager {
         let (mut blocks, mut hashes) = (Vec::new(), Vec::new());
         let Some(cache) = &self.cache else { return (blocks, hashes) };
         let max_blocks = tokens.len().saturating_sub(1) / self.block_size;
+        let mut found = Vec::with_capacity(parents.len());
         for (i, block) in tokens.chunks_exact(self.block_size).enumerate().take(max_blocks).skip(from) {
-            let found: Vec<(BlockId, BlockHash)> = parents
-                .iter()
-                .enumerate()
-                .map(|(g, &parent)| {
-                    let given = if g == 0 { known.get(i).copied() } else { None };
-                    let hash = given.unwrap_or_else(|| hash_block(parent, block));
-                    cache.get(hash, parent, block).unwrap_or((BlockId::NULL, hash))
-                })
-                .collect();
+            found.clear();
+            found.extend(parents.iter().enumerate().map(|(g, &parent)| {
+                let given = if g == 0 { known.get(i).copied() } else { None };
+                let hash = given.unwrap_or_else(|| hash_block(parent, block));
+                cache.get(hash, parent, block).unwrap_or((BlockId::NULL, hash))
+            }));
             let missing = |(g, (b, _)): (usize, &(BlockId, BlockHash))| b.is_null() && self.windows[g].is_none();
             if found.iter().enumerate().any(missing) || found.iter().all(|(b, _)| b.is_null()) {
                 break;
             }
-            for ((b, hash), parent) in found.into_iter().zip(&mut parents) {
+            for (&(b, hash), parent) in found.iter().zip(&mut parents) {
                 blocks.push(b);
                 hashes.push(hash);
                 *parent = Some(hash);

@@ -222,8 +222,11 @@ mod tests {
         assert_eq!((hit.blocks.len(), hit.num_blocks(), hit.num_host_blocks()), (0, 4, 4));
         // Position 8 reads 6..=8 in the sliding group: its first three host blocks are skipped.
         gpu.skip_behind_window(&mut hit);
-        let kept = [0, 2, 4, 6, 7].map(|j| hit.host[j]);
-        assert_eq!((hit.host_kept(), hit.blocks_taken(10)), (kept.to_vec(), 7));
+        let kept: Vec<BlockId> = hit.host_entries_kept().map(|(b, _)| b).collect();
+        assert_eq!(
+            (kept, hit.num_host_kept(), hit.blocks_taken(10)),
+            ([0, 2, 4, 6, 7].map(|j| hit.host[j]).to_vec(), 5, 7)
+        );
         assert!(gpu.allocate_with_prefix(RequestId(3), &hit, 9));
         cpu.pin_host_hit(&hit);
         let table = gpu.table(RequestId(3)).to_vec();

@@ -29,7 +29,7 @@ impl KvManager {
     /// Leading blocks of tokens of a request that has computed `num_computed` tokens that no
     /// later query of a group with `window` reads: those ending at or before `num_computed - window`.
     fn behind(&self, window: Option<usize>, num_computed: usize) -> usize {
-        window.map_or(0, |w| (num_computed + 1).saturating_sub(w) / self.block_size)
+        behind(window, num_computed, self.block_size)
     }
 
     /// Table entries of a request that has computed `num_computed` tokens that no later query
@@ -56,13 +56,13 @@ impl KvManager {
     /// left each group's leading entries `NULL`: only the entries after them are visited (every
     /// step, for every request).
     pub fn release_behind_window(&mut self, id: RequestId, num_computed: usize) {
-        let g = self.windows.len();
-        let ends: Vec<usize> = self.windows.iter().map(|&w| self.behind(w, num_computed)).collect();
+        let (g, bs) = (self.windows.len(), self.block_size);
         let Some(table) = self.tables.get_mut(&id) else { return };
         let mut released = Vec::new();
-        for (group, &end) in ends.iter().enumerate() {
-            let entries: Vec<usize> = (0..end).map(|i| i * g + group).take_while(|&e| e < table.len()).collect();
-            for &e in entries.iter().rev() {
+        for (group, &window) in self.windows.iter().enumerate() {
+            // Group `group`'s entries behind the window that the table has, last first.
+            let end = behind(window, num_computed, bs).min((table.len() + g - 1 - group) / g);
+            for e in (0..end).rev().map(|i| i * g + group) {
                 if table[e].is_null() {
                     break;
                 }
@@ -102,11 +102,11 @@ impl KvManager {
     pub fn skip_behind_window(&self, hit: &mut PrefixHit) {
         let g = self.windows.len();
         let entry = |e: usize| if e < hit.blocks.len() { hit.blocks[e] } else { hit.host[e - hit.blocks.len()] };
+        // The walks leave no global group's block missing: only the sliding groups' windows are
+        // checked.
+        let sliding = self.windows.iter().enumerate().filter(|(_, w)| w.is_some());
         let whole = |n: usize| {
-            self.windows
-                .iter()
-                .enumerate()
-                .all(|(k, &w)| (self.behind(w, n * self.block_size)..n).all(|i| !entry(i * g + k).is_null()))
+            sliding.clone().all(|(k, &w)| (self.behind(w, n * self.block_size)..n).all(|i| !entry(i * g + k).is_null()))
         };
         let n = (0..=hit.num_blocks()).rev().find(|&n| whole(n)).unwrap_or(0);
         let (device, host) = ((n * g).min(hit.blocks.len()), (n * g).saturating_sub(hit.blocks.len()));
@@ -118,6 +118,11 @@ impl KvManager {
         let unheld = |(e, b): (usize, &BlockId)| !hit.is_skipped(e) && self.refs[b.0 as usize] == 0;
         hit.evictable = hit.blocks.iter().enumerate().filter(|&x| unheld(x)).count();
     }
+}
+
+/// `KvManager::behind` for blocks of `block_size` tokens.
+fn behind(window: Option<usize>, num_computed: usize, block_size: usize) -> usize {
+    window.map_or(0, |w| (num_computed + 1).saturating_sub(w) / block_size)
 }
 
 #[cfg(test)]

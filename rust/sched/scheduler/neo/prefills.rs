@@ -77,7 +77,7 @@ impl Scheduler {
             };
             // Once host-bound, no later prompt goes to the device: no device lookup for it.
             let mut hit = if host_bound { PrefixHit::default() } else { self.prefix_hit(req) };
-            if hit.host_kept().len() > free_cpu {
+            if hit.num_host_kept() > free_cpu {
                 // Its host-tier blocks are pinned while copied in, and the prefills placed above
                 // took the host room for that: they are recomputed instead.
                 self.drop_host_tier(&mut hit);
@@ -94,9 +94,9 @@ impl Scheduler {
                 hit.blocks_taken(self.gpu.blocks_for(req.num_tokens())).min(self.config.peak_blocks(req.num_tokens()));
             let (t, host_blocks) = if !host_bound && whole + max_headroom.min(on_device) <= free_gpu {
                 // Priced with a layer's share of copying its host-tier blocks in.
-                let copied = hit.host_kept().len() * self.config.block_size * self.config.kv_bytes_per_token;
+                let copied = hit.num_host_kept() * self.config.block_size * self.config.kv_bytes_per_token;
                 let attn_ms = self.prefill_attn_ms(computed, n_dev) + self.predictor.transfer_ms(copied);
-                let host_hit = !hit.host_kept().is_empty();
+                let host_hit = hit.num_host_kept() > 0;
                 let dev = Tentative {
                     id,
                     n: n_dev,
@@ -123,7 +123,7 @@ impl Scheduler {
             } else {
                 // Its host-tier blocks are pinned while copied: no room for others this plan
                 // (counted twice when two prefills pin one block: a safe overestimate).
-                free_cpu -= t.hit.host_kept().len();
+                free_cpu -= t.hit.num_host_kept();
                 free_gpu -= blocks;
                 on_device += 1;
             }
