@@ -40,7 +40,8 @@ else
     "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'"
     TESTS="tests/python/test_model_parity.py tests/python/test_offload.py tests/python/test_engine.py
         tests/python/test_transfer.py tests/python/test_triton_decode.py tests/python/test_device_decode.py
-        tests/python/test_triton_prefill.py tests/python/test_prefix_cache.py tests/python/test_cuda_graphs.py"
+        tests/python/test_triton_prefill.py tests/python/test_prefix_cache.py tests/python/test_cuda_graphs.py
+        tests/python/test_grouped_gemm.py"
     FALLBACK_TESTS="tests/python/test_model_parity.py tests/python/test_offload.py"
     # The image has pytest-xdist and pytest-timeout: Triton's compiles spread over its 16 cores,
     # and a test that hangs on CUDA fails alone instead of taking its whole step's log with it.
@@ -54,7 +55,7 @@ fi
 if [ "${1:-}" = "--bench" ]; then TESTS= FALLBACK_TESTS=; fi
 if [ "${1:-}" = "--kernels" ]; then
     TESTS="tests/python/test_triton_decode.py tests/python/test_triton_prefill.py
-        tests/python/test_device_decode.py tests/python/test_cuda_graphs.py"
+        tests/python/test_device_decode.py tests/python/test_cuda_graphs.py tests/python/test_grouped_gemm.py"
     FALLBACK_TESTS= SKIP_BENCH=1
 fi
 # SKIP_COMPILE=1 leaves step (0) out (kernels unchanged since the last lease; saves a minute).

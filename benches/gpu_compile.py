@@ -1,9 +1,10 @@
 """Every Triton kernel in ``neo_rs.attention.cuda`` and ``neo_rs.model.cuda`` compiled ahead of time
 for the GPUs NEO targets, with no GPU: sm_75 (T4), sm_80 (A100), sm_86 (A10G), sm_89 (L4) and sm_90
 (H100/H200). Each kernel is built with the compile-time arguments its launcher picks
-(``decode_launch``, ``prefill_launch``, ``moe_launch``, ``int4_launch``) for head dims
-64/80/96/128/256, block sizes 16/32 (the MoE GEMM: 1 and 8 rows per token; the int4 GEMM: groups
-of 32, 64 and 128, in fp16 and float32, where it runs instead of tinygemm), the 16-bit dtype the engine
+(``decode_launch``, ``prefill_launch``, ``moe_launch``, ``grouped_launch``) for head dims
+64/80/96/128/256, block sizes 16/32 (the MoE GEMM: 1 and 8 rows per token; the grouped GEMM: int4
+in groups of 32, 64 and 128, in fp16 and float32, where it runs instead of tinygemm, and int8 in
+groups of 16, 32 and 128 in every dtype), the 16-bit dtype the engine
 runs on that target (no bf16 before sm_80: fp16 there) and float32; the attention kernels also
 with a sliding window and soft-capping (Gemma's layers) at head dims 128 and 256. The bundled ``ptxas -v``
 gives registers and spills; the metadata, shared memory; occupancy follows from the target's
@@ -35,7 +36,8 @@ import torch
 import triton
 from neo_rs.attention.cuda import paged_decode, paged_prefill
 from neo_rs.environment import cache_dir
-from neo_rs.model.cuda import fused_moe, int4_gemm, words
+from neo_rs.model.cuda import fused_moe, grouped_gemm, words
+from neo_rs.model.cuda.grouped_gemm import grouped_launch
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
@@ -103,8 +105,9 @@ KERNELS = {
         fused_moe._moe_gemm,
         lambda rows, _hd, _bs, dtype: {**fused_moe.moe_launch(dtype), "ROWS_PER_TOKEN": rows},
     ),
-    # The int4 weight-only GEMM (``group``: the quantization's group size).
-    "int4": (int4_gemm._int4_gemm, lambda group, _hd, _bs, dtype: int4_gemm.int4_launch(dtype, group)),
+    # The grouped weight-only GEMM, 4 and 8 bits (``group``: the quantization's group size).
+    "int4": (grouped_gemm._grouped_gemm, lambda group, _hd, _bs, dt: grouped_launch(dt, group, 4)),
+    "int8": (grouped_gemm._grouped_gemm, lambda group, _hd, _bs, dt: grouped_launch(dt, group, 8)),
 }
 
 
@@ -115,7 +118,8 @@ def signature(fn: triton.JITFunction, dtype: torch.dtype, constants: dict) -> di
     by_name = {"q_ptr": element, "k_ptr": element, "v_ptr": element, "tables_ptr": "*i32"}
     by_name |= {"lens_ptr": "*i32", "table_ptr": "*i64", "scale": "fp32", "softcap": "fp32"}
     by_name |= {"a_ptr": element, "w_ptr": element, "sorted_ptr": "*i32", "block_expert_ptr": "*i32"}
-    by_name |= {"x_ptr": element, "packed_ptr": "*u8", "sz_ptr": element}
+    packed = "*i16" if constants.get("BITS") == 8 else "*u8"  # the grouped GEMM's pairs: words or bytes
+    by_name |= {"x_ptr": element, "packed_ptr": packed, "sz_ptr": element}
     sig = {}
     for name in fn.arg_names:
         if name in constants:
@@ -192,9 +196,13 @@ def cases(archs: list[int]) -> list[Case]:
     for arch in archs:
         for dtype in engine_dtypes(arch):
             out += [Case("moe", arch, str(dtype).removeprefix("torch."), 0, 0, rows) for rows in (1, 8)]
-        # Our int4 GEMM runs where tinygemm does not: fp16 (and float32) on every target.
+        # Our int4 GEMM runs where tinygemm does not: fp16 (and float32) on every target. Grouped
+        # int8 has no other kernel: every dtype, in a GGUF's groups (16, 32) and GPTQ's (128).
         for dtype, group in itertools.product(("float16", "float32"), (32, 64, 128)):
             out.append(Case("int4", arch, dtype, 0, 0, group))
+        int8_dtypes = {str(d).removeprefix("torch.") for d in engine_dtypes(arch)} | {"float16"}
+        for dtype, group in itertools.product(sorted(int8_dtypes), (16, 32, 128)):
+            out.append(Case("int8", arch, dtype, 0, 0, group))
     return out
 
 
@@ -202,7 +210,7 @@ def source_key() -> str:
     """The kernels' source, this script's and Triton's version: what the results depend on."""
     h = hashlib.sha256(triton.__version__.encode())
     h.update(Path(__file__).read_bytes())
-    for module in (paged_decode, paged_prefill, fused_moe, int4_gemm, words):
+    for module in (paged_decode, paged_prefill, fused_moe, grouped_gemm, words):
         h.update(inspect.getsource(module).encode())
     return h.hexdigest()[:20]
 

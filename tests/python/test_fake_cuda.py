@@ -21,21 +21,15 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from conftest import assert_all_blocks_free
-from fake_cuda import GIB, CudaChecks, DeviceCheckError, FakeCuda, fake_rank
+from fake_cuda import CudaChecks, DeviceCheckError, FakeCuda, fake_rank
 from neo_rs import LLMEngine, SamplingParams
 from neo_rs.config import EngineArgs
-from neo_rs.cuda_runtime import runtime, use_runtime
+from neo_rs.cuda_runtime import use_runtime
 from neo_rs.engine.async_engine import AsyncEngine
 from neo_rs.errors import EngineStepError
 from neo_rs.kv.transfer import HostTransfer
-from neo_rs.model.fp8 import Fp8Linear
-from neo_rs.model.quant import Int4Linear, decoder_linears
 from neo_rs.sample.structured import StructuredOutputsParams
-from neo_rs.worker import runner as runner_module
 from server_util import free_port
-from test_fp8_checkpoint import write_fp8
-from test_gguf import write_gguf
-from test_gptq_awq import write_packed
 from test_prefix_cache import PROMPTS
 
 # The host waits for the device once an iteration: to read the sampled tokens (docs/gpu.md).
@@ -159,166 +153,6 @@ def test_sliding_windows_and_soft_caps(monkeypatch, checkpoints, kind: str, back
                 checks.ops
             )
         assert_all_blocks_free(engine)
-        engine.shutdown()
-
-
-@pytest.mark.parametrize(
-    ("method", "kernel", "capability"),
-    [
-        ("int8", "_weight_int8pack_mm.default", (9, 0)),
-        ("int4", "_weight_int4pack_mm.default", (9, 0)),
-        ("fp8", "_scaled_mm.default", (8, 9)),
-        ("fp8", "__lshift__.Scalar", (8, 0)),  # before Ada: weight-only, widened at each call
-    ],
-)
-def test_quantized_weights(monkeypatch, checkpoints, method: str, kernel: str, capability) -> None:
-    """--quantization int8|int4|fp8 on CUDA: the weights quantized on the device at load, torch's
-    kernel in every linear, within the budget (Qwen3's widths are int4's: the demo model's FFN
-    of 688 columns is no multiple of its groups)."""
-    with fake_gpu(monkeypatch, capability=capability) as checks:
-        engine = engine_on(
-            str(checkpoints["qwen3"]),
-            offload="neo",
-            num_gpu_blocks=10,
-            neo_force_pipeline=True,
-            quantization=method,
-        )
-        # The float weights' memory went back to the driver before the pools were sized (a GPU's
-        # free memory would not show it while torch's cache held it).
-        assert checks.runtime.cache_empties == 1
-        queue(engine)
-        assert "pipelined" in run(engine, checks)
-        assert checks.ops[f"aten.{kernel}"], checks.ops
-        assert method != "fp8" or kernel.startswith("_scaled_mm") == bool(
-            checks.ops["aten._scaled_mm.default"]
-        )
-        engine.shutdown()
-
-
-@pytest.fixture
-def untraced_plan(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The activation trace allocates nothing on a real GPU: left out of the fake one's memory."""
-    traced = runner_module.plan_activations
-
-    def untracked(*args: Any, **kwargs: Any) -> Any:
-        rt = runtime()
-        assert isinstance(rt, FakeCuda)
-        rt.track_memory = False
-        try:
-            return traced(*args, **kwargs)
-        finally:
-            rt.track_memory = True
-
-    monkeypatch.setattr(runner_module, "plan_activations", untracked)
-
-
-def _weight_bytes(engine: LLMEngine) -> int:
-    model = engine.runner.model
-    tensors = {t.untyped_storage(): t for t in [*model.parameters(), *model.buffers()]}.values()
-    return sum(t.untyped_storage().nbytes() for t in tensors)
-
-
-def test_quantized_weights_leave_the_bytes_they_save_to_the_kv_pool(
-    monkeypatch, checkpoints, untraced_plan
-) -> None:
-    """The device pool is sized from the free memory after loading (torch's cache emptied): int4
-    weights give it what they save over bf16, to within a block."""
-    blocks, weights = {}, {}
-    for method in ("none", "int4"):
-        with fake_gpu(monkeypatch, total_bytes=GIB, track_memory=True):
-            engine = engine_on(str(checkpoints["qwen3"]), quantization=method, gpu_memory_utilization=0.5)
-            per_block = engine.runner.layout.bytes_per_block()
-            weights[method], blocks[method] = _weight_bytes(engine), engine.runner.num_gpu_blocks
-            engine.shutdown()
-    saved = weights["none"] - weights["int4"]
-    assert saved > 4 * per_block, (saved, per_block)
-    assert abs((blocks["int4"] - blocks["none"]) * per_block - saved) < per_block, (blocks, saved, per_block)
-
-
-@pytest.mark.parametrize("method", ["gptq", "fp8", "gguf", "int4"])
-def test_quantized_weights_never_exist_as_floats_on_the_device(
-    monkeypatch, checkpoints, tmp_path: Path, untraced_plan, method: str
-) -> None:
-    """Loading a GPTQ or FP8 checkpoint, keeping a GGUF's blocks, or quantizing to int4 at load
-    peaks below loading the same weights as floats by more than half their linears' bf16 bytes:
-    the linears kept quantized never exist as floats on the device (int4 at load: each linear's
-    float weight is assembled on the host)."""
-    # (checkpoint, --quantization) of the quantized load and of its float twin.
-    if method == "gptq":
-        packed, floats = write_packed(checkpoints["qwen2"], tmp_path, "gptq", 32)
-        loads = {"quantized": (packed, {}), "floats": (floats, {})}
-    elif method == "fp8":
-        fp8, floats = write_fp8(checkpoints["qwen2"], tmp_path, "compressed-tensors", "channel")
-        loads = {"quantized": (fp8, {}), "floats": (floats, {})}
-    else:
-        gguf = method == "gguf"
-        checkpoint = (
-            write_gguf(tmp_path / "q4.gguf", types=["Q4_0", "Q4_1", "Q4_K"]) if gguf else checkpoints["qwen3"]
-        )
-        at_load = {} if gguf else {"quantization": "int4"}  # a GGUF's blocks: inferred
-        loads = {"quantized": (checkpoint, at_load), "floats": (checkpoint, {"quantization": "none"})}
-    peaks = {}
-    for kind, (path, asked) in loads.items():
-        with fake_gpu(monkeypatch, track_memory=True) as checks:
-            engine = engine_on(str(path), num_gpu_blocks=8, **asked)
-            if kind == "floats":
-                model = engine.runner.model
-                linears = sum(model.get_submodule(n).weight.nbytes for n, *_ in decoder_linears(model))
-            peaks[kind] = checks.runtime.peak_bytes
-            engine.shutdown()
-    assert peaks["quantized"] + linears / 2 < peaks["floats"], (peaks, linears)
-
-
-# Where tinygemm runs (sm_80 on, bf16), its kernel; on a T4 in fp16, and in fp16 anywhere, ours.
-INT4_KERNELS = [
-    ((9, 0), "bfloat16", "aten._weight_int4pack_mm.default"),
-    ((7, 5), "float16", "neo_rs.int4_gemm.default"),
-    ((8, 0), "float16", "neo_rs.int4_gemm.default"),
-]
-
-
-def _int4_on(monkeypatch: pytest.MonkeyPatch, model: str, capability, dtype: str, op: str, **kw: Any) -> None:
-    with fake_gpu(monkeypatch, capability=capability) as checks:
-        engine = engine_on(
-            model, dtype=dtype, offload="neo", num_gpu_blocks=10, neo_force_pipeline=True, **kw
-        )
-        assert isinstance(engine.runner.model.decoder_layers[0].qkv_proj, Int4Linear)
-        queue(engine)
-        assert "pipelined" in run(engine, checks)
-        assert checks.ops[op], checks.ops
-        engine.shutdown()
-
-
-@pytest.mark.parametrize(("capability", "dtype", "op"), INT4_KERNELS)
-def test_int4_weights_on_every_gpu(monkeypatch, checkpoints, capability, dtype: str, op: str) -> None:
-    _int4_on(monkeypatch, str(checkpoints["qwen3"]), capability, dtype, op, quantization="int4")
-
-
-@pytest.mark.parametrize(("capability", "dtype", "op"), INT4_KERNELS)
-def test_a_gguf_keeps_its_blocks_on_every_gpu(
-    monkeypatch, tmp_path: Path, capability, dtype: str, op: str
-) -> None:
-    """A .gguf model's 4-bit blocks (--quantization gguf, inferred), kept as int4 everywhere."""
-    path = write_gguf(tmp_path / "q4.gguf", types=["Q4_0", "Q4_1", "Q4_K"])
-    _int4_on(monkeypatch, str(path), capability, dtype, op)
-
-
-@pytest.mark.parametrize(("capability", "dtype", "op"), INT4_KERNELS[:2])
-def test_a_gptq_checkpoint_keeps_its_int4_on_every_gpu(
-    monkeypatch, checkpoints, tmp_path: Path, capability, dtype: str, op: str
-) -> None:
-    path, _ = write_packed(checkpoints["qwen2"], tmp_path, "gptq", 32)
-    _int4_on(monkeypatch, str(path), capability, dtype, op)
-
-
-def test_an_fp8_checkpoint_multiplies_in_fp8_from_sm89(monkeypatch, checkpoints, tmp_path: Path) -> None:
-    path, _ = write_fp8(checkpoints["qwen2"], tmp_path, "compressed-tensors", "channel")
-    with fake_gpu(monkeypatch, capability=(8, 9)) as checks:
-        engine = engine_on(str(path), offload="neo", num_gpu_blocks=10, neo_force_pipeline=True)
-        assert isinstance(engine.runner.model.decoder_layers[0].qkv_proj, Fp8Linear)
-        queue(engine)
-        assert "pipelined" in run(engine, checks)
-        assert checks.ops["aten._scaled_mm.default"], checks.ops
         engine.shutdown()
 
 

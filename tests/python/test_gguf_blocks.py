@@ -208,7 +208,7 @@ def test_without_the_kernel_the_grouped_int8_types_are_dequantized_and_said(
     said = [r.getMessage() for r in caplog.records if "dequantized" in r.getMessage()]
     assert said == [
         "the GGUF's Q2_K/Q3_K/Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 linears are dequantized to torch.bfloat16: only "
-        "the CPU kernel keeps them (bfloat16 on a CPU with AVX512_BF16)"
+        "our kernels keep them (CUDA, or bfloat16 on a CPU with AVX512_BF16)"
     ]
 
 

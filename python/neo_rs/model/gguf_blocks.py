@@ -5,8 +5,9 @@ read by ``gguf_decode.py``:
   ``Int4Linear``'s form in groups of 32, ``w = (q - 8) * scale + zero``;
 - Q8_0, Q5_0, Q5_1, Q5_K (groups of 32), Q2_K, Q3_K and Q6_K (of 16) store values of 2 to 8
   bits with a scale (and some an offset) per group: ``GroupedInt8Linear``'s ``w = q * scale +
-  zero`` with ``q`` an int8. Only our CPU kernel runs that form (``quant_kernel_applies``);
-  elsewhere these types are dequantized at load, and the log says so.
+  zero`` with ``q`` an int8. Only our kernels run that form (``quant.grouped_int8_runs``: the
+  Triton GEMM on CUDA, the Rust one on a CPU with AVX512_BF16 in bf16); elsewhere these types are
+  dequantized at load, and the log says so.
 
 So the decoder linears whose every part the file stores in a kept type are rebuilt from the
 file's blocks, with no requantization (the scales in the model dtype; a linear with 4- and 6-bit
@@ -44,7 +45,7 @@ KEPT_TYPES = INT4_TYPES + INT8_TYPES
 class GgufBlocks:
     """GGUF ``path``'s blocks for rank ``shard``: ``weights``, our weights
     (``layers.N.qkv_proj.weight``...) whose every part the file stores in a kept type (those of
-    ``INT8_TYPES`` only where ``grouped_int8``: our kernel runs), for the loader to leave
+    ``INT8_TYPES`` only where ``grouped_int8``: a kernel of ours runs them), for the loader to leave
     unallocated; then ``keep`` builds those linears. ``dequantized_types``: the file's
     ``INT8_TYPES`` of decoder linears left to the loader for want of the kernel. The file is opened once
     (its metadata takes seconds to parse)."""

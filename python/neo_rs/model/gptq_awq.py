@@ -1,9 +1,9 @@
 """GPTQ and AWQ checkpoints (4 bits; GPTQ's also 8, their ``quantization_config``): each linear's
 packed tensors read as ``Int4Blocks`` (8 bits: ``Int8Blocks``) and kept as an ``Int4Linear``
 (a ``GroupedInt8Linear``) (``--quantization gptq|awq``, inferred from the checkpoint), or
-dequantized into the model dtype (``--quantization none``, or where the kernel cannot run:
-8 bits has only our CPU kernel). The loader skips these tensors (``load_model``); this fills
-the linears after it.
+dequantized into the model dtype (``--quantization none``, or where no kernel runs them: 8
+bits has only our Rust and Triton kernels, ``quant.grouped_int8_runs``). The loader skips these
+tensors (``load_model``); this fills the linears after it.
 
 - GPTQ: ``qweight`` int32 ``[in / p, out]`` (``p = 32 / bits`` values a word), input row ``p i
   + k`` in bits ``bits k ..`` of word row ``i``; ``qzeros`` int32 ``[groups, out / p]``, output

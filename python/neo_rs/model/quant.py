@@ -7,14 +7,15 @@ bytes, which is what bounds decode at small batches:
 - ``--quantization int4``: 4 bits per weight in groups of 128 input columns (64 or 32 where the
   input width needs), asymmetric (a scale and a zero per group, round to nearest), multiplied
   by torch's tinygemm kernels (``_weight_int4pack_mm_for_cpu``; on CUDA ``_weight_int4pack_mm``
-  from sm_80 in bfloat16, else our Triton kernel, ``cuda/int4_gemm.py``).
+  from sm_80 in bfloat16, else our Triton kernel, ``cuda/grouped_gemm.py``).
 
 Except in bf16 on a CPU with AVX512_BF16 (``rust_linears.quant_kernel_applies``): there both are
 packed at load for our Rust kernel (``_core.QuantGemm``, ``rust/qlinear/``), which widens each
 block of the weight once a call for all rows, where torch's kernels widen it again for every row.
 The compiled graph reaches it through ``neo_rs::packed_linear`` (``graph_ops.GraphLinear``). That
-kernel alone also runs ``GroupedInt8Linear``: int8 values with a scale and a zero per group, a
-GGUF's other block types (``Int8Blocks``), which elsewhere are dequantized at load.
+kernel, and on CUDA our Triton GEMM, also run ``GroupedInt8Linear``: int8 values with a scale and
+a zero per group, a GGUF's other block types and 8-bit GPTQ (``Int8Blocks``), which elsewhere (a
+CPU without AVX512_BF16, or a float32 model on the CPU) are dequantized at load.
 
 The embeddings and the LM head stay unquantized, as vLLM keeps them, and so do an MoE layer's
 experts (not yet quantized; the log says so)."""
@@ -152,7 +153,7 @@ INT4_GROUPS = (128, 64, 32)
 # slices of the input width (2: input widths in multiples of 32, as every group size is).
 INT4_ROWS, _CUDA_INNER_K_TILES = 16, 2
 # tinygemm's CUDA kernel needs Ampere's tensor cores, and takes bfloat16 only; elsewhere on CUDA
-# our Triton kernel multiplies (``cuda/int4_gemm.py``).
+# our Triton kernel multiplies (``cuda/grouped_gemm.py``).
 TINYGEMM_CUDA_CAPABILITY = (8, 0)
 
 
@@ -260,57 +261,55 @@ def common_form(parts: list[Int4Blocks]) -> list[Int4Blocks] | None:
     return [b if b.group == group else b.regrouped(group) for b in parts]
 
 
-class Int4Linear(GraphLinear, nn.Module):
-    """An ``nn.Linear`` whose weight is held as tinygemm's packed int4 (or ours where our kernel
-    runs; ``gemm``: its object, else None), with a scale and a zero per group and output row
-    (``[in / group, out, 2]``, the model dtype); the output is in the input's dtype. ``blocks``:
-    already quantized (a GGUF's, GPTQ's, AWQ's; the input is gathered into their column order
-    first, if any), else ``linear``'s weight is quantized."""
+class GroupedLinear(GraphLinear, nn.Module):
+    """An ``nn.Linear`` whose weight is ``bits``-wide values with a scale and a zero per group and
+    output row (``[in / group, out, 2]``, the model dtype), the input gathered into the blocks'
+    column ``order`` first, if any (act-order GPTQ); the output is in the input's dtype. Packed
+    for the ``kernel`` that multiplies it on the model's device and dtype (``home``: a tensor of
+    them, where ``linear``'s weight is not: on the host, read from the checkpoint, or never
+    allocated):
 
+    - ``ours``: our Rust kernel (``quant_kernel_applies``), ``gemm`` its object;
+    - ``triton``: our Triton GEMM on CUDA (``cuda/grouped_gemm.py``);
+    - ``tinygemm``, ``tinygemm_cpu``: torch's int4 kernels (4 bits only)."""
+
+    bits: int
     packed: torch.Tensor
     scales_zeros: torch.Tensor
     order: torch.Tensor | None
-    _mm: Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], torch.Tensor]  # (x, packed, group, sz)
 
-    def __init__(
-        self, linear: nn.Linear, blocks: Int4Blocks | None = None, home: torch.Tensor | None = None
-    ) -> None:
+    def __init__(self, linear: nn.Linear, blocks: Int4Blocks, home: torch.Tensor) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        # ``home``: a tensor of the model's device and dtype, where ``linear``'s weight is not there
-        # (on the host, read from the checkpoint, or never allocated).
-        like = linear.weight if home is None else home
-        device, dtype = like.device, like.dtype
-        if blocks is None:
-            blocks = Int4Blocks(*quantize_int4(linear.weight, int4_group(linear)))
+        device, dtype = home.device, home.dtype
         self.group = blocks.group
         q, scale, zero, order = blocks
         self.register_buffer("order", None if order is None else order.to(device))
         sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
         self.register_buffer("scales_zeros", sz.to(device, dtype))
+        self.bias = linear.bias
+        self.gemm: QuantGemm | None = None
         # Packed where q is (the host, for a checkpoint's blocks) and only then moved: the device
         # never holds a wider copy of the weight than its packed bytes.
-        q = q.to(torch.int32)
-        self.gemm: QuantGemm | None = None
-        ours = quant_kernel_applies(device, dtype)
-        if ours:
-            self.register_buffer("packed", pack_int4(q))
-            self._mm = self._ours
-        elif device.type == "cuda" and tinygemm_runs(device, dtype):
-            pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(device, torch.uint8)
-            self.register_buffer("packed", torch._convert_weight_to_int4pack(pairs, _CUDA_INNER_K_TILES))
-            self._mm = torch._weight_int4pack_mm
-        elif device.type == "cuda":
-            from neo_rs.model.cuda.int4_gemm import int4_gemm, pack_for_triton  # noqa: PLC0415 (needs Triton)
-
-            self.register_buffer("packed", pack_for_triton(q).to(device))
-            self._mm = lambda rows, packed, group, sz: int4_gemm(rows, packed, sz, group)
-        else:
-            self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q.to(device), 1))
-            self._mm = torch._weight_int4pack_mm_for_cpu
-        self.bias = linear.bias
-        if ours:
+        if quant_kernel_applies(device, dtype):
+            self.kernel = "ours"
+            self.register_buffer("packed", pack_int4(q.to(torch.int32)) if self.bits == 4 else pack_int8(q))
             self.use_threads(torch.get_num_threads())
+        elif device.type == "cuda" and not (self.bits == 4 and tinygemm_runs(device, dtype)):
+            from neo_rs.model.cuda.grouped_gemm import pack_for_triton  # noqa: PLC0415 (needs Triton)
+
+            self.kernel = "triton"
+            self.register_buffer("packed", pack_for_triton(q, self.bits).to(device))
+        else:
+            assert self.bits == 4, "only our kernels multiply grouped int8 (grouped_int8_runs)"
+            q = q.to(torch.int32)
+            if device.type == "cuda":
+                self.kernel = "tinygemm"
+                pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(device, torch.uint8)
+                self.register_buffer("packed", torch._convert_weight_to_int4pack(pairs, _CUDA_INNER_K_TILES))
+            else:
+                self.kernel = "tinygemm_cpu"
+                self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q.to(device), 1))
 
     def use_threads(self, threads: int) -> None:
         """Our kernel, on ``threads`` of torch's OpenMP team (``packed.pack_linears``: the engine's).
@@ -318,12 +317,8 @@ class Int4Linear(GraphLinear, nn.Module):
         n, k = self.out_features, self.in_features
         by_block = groups_by_block(self.scales_zeros, n)
         self.gemm = QuantGemm.grouped(
-            self.packed, by_block, None, n=n, k=k, group=self.group, bits=4, num_threads=threads
+            self.packed, by_block, self.bias, n=n, k=k, group=self.group, bits=self.bits, num_threads=threads
         )
-
-    def _ours(self, rows: torch.Tensor, packed: torch.Tensor, group: int, sz: torch.Tensor) -> torch.Tensor:
-        assert self.gemm is not None, "use_threads() made it"
-        return _run(self.gemm, rows, self.in_features, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemm is not None:
@@ -334,10 +329,35 @@ class Int4Linear(GraphLinear, nn.Module):
         rows = x.reshape(-1, self.in_features)
         if self.order is not None:
             rows = rows.index_select(1, self.order)
-        y = self._mm(rows, self.packed, self.group, self.scales_zeros)
+        if self.kernel == "ours":
+            assert self.gemm is not None, "use_threads() made it"
+            return _run(self.gemm, rows, self.in_features, self.out_features).view(
+                *x.shape[:-1], self.out_features
+            )  # the bias added in the kernel
+        if self.kernel == "triton":
+            from neo_rs.model.cuda.grouped_gemm import grouped_gemm  # noqa: PLC0415 (needs Triton)
+
+            y = grouped_gemm(rows, self.packed, self.scales_zeros, self.group, self.bits)
+        else:
+            mm = torch._weight_int4pack_mm if self.kernel == "tinygemm" else torch._weight_int4pack_mm_for_cpu
+            y = mm(rows, self.packed, self.group, self.scales_zeros)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class Int4Linear(GroupedLinear):
+    """A ``GroupedLinear`` of 4-bit values, tinygemm's ``w = (q - 8) * scale + zero``: ``blocks``
+    already quantized (a GGUF's, GPTQ's, AWQ's), else ``linear``'s weight quantized."""
+
+    bits = 4
+
+    def __init__(
+        self, linear: nn.Linear, blocks: Int4Blocks | None = None, home: torch.Tensor | None = None
+    ) -> None:
+        if blocks is None:
+            blocks = Int4Blocks(*quantize_int4(linear.weight, int4_group(linear)))
+        super().__init__(linear, blocks, linear.weight if home is None else home)
 
     def dequantized(self, q: torch.Tensor) -> torch.Tensor:
         """The weight the kernel multiplies by, given the values ``q`` it packed (tests), in the
@@ -345,47 +365,25 @@ class Int4Linear(GraphLinear, nn.Module):
         return _dequantized(Int4Blocks, q, self.scales_zeros, self.order)
 
 
-class GroupedInt8Linear(GraphLinear, nn.Module):
-    """An ``nn.Linear`` whose weight is ``Int8Blocks``, packed for our kernel, which alone runs
-    it (``keeps``; elsewhere such blocks are dequantized at load): int8 in ``pack_int8``'s
-    layout, a scale and a zero per group and output row (``[in / group, out, 2]``, the model
-    dtype) and the input's column ``order`` (None: as it comes) as ``Int4Linear``'s."""
+class GroupedInt8Linear(GroupedLinear):
+    """A ``GroupedLinear`` of ``Int8Blocks``, ``w = q * scale + zero``, which only our kernels run
+    (``grouped_int8_runs``; elsewhere such blocks are dequantized at load)."""
 
-    packed: torch.Tensor
-    scales_zeros: torch.Tensor
-    order: torch.Tensor | None
+    bits = 8
 
     def __init__(self, linear: nn.Linear, blocks: Int8Blocks, home: torch.Tensor) -> None:
-        super().__init__()
-        assert keeps(blocks, home), "only our kernel runs grouped int8"
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.group = blocks.group
-        self.register_buffer("packed", pack_int8(blocks.q))
-        sz = torch.stack([blocks.scale, blocks.zero], dim=-1).transpose(0, 1)
-        self.register_buffer("scales_zeros", sz.to(home.dtype).contiguous())
-        self.register_buffer("order", blocks.order)
-        self.bias = linear.bias
-        self.gemm: QuantGemm | None = None
-        self.use_threads(torch.get_num_threads())
-
-    def use_threads(self, threads: int) -> None:
-        """Our kernel, on ``threads`` of torch's OpenMP team (``packed.pack_linears``: the engine's)."""
-        n, k = self.out_features, self.in_features
-        by_block = groups_by_block(self.scales_zeros, n)
-        self.gemm = QuantGemm.grouped(
-            self.packed, by_block, self.bias, n=n, k=k, group=self.group, bits=8, num_threads=threads
-        )
-
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.gemm is not None, "use_threads() made it"
-        if self.order is not None:
-            x = x.index_select(-1, self.order)
-        return _run(self.gemm, x, self.in_features, self.out_features)
+        assert keeps(blocks, home), "only our kernels run grouped int8"
+        super().__init__(linear, blocks, home)
 
     def dequantized(self) -> torch.Tensor:
         """The weight the kernel multiplies by, its columns in input order, in the scales' dtype
         (tests)."""
-        q = unpack_int8(self.packed, self.out_features, self.in_features)
+        if self.kernel == "ours":
+            q = unpack_int8(self.packed, self.out_features, self.in_features)
+        else:
+            from neo_rs.model.cuda.grouped_gemm import unpack_for_triton  # noqa: PLC0415 (needs Triton)
+
+            q = unpack_for_triton(self.packed, self.bits)
         return _dequantized(Int8Blocks, q, self.scales_zeros, self.order)
 
 
@@ -398,10 +396,16 @@ def _dequantized(
     return form(q, scale.t(), zero.t(), order).dequantized().to(scales_zeros.dtype)
 
 
+def grouped_int8_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a kernel multiplies grouped int8 (``GroupedInt8Linear``) on ``device`` in ``dtype``:
+    our Triton GEMM on CUDA, our Rust one where it runs (``quant_kernel_applies``); torch has none."""
+    return device.type == "cuda" or quant_kernel_applies(device, dtype)
+
+
 def keeps(blocks: Int4Blocks, home: torch.Tensor) -> bool:
     """Whether a model on the device and in the dtype of ``home`` keeps ``blocks`` as they are:
-    int4 on any device, grouped int8 where our kernel runs (``quant_kernel_applies``)."""
-    return not isinstance(blocks, Int8Blocks) or quant_kernel_applies(home.device, home.dtype)
+    int4 on any device, grouped int8 where a kernel runs it (``grouped_int8_runs``)."""
+    return not isinstance(blocks, Int8Blocks) or grouped_int8_runs(home.device, home.dtype)
 
 
 def kept_linear(linear: nn.Linear, blocks: Int4Blocks, home: torch.Tensor) -> nn.Module:

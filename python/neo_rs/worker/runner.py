@@ -34,8 +34,8 @@ from neo_rs.model.gptq_awq import load_packed_linears
 from neo_rs.model.loader import empty_model, load_model, shard_files
 from neo_rs.model.packed import GEMV_ROWS, pack_linears, packing_applies
 from neo_rs.model.prequantized import quantize_at_load
-from neo_rs.model.quant import quantizer, warn_unquantized_experts
-from neo_rs.model.rust_linears import gemv_applies, quant_kernel_applies
+from neo_rs.model.quant import grouped_int8_runs, quantizer, warn_unquantized_experts
+from neo_rs.model.rust_linears import gemv_applies
 from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel, rank_device
 from neo_rs.timing import HostWaits, MeasuredTimes, StageClock
 from neo_rs.worker.compiled import CompiledStack, why_eager
@@ -239,7 +239,7 @@ class ModelRunner:
         device, tp = self.device, self.tp
         gguf = None
         if quantization == "gguf" and cfg.gguf_file:
-            gguf = GgufBlocks(cfg.gguf_file, cfg, tp.shard, grouped_int8=quant_kernel_applies(device, dtype))
+            gguf = GgufBlocks(cfg.gguf_file, cfg, tp.shard, grouped_int8=grouped_int8_runs(device, dtype))
         later = gguf.weights if gguf else set()
         at_load = quantization in ("int8", "int4", "fp8")  # quantized now, from the float checkpoint
         model = load_model(model_dir, cfg, dtype, device, max_model_len, tp, later, quantize_later=at_load)
@@ -257,8 +257,8 @@ class ModelRunner:
             log.info("kept %d linears as the GGUF's blocks, %d others in %s", kept, left, dtype)
             if gguf.dequantized_types:
                 log.warning(
-                    "the GGUF's %s linears are dequantized to %s: only the CPU kernel keeps them "
-                    "(bfloat16 on a CPU with AVX512_BF16)",
+                    "the GGUF's %s linears are dequantized to %s: only our kernels keep them "
+                    "(CUDA, or bfloat16 on a CPU with AVX512_BF16)",
                     "/".join(gguf.dequantized_types),
                     dtype,
                 )
