@@ -4,7 +4,8 @@ for the GPUs NEO targets, with no GPU: sm_75 (T4), sm_80 (A100), sm_86 (A10G), s
 (``decode_launch``, ``prefill_launch``, ``moe_launch``, ``grouped_launch``) for head dims
 64/80/96/128/256, block sizes 16/32 (the MoE GEMM: 1 and 8 rows per token; the grouped GEMM: int4
 in groups of 32, 64 and 128, in fp16 and float32, where it runs instead of tinygemm, and int8 in
-groups of 16, 32 and 128 in every dtype), the 16-bit dtype the engine
+groups of 16, 32 and 128 in every dtype; the FP8 GEMM per row, in blocks of 128 and groups of 48), the
+16-bit dtype the engine
 runs on that target (no bf16 before sm_80: fp16 there) and float32; the attention kernels also
 with a sliding window and soft-capping (Gemma's layers) at head dims 128 and 256. The bundled ``ptxas -v``
 gives registers and spills; the metadata, shared memory; occupancy follows from the target's
@@ -36,7 +37,8 @@ import torch
 import triton
 from neo_rs.attention.cuda import paged_decode, paged_prefill
 from neo_rs.environment import cache_dir
-from neo_rs.model.cuda import fused_moe, grouped_gemm, words
+from neo_rs.model.cuda import fp8_gemm, fused_moe, grouped_gemm, words
+from neo_rs.model.cuda.fp8_gemm import fp8_launch
 from neo_rs.model.cuda.grouped_gemm import grouped_launch
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
@@ -108,6 +110,8 @@ KERNELS = {
     # The grouped weight-only GEMM, 4 and 8 bits (``group``: the quantization's group size).
     "int4": (grouped_gemm._grouped_gemm, lambda group, _hd, _bs, dt: grouped_launch(dt, group, 4)),
     "int8": (grouped_gemm._grouped_gemm, lambda group, _hd, _bs, dt: grouped_launch(dt, group, 8)),
+    # The FP8 weight-only GEMM (``group``: block-wise scales' columns; 0: a scale per row).
+    "fp8": (fp8_gemm._fp8_gemm, lambda group, _hd, _bs, dt: fp8_launch(dt, group or 1, per_row=not group)),
 }
 
 
@@ -119,7 +123,7 @@ def signature(fn: triton.JITFunction, dtype: torch.dtype, constants: dict) -> di
     by_name |= {"lens_ptr": "*i32", "table_ptr": "*i64", "scale": "fp32", "softcap": "fp32"}
     by_name |= {"a_ptr": element, "w_ptr": element, "sorted_ptr": "*i32", "block_expert_ptr": "*i32"}
     packed = "*i16" if constants.get("BITS") == 8 else "*u8"  # the grouped GEMM's pairs: words or bytes
-    by_name |= {"x_ptr": element, "packed_ptr": packed, "sz_ptr": element}
+    by_name |= {"x_ptr": element, "packed_ptr": packed, "sz_ptr": element, "weight_ptr": "*u8"}
     sig = {}
     for name in fn.arg_names:
         if name in constants:
@@ -203,6 +207,9 @@ def cases(archs: list[int]) -> list[Case]:
         int8_dtypes = {str(d).removeprefix("torch.") for d in engine_dtypes(arch)} | {"float16"}
         for dtype, group in itertools.product(sorted(int8_dtypes), (16, 32, 128)):
             out.append(Case("int8", arch, dtype, 0, 0, group))
+        # FP8 weight-only wherever _scaled_mm does not run: per row, blocks of 128, groups of 48.
+        for dtype, group in itertools.product(sorted(int8_dtypes), (0, 128, 48)):
+            out.append(Case("fp8", arch, dtype, 0, 0, group))
     return out
 
 
@@ -210,7 +217,7 @@ def source_key() -> str:
     """The kernels' source, this script's and Triton's version: what the results depend on."""
     h = hashlib.sha256(triton.__version__.encode())
     h.update(Path(__file__).read_bytes())
-    for module in (paged_decode, paged_prefill, fused_moe, grouped_gemm, words):
+    for module in (paged_decode, paged_prefill, fused_moe, grouped_gemm, fp8_gemm, words):
         h.update(inspect.getsource(module).encode())
     return h.hexdigest()[:20]
 

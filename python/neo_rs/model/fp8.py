@@ -1,17 +1,21 @@
 """FP8 weights (``--quantization fp8``): each decoder linear's weight in e4m3 with a float32 scale
 per output channel (``scale = max|row| / 448``), quantized at load, or an FP8 checkpoint's own
-(``fp8_checkpoint.py``), and kept so: half of bf16's bytes. Two ways to multiply, picked per GPU:
+(``fp8_checkpoint.py``: per channel, per tensor, or per block of rows and input columns), and kept
+so: half of bf16's bytes. Three ways to multiply, picked per device:
 
-- CUDA sm_89 and newer, bf16: ``torch._scaled_mm`` in FP8 on both sides, the activations scaled
-  per token at each call (vLLM's dynamic FP8);
-- elsewhere (the CPU, older GPUs, other dtypes) weight-only: the weight widened at each call and
-  multiplied in the model dtype. Widening shifts e4m3's sign, exponent and mantissa bits into
-  fp16's, which is exact (each value divided by 2^8, put back with the scale); on the CPU it
-  takes half the time of torch's own e4m3 cast (one stream of SmolLM2: 118 ms a token against
-  238, ``benches/quant_linear.py``), still several times bf16's: there FP8 saves memory, and
-  int8 or int4 are the CPU's formats for speed."""
+- CUDA sm_89 and newer, bf16, a scale per row: ``torch._scaled_mm`` in FP8 on both sides, the
+  activations scaled per token at each call (vLLM's dynamic FP8);
+- elsewhere on CUDA (older GPUs, other dtypes, block-wise scales) weight-only: our Triton GEMM
+  (``cuda/fp8_gemm.py``) widens each tile in registers;
+- on the CPU weight-only: the weight widened at each call and multiplied in the model dtype.
+  Widening shifts e4m3's sign, exponent and mantissa bits into fp16's, which is exact (each value
+  divided by 2^8, put back with the scale); on the CPU it takes half the time of torch's own e4m3
+  cast (one stream of SmolLM2: 118 ms a token against 238, ``benches/quant_linear.py``), still
+  several times bf16's: there FP8 saves memory, and int8 or int4 are the CPU's formats for speed."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -50,9 +54,19 @@ def scaled_mm_runs(device: torch.device, capability: tuple[int, int] | None, dty
     )
 
 
+class Fp8Weights(NamedTuple):
+    """An e4m3 weight ``q`` ``[out, in]`` and its float32 ``scale`` ``[out, groups]``: one per row
+    (``groups`` 1), or one per row and ``group`` input columns (the last group may be short)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    group: int
+
+
 class Fp8Linear(nn.Module):
-    """An ``nn.Linear`` whose weight is e4m3 with a float32 scale per output row; the output is in
-    the input's dtype. ``scaled_mm``: multiply in FP8 (``scaled_mm_runs``), else weight-only."""
+    """An ``nn.Linear`` whose weight is ``Fp8Weights`` (``weights``: a checkpoint's, else
+    ``linear``'s weight quantized per row); the output is in the input's dtype. ``scaled_mm``:
+    multiply in FP8 where ``scaled_mm_runs`` and the scales are per row."""
 
     weight: torch.Tensor
     scale: torch.Tensor
@@ -61,20 +75,26 @@ class Fp8Linear(nn.Module):
         self,
         linear: nn.Linear,
         scaled_mm: bool = False,
-        weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+        weights: Fp8Weights | None = None,
         home: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        # ``weights``: a checkpoint's own e4m3 rows and scales (``fp8_checkpoint.py``). ``home``:
-        # a tensor on the model's device, where ``linear``'s weight is not (see ``Int4Linear``).
-        q, scale = quantize_fp8(linear.weight) if weights is None else weights
+        # ``home``: a tensor on the model's device, where ``linear``'s weight is not (see
+        # ``quant.GroupedLinear``).
+        if weights is None:
+            q, row_scale = quantize_fp8(linear.weight)
+            weights = Fp8Weights(q, row_scale[:, None], self.in_features)
+        q, scale, self.group = weights
         device = (linear.weight if home is None else home).device
         self.register_buffer("weight", q.to(device))
         self.register_buffer("scale", scale.to(device))
         self.bias = linear.bias
+        per_row = scale.shape[1] == 1
         # _scaled_mm takes widths in multiples of 16.
-        self.scaled_mm = scaled_mm and self.in_features % 16 == 0 and self.out_features % 16 == 0
+        widths = self.in_features % 16 == 0 and self.out_features % 16 == 0
+        self.scaled_mm = scaled_mm and per_row and widths
+        self.on_cuda = device.type == "cuda"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -82,14 +102,29 @@ class Fp8Linear(nn.Module):
             per_token = rows.abs().amax(dim=1, keepdim=True).float().clamp_min(1e-12) / FP8_MAX
             x8 = (rows / per_token).clamp(-FP8_MAX, FP8_MAX).to(FP8)
             y = torch._scaled_mm(
-                x8, self.weight.t(), scale_a=per_token, scale_b=self.scale[None, :], out_dtype=rows.dtype
+                x8,
+                self.weight.t(),
+                scale_a=per_token,
+                scale_b=self.scale.reshape(1, -1),
+                out_dtype=rows.dtype,
             )
+        elif self.on_cuda:
+            from neo_rs.model.cuda.fp8_gemm import fp8_gemm  # noqa: PLC0415 (needs Triton)
+
+            y = fp8_gemm(rows, self.weight, self.scale, self.group)
+        elif self.scale.shape[1] == 1:
+            y = F.linear(rows, widen(self.weight).to(rows.dtype))
+            y = y * (self.scale[:, 0] * _WIDENED).to(rows.dtype)
         else:
-            y = F.linear(rows, widen(self.weight).to(rows.dtype)) * (self.scale * _WIDENED).to(rows.dtype)
+            y = F.linear(rows, (widen(self.weight).float() * (self._scales() * _WIDENED)).to(rows.dtype))
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def _scales(self) -> torch.Tensor:
+        """Each weight's scale, ``[out, in]``."""
+        return self.scale.repeat_interleave(self.group, dim=1)[:, : self.in_features]
+
     def dequantized(self) -> torch.Tensor:
         """The float32 weight it stands for (tests compare against it)."""
-        return self.weight.float() * self.scale[:, None]
+        return self.weight.float() * self._scales()

@@ -47,9 +47,11 @@ _NORMS = (
     "pre_feedforward_layernorm",
     "post_feedforward_layernorm",
 )
+# The tensor that marks a module as quantized: GPTQ's and AWQ's ``qweight``, FP8's scales.
+_QUANTIZED_MARKS = (".qweight", ".weight_scale", ".weight_scale_inv")
 # The tensors of a quantized checkpoint's linear, read by ``gptq_awq.py`` (GPTQ, AWQ) or
 # ``fp8_checkpoint.py`` (whose e4m3 weights are named ``weight``, told by their dtype).
-PACKED_TENSORS = (".qweight", ".qzeros", ".scales", ".g_idx", ".weight_scale", ".input_scale")
+PACKED_TENSORS = (*_QUANTIZED_MARKS, ".qzeros", ".scales", ".g_idx", ".input_scale")
 FP8_DTYPE = "F8_E4M3"
 # An expert's matrices: Mixtral's w1/w3/w2, Qwen3-MoE's gate/up/down.
 _EXPERT = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)$")
@@ -294,13 +296,14 @@ def quantizable(weight: str) -> bool:
 
 def _quantized_weights(files: list[Path], cfg: ModelConfig, local: ModelConfig, shard: TpShard) -> set[str]:
     """Our weights (``layers.N.qkv_proj.weight``...) that a quantized checkpoint's tensors fill:
-    those of each module with a ``qweight`` (GPTQ, AWQ) or a ``weight_scale`` (FP8)."""
+    those of each module with a ``qweight`` (GPTQ, AWQ) or a ``weight_scale(_inv)`` (FP8)."""
     ours = set()
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                module = name.removesuffix(".qweight").removesuffix(".weight_scale")
-                if module != name:
+                mark = next((m for m in _QUANTIZED_MARKS if name.endswith(m)), None)
+                if mark is not None:
+                    module = name.removesuffix(mark)
                     ours |= {
                         p.ours
                         for p in placements(cfg, local, shard, module + ".weight")

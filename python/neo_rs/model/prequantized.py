@@ -213,6 +213,7 @@ def place_part(dst: torch.Tensor, src: torch.Tensor, place: Placement, per_col: 
     index = place.src
     if index is not None and len(index) > 1:
         cols = index[1]
-        index = (index[0], slice(cols.start // per_col, cols.stop // per_col))
+        # A short last group still has its scale: the stop rounds up.
+        index = (index[0], slice(cols.start // per_col, -(-cols.stop // per_col)))
     part = src if index is None else src[index]
     (dst if place.rows is None else dst[place.rows]).copy_(part)

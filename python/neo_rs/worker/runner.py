@@ -248,7 +248,8 @@ class ModelRunner:
         if cfg.quantized_checkpoint is not None:  # kept, or dequantized (--quantization none)
             files, keep = shard_files(model_dir), quantization is not None
             if cfg.quantized_checkpoint.method == "fp8":
-                kept, floats = load_fp8_linears(model, files, cfg, tp.shard, keep, scaled_mm)
+                block = cfg.quantized_checkpoint.block
+                kept, floats = load_fp8_linears(model, files, cfg, tp.shard, keep, scaled_mm, block)
             else:
                 kept, floats = load_packed_linears(model, files, cfg, tp.shard, keep)
             log.info("%d linears kept as the checkpoint has them, %d dequantized to %s", kept, floats, dtype)
