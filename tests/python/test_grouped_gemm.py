@@ -17,7 +17,7 @@ from neo_rs.model.quant import Int4Blocks, Int8Blocks, quantize_int4
 
 with interpret_imports():
     from neo_rs.model.cuda.fp8_gemm import fp8_gemm
-    from neo_rs.model.cuda.grouped_gemm import grouped_gemm, pack_for_triton, unpack_for_triton
+    from neo_rs.model.cuda.grouped_gemm import grouped_gemm, pack_for_triton
 
 
 @pytest.fixture(autouse=True)
@@ -73,9 +73,16 @@ def test_grouped_gemm_multiplies_by_the_dequantized_weight(
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_packing_for_triton_round_trips(bits: int) -> None:
+def test_packing_for_triton_puts_each_pair_of_columns_in_one_row(bits: int) -> None:
+    """Row ``i``, column ``n`` of the packed weight: output ``n``'s values at inputs ``2i`` (low
+    nibble or byte) and ``2i + 1`` (high)."""
     blocks = _blocks(bits, 32, 64, 32)
-    assert torch.equal(unpack_for_triton(pack_for_triton(blocks.q, bits), bits), blocks.q)
+    packed = pack_for_triton(blocks.q, bits)
+    assert packed.shape == (32, 32) and packed.dtype == (torch.uint8 if bits == 4 else torch.int16)
+    words = packed.t().to(torch.int32)
+    low, high = (words & 15, words >> 4) if bits == 4 else ((words << 24) >> 24, words >> 8)
+    assert torch.equal(low, blocks.q[:, 0::2].to(torch.int32))
+    assert torch.equal(high, blocks.q[:, 1::2].to(torch.int32))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)

@@ -62,6 +62,11 @@ class Fp8Weights(NamedTuple):
     scale: torch.Tensor
     group: int
 
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight: each value times its row's (and group's) scale."""
+        scales = self.scale.repeat_interleave(self.group, dim=1)[:, : self.q.shape[1]]
+        return widen(self.q).float() * (scales * _WIDENED)
+
 
 class Fp8Linear(nn.Module):
     """An ``nn.Linear`` whose weight is ``Fp8Weights`` (``weights``: a checkpoint's, else
@@ -115,16 +120,12 @@ class Fp8Linear(nn.Module):
         elif self.scale.shape[1] == 1:
             y = F.linear(rows, widen(self.weight).to(rows.dtype))
             y = y * (self.scale[:, 0] * _WIDENED).to(rows.dtype)
-        else:
-            y = F.linear(rows, (widen(self.weight).float() * (self._scales() * _WIDENED)).to(rows.dtype))
+        else:  # block-wise scales: the weight dequantized at each call
+            y = F.linear(rows, self.dequantized().to(rows.dtype))
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def _scales(self) -> torch.Tensor:
-        """Each weight's scale, ``[out, in]``."""
-        return self.scale.repeat_interleave(self.group, dim=1)[:, : self.in_features]
-
     def dequantized(self) -> torch.Tensor:
-        """The float32 weight it stands for (tests compare against it)."""
-        return self.weight.float() * self._scales()
+        """The float32 weight it stands for."""
+        return Fp8Weights(self.weight, self.scale, self.group).dequantized()

@@ -67,11 +67,6 @@ def read_fp8(index: TensorIndex, module: str, block: tuple[int, int] | None) -> 
     return Fp8Weights(weight, scale.expand(out).contiguous()[:, None], cols)
 
 
-def _dequantized(w: Fp8Weights) -> torch.Tensor:
-    cols = w.q.shape[1]
-    return w.q.float() * w.scale.repeat_interleave(w.group, dim=1)[:, :cols]
-
-
 def load_fp8_linears(
     model: nn.Module,
     files: list[Path],
@@ -121,7 +116,7 @@ def load_fp8_linears(
             target = float_weight(linear, home)
             with torch.no_grad():
                 for place, key in found:
-                    place_part(target, _dequantized(read_once[key]).to(target.dtype), place, 1)
+                    place_part(target, read_once[key].dequantized().to(target.dtype), place, 1)
             dequantized += 1
         built.add(qualified)
     check_covered(model, built, index, cfg, shard)

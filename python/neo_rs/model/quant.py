@@ -331,9 +331,8 @@ class GroupedLinear(GraphLinear, nn.Module):
             rows = rows.index_select(1, self.order)
         if self.kernel == "ours":
             assert self.gemm is not None, "use_threads() made it"
-            return _run(self.gemm, rows, self.in_features, self.out_features).view(
-                *x.shape[:-1], self.out_features
-            )  # the bias added in the kernel
+            y = _run(self.gemm, rows, self.in_features, self.out_features)  # the kernel adds the bias
+            return y.view(*x.shape[:-1], self.out_features)
         if self.kernel == "triton":
             from neo_rs.model.cuda.grouped_gemm import grouped_gemm  # noqa: PLC0415 (needs Triton)
 
@@ -376,14 +375,10 @@ class GroupedInt8Linear(GroupedLinear):
         super().__init__(linear, blocks, home)
 
     def dequantized(self) -> torch.Tensor:
-        """The weight the kernel multiplies by, its columns in input order, in the scales' dtype
-        (tests)."""
-        if self.kernel == "ours":
-            q = unpack_int8(self.packed, self.out_features, self.in_features)
-        else:
-            from neo_rs.model.cuda.grouped_gemm import unpack_for_triton  # noqa: PLC0415 (needs Triton)
-
-            q = unpack_for_triton(self.packed, self.bits)
+        """The weight our Rust kernel multiplies by, its columns in input order, in the scales'
+        dtype (tests)."""
+        assert self.kernel == "ours", "our Rust kernel's layout"
+        q = unpack_int8(self.packed, self.out_features, self.in_features)
         return _dequantized(Int8Blocks, q, self.scales_zeros, self.order)
 
 

@@ -101,16 +101,6 @@ def pack_for_triton(q: torch.Tensor, bits: int) -> torch.Tensor:
     return ((q[:, 0::2] & 0xFF) | q[:, 1::2] << 8).t().contiguous()
 
 
-def unpack_for_triton(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """``pack_for_triton``'s values back (4 bits as uint8, 8 bits as int8), ``[out, in]``."""
-    words = packed.t().to(torch.int32)
-    if bits == 4:
-        halves = (words & 15, words >> 4)
-    else:
-        halves = ((words << 24) >> 24, words >> 8)
-    return torch.stack(halves, dim=-1).flatten(1).to(torch.uint8 if bits == 4 else torch.int8)
-
-
 @torch.library.custom_op("neo_rs::grouped_gemm", mutates_args=())
 def grouped_gemm(
     x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group: int, bits: int
