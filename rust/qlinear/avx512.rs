@@ -12,10 +12,6 @@ const PAIR: usize = 2 * COLS;
 /// Accumulator sets the fused kernel alternates between, so that a row's chain of `vdpbf16ps`
 /// does not wait on its own latency.
 const SETS: usize = 4;
-/// Groups up to this many inputs are dequantized to bf16 for the tiles (a GGUF's 16s and 32s):
-/// the grouped tiles scale every row's sums per group, which cost Q4_1's groups of 32 a third
-/// of the multiplications' time. Larger groups keep the exact tiles.
-const DEQUANTIZED_GROUP: usize = 32;
 
 /// # Safety
 /// The CPU must have AVX512F, AVX512BW and AVX512_BF16; `x` holds `rows` rows of `k`, `ws` are
@@ -55,30 +51,19 @@ pub(super) unsafe fn blocks(x: Rows<'_>, rows: usize, k: usize, ws: &[Block<'_>]
     }
     let span = ws.len();
     scratch.wide.resize(span * pairs * PAIR, bf16::ZERO);
-    // Small groups are dequantized into the scratch: their tiles are then int8's, with no
-    // scaling of every row's sums per group (module docs of `super`).
-    let dequantized = group.filter(|&g| g <= DEQUANTIZED_GROUP);
-    if group.is_some() && dequantized.is_none() {
+    if group.is_some() {
         // The grouped tiles add each group into their rows' sums.
         scratch.sums.clear();
         scratch.sums.resize(span * rows * COLS, 0.0);
     }
     let shifts = nibble_shifts();
     for (w, wide) in ws.iter().zip(scratch.wide.chunks_exact_mut(pairs * PAIR)) {
-        match dequantized {
-            // SAFETY: the block's pairs and groups (asserted) into its values of the scratch.
-            Some(group) if int4 => unsafe { dequantize::<true>(w, group, wide) },
-            // SAFETY: as above.
-            Some(group) => unsafe { dequantize::<false>(w, group, wide) },
-            None => {
-                for (p, wide) in wide.chunks_exact_mut(PAIR).enumerate() {
-                    // SAFETY: pair `p` of the block (asserted) into its values of the scratch.
-                    unsafe {
-                        let q = w.q.as_ptr();
-                        let v = if int4 { exact4(q.add(p * COLS), shifts) } else { widen8(q.add(p * PAIR)) };
-                        _mm512_storeu_si512(wide.as_mut_ptr().cast(), bits(v));
-                    }
-                }
+        for (p, wide) in wide.chunks_exact_mut(PAIR).enumerate() {
+            // SAFETY: pair `p` of the block (asserted) into its values of the scratch.
+            unsafe {
+                let v =
+                    if int4 { exact4(w.q.as_ptr().add(p * COLS), shifts) } else { widen8(w.q.as_ptr().add(p * PAIR)) };
+                _mm512_storeu_si512(wide.as_mut_ptr().cast(), bits(v));
             }
         }
     }
@@ -105,7 +90,6 @@ pub(super) unsafe fn blocks(x: Rows<'_>, rows: usize, k: usize, ws: &[Block<'_>]
             let x = x.add(m * stride);
             match group {
                 None => TILES8[span - 1][c - 1](x, k, stride, &tiled),
-                Some(_) if dequantized.is_some() => TILES8[span - 1][c - 1](x, k, stride, &tiled),
                 Some(group) => {
                     let group_sums = group_sums.as_ptr().add(m * (k / group));
                     TILES_GROUPED[usize::from(int4)][span - 1][c - 1](x, k, stride, &tiled, group_sums, group)
@@ -294,50 +278,6 @@ unsafe fn wide<const INT4: bool>(q: *const u8, p: usize, shifts: __m512i) -> __m
             exact4(q.add(p * COLS), shifts)
         } else {
             widen8(q.add(p * PAIR))
-        }
-    }
-}
-
-/// A grouped block (`INT4`: int4's, else grouped int8's) dequantized into `wide` pair by pair,
-/// `w = (q - 8) · scale + zero` (int8: `q · scale + zero`) in f32 rounded to bf16 (to nearest
-/// even).
-///
-/// # Safety
-/// `w` holds `wide.len() / PAIR` pairs in groups of `group` inputs, and their groups.
-#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn dequantize<const INT4: bool>(w: &Block<'_>, group: usize, wide: &mut [bf16]) {
-    // Lane `2c + i` is column `c`'s: each column's scale and zero twice over.
-    let low = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    let high = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
-    for (g, pairs) in wide.chunks_exact_mut(group / 2 * PAIR).enumerate() {
-        // SAFETY: the caller's group.
-        let (scale, zero) = unsafe {
-            (widen_bf16(w.groups.as_ptr().add(g * PAIR)), widen_bf16(w.groups.as_ptr().add(g * PAIR + COLS)))
-        };
-        // int4's `- 8` folded into the zero.
-        let zero = if INT4 { _mm512_fnmadd_ps(_mm512_set1_ps(8.0), scale, zero) } else { zero };
-        let (scale_lo, scale_hi) = (_mm512_permutexvar_ps(low, scale), _mm512_permutexvar_ps(high, scale));
-        let (zero_lo, zero_hi) = (_mm512_permutexvar_ps(low, zero), _mm512_permutexvar_ps(high, zero));
-        for (i, pair) in pairs.chunks_exact_mut(PAIR).enumerate() {
-            let p = g * group / 2 + i;
-            // SAFETY: the caller's pair `p`, and its 32 values in `wide`.
-            unsafe {
-                let (lo, hi) = if INT4 {
-                    // Byte `j`: lane `j` in its low nibble, lane `16 + j` in its high one.
-                    let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(w.q.as_ptr().add(p * COLS).cast()));
-                    (_mm512_and_si512(bytes, _mm512_set1_epi32(0xF)), _mm512_srli_epi32::<4>(bytes))
-                } else {
-                    let q = w.q.as_ptr().add(p * PAIR);
-                    (
-                        _mm512_cvtepi8_epi32(_mm_loadu_si128(q.cast())),
-                        _mm512_cvtepi8_epi32(_mm_loadu_si128(q.add(16).cast())),
-                    )
-                };
-                let lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), scale_lo, zero_lo);
-                let hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), scale_hi, zero_hi);
-                // The second operand fills the low half.
-                _mm512_storeu_si512(pair.as_mut_ptr().cast(), bits(_mm512_cvtne2ps_pbh(hi, lo)));
-            }
         }
     }
 }

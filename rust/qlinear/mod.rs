@@ -28,11 +28,7 @@
 //! - A few rows (`FUSED_ROWS`): the weight is widened pair by pair in registers and used at once.
 //! - More rows: blocks are widened two at a time (`SPAN`) into a thread's scratch (18 KiB a block
 //!   for a 576-wide input), then multiplied by the rows in tiles of up to `TILE` rows, one
-//!   accumulator each per block, each row's broadcast `x` feeding both blocks. Groups of 32
-//!   inputs or fewer (a GGUF's) are dequantized there instead, `w` computed in f32 and rounded to
-//!   bf16 once a call, and tiled as int8's: scaling every row's sums per group of 16 pairs cost
-//!   Q4_1 at 64 rows a third of its multiplications' time. The rounding is within a bf16 step of
-//!   each product, as the grouped tiles' sums are; it is what a GGUF dequantized to bf16 holds.
+//!   accumulator each per block, each row's broadcast `x` feeding both blocks.
 //!
 //! Sums are f32, then scaled (int8), biased (f32) and rounded to bf16 once. Work is split by
 //! blocks over the calling thread's OpenMP team (`crate::team`), as `crate::gemv` does.
