@@ -100,6 +100,10 @@ class Fp8Linear(nn.Module):
         widths = self.in_features % 16 == 0 and self.out_features % 16 == 0
         self.scaled_mm = scaled_mm and per_row and widths
         self.on_cuda = device.type == "cuda"
+        if self.on_cuda and not self.scaled_mm:
+            from neo_rs.model.cuda.fp8_gemm import fp8_gemm  # noqa: PLC0415 (needs Triton)
+
+            self._fp8_gemm = fp8_gemm  # bound once: forward runs per layer and step
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -114,9 +118,7 @@ class Fp8Linear(nn.Module):
                 out_dtype=rows.dtype,
             )
         elif self.on_cuda:
-            from neo_rs.model.cuda.fp8_gemm import fp8_gemm  # noqa: PLC0415 (needs Triton)
-
-            y = fp8_gemm(rows, self.weight, self.scale, self.group)
+            y = self._fp8_gemm(rows, self.weight, self.scale, self.group)
         elif self.scale.shape[1] == 1:
             y = F.linear(rows, widen(self.weight).to(rows.dtype))
             y = y * (self.scale[:, 0] * _WIDENED).to(rows.dtype)

@@ -296,10 +296,11 @@ class GroupedLinear(GraphLinear, nn.Module):
             self.register_buffer("packed", pack_int4(q.to(torch.int32)) if self.bits == 4 else pack_int8(q))
             self.use_threads(torch.get_num_threads())
         elif device.type == "cuda" and not (self.bits == 4 and tinygemm_runs(device, dtype)):
-            from neo_rs.model.cuda.grouped_gemm import pack_for_triton  # noqa: PLC0415 (needs Triton)
+            from neo_rs.model.cuda.grouped_gemm import grouped_gemm, pack_for_triton  # noqa: PLC0415 (Triton)
 
             self.kernel = "triton"
             self.register_buffer("packed", pack_for_triton(q, self.bits).to(device))
+            self._triton_gemm = grouped_gemm  # bound once: forward runs per layer and step
         else:
             assert self.bits == 4, "only our kernels multiply grouped int8 (grouped_int8_runs)"
             q = q.to(torch.int32)
@@ -334,9 +335,7 @@ class GroupedLinear(GraphLinear, nn.Module):
             y = _run(self.gemm, rows, self.in_features, self.out_features)  # the kernel adds the bias
             return y.view(*x.shape[:-1], self.out_features)
         if self.kernel == "triton":
-            from neo_rs.model.cuda.grouped_gemm import grouped_gemm  # noqa: PLC0415 (needs Triton)
-
-            y = grouped_gemm(rows, self.packed, self.scales_zeros, self.group, self.bits)
+            y = self._triton_gemm(rows, self.packed, self.scales_zeros, self.group, self.bits)
         else:
             mm = torch._weight_int4pack_mm if self.kernel == "tinygemm" else torch._weight_int4pack_mm_for_cpu
             y = mm(rows, self.packed, self.group, self.scales_zeros)
