@@ -9,11 +9,13 @@ use crate::attn::simd::Simd;
 use crate::attn::types::{Element, Rows, Scratch};
 
 impl Rows<'_> {
-    /// q in the form these rows' dot products on tier `S` take (see `Scratch`).
+    /// q in the form these rows' dot products on tier `S` take (see `Scratch`), for the `group`
+    /// heads of `q` and the zero heads that pad them to `tiled` (`Geometry::tiled_group`).
     #[inline(always)]
-    pub fn prepare_q<S: Simd, Q: Element>(self, scratch: &mut Scratch, q: &[Q], group: usize, d: usize) {
+    pub fn prepare_q<S: Simd, Q: Element>(self, scratch: &mut Scratch, q: &[Q], group: usize, tiled: usize, d: usize) {
         match self {
-            Rows::I8(_) => quantize_q(scratch, group, d, S::I8_K_OFFSET, S::I8_DOT_BY_HEADS),
+            // The scaled q rows of the padding head are zeros: it quantizes to zeros, scale 0.
+            Rows::I8(_) => quantize_q(scratch, tiled, d, S::I8_K_OFFSET, S::I8_DOT_BY_HEADS),
             Rows::Bf16(_) => round_q_bf16(scratch, q, group, d),
         }
     }

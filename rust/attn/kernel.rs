@@ -51,6 +51,40 @@ pub(crate) struct NextItem<'a> {
     pub end: usize,
 }
 
+/// The tiles of one step of the block loop: `whole` full blocks, their rows interleaved
+/// (`Geometry::streams`), then the item's partial last block when it fits beside them. A partial
+/// block ran as a step of its own: each step pays a softmax update and the pair packing per
+/// head, about a fifth of a 64-token item of SmolLM2 (group 3, head_dim 64).
+#[derive(Clone, Copy)]
+struct Step {
+    whole: usize,
+    partial: bool,
+}
+
+impl Step {
+    /// The step from block index `b` of an item of `full` full blocks out of `last`.
+    #[inline(always)]
+    fn at(geo: &Geometry, b: usize, full: usize, last: usize) -> Step {
+        let whole = if b < full { geo.streams().min(full - b) } else { 0 };
+        Step { whole, partial: b + whole == full && full < last && whole < geo.streams() }
+    }
+
+    fn tiles(self) -> usize {
+        self.whole + usize::from(self.partial)
+    }
+
+    /// Where row `t` of the step's tile `j` sits: row `t` of whole tile `j` at `t * whole + j`,
+    /// the partial block's rows after every whole tile's.
+    #[inline(always)]
+    fn position(self, j: usize, t: usize, block_size: usize) -> usize {
+        if j < self.whole {
+            t * self.whole + j
+        } else {
+            self.whole * block_size + t
+        }
+    }
+}
+
 /// Pool range of the whole tile of block `blocks[b]`, KV head `kv_head`.
 #[inline(always)]
 fn tile_range(geo: &Geometry, blocks: &[i32], kv_head: usize, b: usize) -> Range<usize> {
@@ -84,10 +118,9 @@ impl<Q, K> Item<'_, Q, K> {
         (n, current, ahead)
     }
 
-    /// The step of `g` tiles from block index `b` (`g == 1` unless all are full): the pool
-    /// offset of each of its rows into `rows` and of the same row of the tile to prefetch into
-    /// `ahead`, in step order (row `u / g` of tile `u % g` at position `u`); prefetches the row
-    /// scales of the tiles ahead. Returns the number of rows. Every row lies inside both pool
+    /// The step `step` from block index `b`: the pool offset of each of its rows into `rows` and
+    /// of the same row of the tile to prefetch into `ahead`, at `Step::position`; prefetches the
+    /// row scales of the tiles ahead. Returns the number of rows. Every row lies inside both pool
     /// slices (asserted), so the pointers the loops derive from them stay in bounds.
     ///
     /// # Safety
@@ -97,7 +130,7 @@ impl<Q, K> Item<'_, Q, K> {
         &self,
         geo: &Geometry,
         b: usize,
-        g: usize,
+        step: Step,
         rows: &mut [usize],
         ahead: &mut [usize],
     ) -> usize
@@ -106,13 +139,14 @@ impl<Q, K> Item<'_, Q, K> {
     {
         let (d, len) = (geo.head_dim, self.k.len().min(self.v.len()));
         let mut n = 0;
-        for j in 0..g {
+        for j in 0..step.tiles() {
             let (m, tile, next) = self.block_tile(geo, b + j);
             assert!(tile.end <= len && next.end <= len);
             // SAFETY: forwarded caller contract.
             unsafe { prefetch_scales::<S, Q, K>(self, geo, &next) };
             for t in 0..m {
-                (rows[t * g + j], ahead[t * g + j]) = (tile.start + t * d, next.start + t * d);
+                let u = step.position(j, t, geo.block_size);
+                (rows[u], ahead[u]) = (tile.start + t * d, next.start + t * d);
             }
             n += m;
         }
@@ -133,7 +167,7 @@ pub(crate) unsafe fn attend_item<S: Simd, Q: Element, K: KvElement, const DOT: u
     scratch: &mut Scratch,
     partial: &mut [f32],
 ) {
-    let (d, group) = (geo.head_dim, geo.group);
+    let (d, group, tiled) = (geo.head_dim, geo.group, geo.tiled_group());
     let (dp, sp) = (scratch.padded_dim, scratch.score_stride);
     assert!(dp.is_multiple_of(S::LANES) && sp.is_multiple_of(S::LANES) && partial.len() == geo.partial_len());
     assert!(it.q.len() == group * d && it.start.is_multiple_of(geo.block_size) && it.start < it.end);
@@ -155,7 +189,7 @@ pub(crate) unsafe fn attend_item<S: Simd, Q: Element, K: KvElement, const DOT: u
     scratch.sum.fill(0.0);
     let dot_kv = Rows::of::<K, DOT>(it.k).zip(Rows::of::<K, DOT>(it.v));
     if let Some((k, _)) = dot_kv {
-        k.prepare_q::<S, Q>(scratch, it.q, group, d);
+        k.prepare_q::<S, Q>(scratch, it.q, group, tiled, d);
     }
 
     let bs = geo.block_size;
@@ -174,22 +208,22 @@ pub(crate) unsafe fn attend_item<S: Simd, Q: Element, K: KvElement, const DOT: u
     let (mut row_buf, mut ahead_buf) = ([0usize; MAX_STEP_ROWS], [0usize; MAX_STEP_ROWS]);
     let mut b = first;
     while b < last {
-        let tiles = if b < full { geo.streams().min(full - b) } else { 1 };
+        let step = Step::at(geo, b, full, last);
         // SAFETY: the CPU supports S (caller).
-        let n = unsafe { it.step_rows::<S>(geo, b, tiles, &mut row_buf, &mut ahead_buf) };
+        let n = unsafe { it.step_rows::<S>(geo, b, step, &mut row_buf, &mut ahead_buf) };
         // Rows of this step before the first attended position (only in the window's first block).
         let masked = it.first.saturating_sub(b * bs).min(bs);
-        b += tiles;
+        b += step.tiles();
         let (rows, ahead) = (&row_buf[..n], &ahead_buf[..n]);
         // SAFETY: (whole step) the CPU supports S (caller); every row lies in both pool slices
         // (`step_rows`), and every slice length a helper relies on is asserted inside it.
         unsafe {
             if let Some((dk, _)) = dot_kv {
-                dot::qk::<S>(scratch, group, dk, rows, ahead, d, it.scale);
+                dot::qk::<S>(scratch, tiled, dk, rows, ahead, d, it.scale);
             } else {
                 let mut g0 = 0;
-                while g0 < group {
-                    let gt = group_tile(group - g0);
+                while g0 < tiled {
+                    let gt = group_tile(tiled - g0);
                     let (q, sc, k) = (&scratch.q[g0 * dp..], &mut scratch.scores[g0 * sp..], it.k);
                     match (S::LANES, gt) {
                         (16, 4) => qk_tile::<S, K, 4, 4>(q, k, rows, ahead, d, dp, sc, sp),
@@ -211,13 +245,14 @@ pub(crate) unsafe fn attend_item<S: Simd, Q: Element, K: KvElement, const DOT: u
             // time (entries past n are overwritten by the softmax step, or multiplied by 0).
             if K::SCALED {
                 let (ks, vs) = (&mut scratch.k_scale[..sp], &mut scratch.v_scale[..sp]);
-                // Tile j's rows sit at positions j, j + tiles, ..., its scales in one run.
-                let m = n / tiles;
-                for j in 0..tiles {
-                    let row0 = rows[j] / d;
+                // Tile j's rows sit at `step.position(j, _)`, its scales in one run.
+                for j in 0..step.tiles() {
+                    let m = if j < step.whole { bs } else { n - step.whole * bs };
+                    let row0 = rows[step.position(j, 0, bs)] / d;
                     let (kr, vr) = (&it.k_scale[row0..row0 + m], &it.v_scale[row0..row0 + m]);
                     for t in 0..m {
-                        (ks[t * tiles + j], vs[t * tiles + j]) = (kr[t], vr[t]);
+                        let u = step.position(j, t, bs);
+                        (ks[u], vs[u]) = (kr[t], vr[t]);
                     }
                 }
                 ks[n..].fill(0.0);
@@ -234,9 +269,8 @@ pub(crate) unsafe fn attend_item<S: Simd, Q: Element, K: KvElement, const DOT: u
                         *x = cap * (*x / cap).tanh();
                     }
                 }
-                // Row t of the step's first tile sits at position t * tiles (`step_rows`).
                 for t in 0..masked {
-                    scores[t * tiles] = f32::NEG_INFINITY;
+                    scores[step.position(0, t, bs)] = f32::NEG_INFINITY;
                 }
                 online_softmax_step::<S>(
                     scores,
@@ -249,9 +283,10 @@ pub(crate) unsafe fn attend_item<S: Simd, Q: Element, K: KvElement, const DOT: u
                     scale_scores::<S>(scores, &scratch.v_scale, n);
                 }
             }
+            // The padding head's scores are its q·k, zeros: as probabilities they add nothing.
             let mut g0 = 0;
-            while g0 < group {
-                let gt = group_tile(group - g0);
+            while g0 < tiled {
+                let gt = group_tile(tiled - g0);
                 if let (Some((_, dv)), 2.., true) = (dot_kv, gt, S::PAIR_DOTS) {
                     dot::pv_pairs::<S>(scratch, g0, gt, dv, rows, ahead, d);
                     g0 += gt;

@@ -258,6 +258,19 @@ impl Geometry {
         (MAX_STEP_ROWS / self.block_size).clamp(1, STREAMS)
     }
 
+    /// Query heads the register tiles cover: a group of 3 or 7 is padded with a head of zeros
+    /// (never softmaxed, never written out), so it runs as 4-head tiles only. SmolLM2's 3 ran as
+    /// a 2-head and a 1-head tile, two passes over each step's K and V rows, the second on the
+    /// widening path: 1.15-1.2x the time of one 4-head tile, whose padding lanes cost less than
+    /// the extra pass (7: 1.1x; 5 as 4 + 2 instead of 4 + 1 gained nothing).
+    pub fn tiled_group(&self) -> usize {
+        if self.group % 4 == 3 {
+            self.group + 1
+        } else {
+            self.group
+        }
+    }
+
     /// f32 values in one item's partial: `acc[group][head_dim]`, then `max[group]`, `sum[group]`.
     pub fn partial_len(&self) -> usize {
         self.group * (self.head_dim + 2)
@@ -265,7 +278,8 @@ impl Geometry {
 }
 
 /// Per-thread f32 workspaces, sized once per call for the padded head dim (a multiple of LANES,
-/// zero-filled past `head_dim` so padded lanes contribute nothing).
+/// zero-filled past `head_dim` so padded lanes contribute nothing) and, but for `max` and `sum`,
+/// for the tiled group (`Geometry::tiled_group`), whose padding head's q rows stay zero.
 pub(crate) struct Scratch {
     pub(super) padded_dim: usize,
     pub(super) score_stride: usize,
@@ -300,22 +314,23 @@ impl Scratch {
         // Scores are processed up to 16 f32 at a time, whatever the tier.
         let score_stride = (geo.streams() * geo.block_size).next_multiple_of(16);
         let dot_dim = geo.head_dim.next_multiple_of(64);
+        let tiled = geo.tiled_group();
         Scratch {
             padded_dim,
             score_stride,
-            q: vec![0.0; geo.group * padded_dim],
+            q: vec![0.0; tiled * padded_dim],
             dot_dim,
-            q8: vec![0; geo.group * dot_dim],
-            q8x: vec![0; geo.group * dot_dim],
-            q8_scale: vec![0.0; geo.group],
-            q8_offset: vec![0.0; geo.group],
-            qb: vec![0; geo.group * dot_dim],
-            pairs: vec![0; geo.group * score_stride / 2],
-            pair_scale: vec![0.0; geo.group],
+            q8: vec![0; tiled * dot_dim],
+            q8x: vec![0; tiled * dot_dim],
+            q8_scale: vec![0.0; tiled],
+            q8_offset: vec![0.0; tiled],
+            qb: vec![0; tiled * dot_dim],
+            pairs: vec![0; tiled * score_stride / 2],
+            pair_scale: vec![0.0; tiled],
             k_scale: vec![0.0; score_stride],
             v_scale: vec![0.0; score_stride],
-            acc: vec![0.0; geo.group * padded_dim],
-            scores: vec![0.0; geo.group * score_stride],
+            acc: vec![0.0; tiled * padded_dim],
+            scores: vec![0.0; tiled * score_stride],
             max: vec![0.0; geo.group],
             sum: vec![0.0; geo.group],
         }
