@@ -52,6 +52,12 @@ def test_prompts_and_decodes_run_compiled_in_two_graphs(checkpoints) -> None:
     # Every batch size from 1 to 6 rows, with prompts joining mid-run: no graph more.
     llm.generate(PROMPTS, GREEDY)
     assert compiled.graphs == MAX_GRAPHS
+    # Those iterations checked only the guard between the two graphs; hidden states unlike the
+    # warm-up's would check them all.
+    hidden = compiled.model.config.hidden_size
+    assert compiled.skips_guards(torch.zeros(1, hidden)) and compiled.skips_guards(torch.zeros(6, hidden))
+    assert not compiled.skips_guards(torch.zeros(0, hidden))
+    assert not compiled.skips_guards(torch.zeros(3, hidden, dtype=torch.bfloat16))
 
 
 def test_sparse_models_and_enforce_eager_run_eager(checkpoints, monkeypatch) -> None:
