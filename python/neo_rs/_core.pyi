@@ -140,11 +140,17 @@ class CpuAttention:
     ``num_threads`` defaults to ``NEO_RS_CPU_THREADS``, else the machine's cores; ``simd`` to
     ``NEO_RS_SIMD``, else the best tier of this CPU. With ``openmp_team``, ``forward`` runs on the
     calling thread's OpenMP team of ``num_threads`` threads (torch's intra-op threads) instead of
-    the pool, where an OpenMP runtime is loaded; ``submit`` always uses the pool.
+    the pool, where an OpenMP runtime is loaded; ``submit`` always uses the pool. Without
+    ``dot_products``, pools are read by the widening path alone (``int8_dot`` and ``bf16_dot`` off):
+    f32 products and probabilities.
     """
 
     def __init__(
-        self, num_threads: int | None = None, simd: str | None = None, openmp_team: bool = False
+        self,
+        num_threads: int | None = None,
+        simd: str | None = None,
+        openmp_team: bool = False,
+        dot_products: bool = True,
     ) -> None: ...
     @property
     def simd(self) -> str: ...

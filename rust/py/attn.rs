@@ -11,7 +11,9 @@ use half::{bf16, f16};
 use pyo3::prelude::*;
 
 use super::tensor::{overlaps, Kind, TensorRef};
-use crate::attn::{self, DType, DecodeBatch, DecodeParams, Element, KvElement, PagedShape, Pools, PoolsMut, Tier};
+use crate::attn::{
+    self, DType, DecodeBatch, DecodeParams, DotProducts, Element, KvElement, PagedShape, Pools, PoolsMut, Tier,
+};
 use crate::error::{ensure, NeoError, Result};
 
 /// A checked call: raw addresses and sizes of every tensor, valid while the tensors live.
@@ -341,11 +343,12 @@ impl Completion {
 #[pymethods]
 impl CpuAttention {
     #[new]
-    #[pyo3(signature = (num_threads=None, simd=None, openmp_team=false))]
-    fn new(num_threads: Option<usize>, simd: Option<&str>, openmp_team: bool) -> PyResult<Self> {
+    #[pyo3(signature = (num_threads=None, simd=None, openmp_team=false, dot_products=true))]
+    fn new(num_threads: Option<usize>, simd: Option<&str>, openmp_team: bool, dot_products: bool) -> PyResult<Self> {
         let tier = simd.map(Tier::parse).transpose()?;
         let engine = attn::CpuAttention::new(num_threads, tier)?;
         let engine = if openmp_team { engine.with_team() } else { engine };
+        let engine = if dot_products { engine } else { engine.with_dot_products(DotProducts::default()) };
         Ok(CpuAttention { engine: Arc::new(engine) })
     }
 

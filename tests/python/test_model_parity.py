@@ -260,3 +260,31 @@ def test_longrope_tables_match_transformers_on_both_sides_of_the_original_length
     torch.testing.assert_close(ours.sin[0, :64], short_sin[0], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(ours.cos[0, 64:], long_cos[0, 64:], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(ours.sin[0, 64:], long_sin[0, 64:], rtol=1e-6, atol=1e-6)
+
+
+def test_prompts_attend_as_kernel_rows_without_dot_products(checkpoints, monkeypatch) -> None:
+    # On a CPU device a prompt's first chunk of up to FIRST_CHUNK_KERNEL_ROWS_MAX rows attends in
+    # the Rust kernel, a decode row per token, on the engine without dot products; longer ones
+    # by SDPA (the cap lowered here so that the prompts take both ways).
+    from neo_rs.attention import metadata
+
+    monkeypatch.setattr(metadata, "FIRST_CHUNK_KERNEL_ROWS_MAX", 16)
+    llm = LLM(str(checkpoints["llama"]), dtype="float32", num_gpu_blocks=64)
+    attention = llm.engine.runner.attention
+    engine = attention.prompt_attention
+    assert engine is not None and not engine.bf16_dot and not engine.int8_dot
+    assert engine.num_threads == attention.cpu_attention.num_threads
+    rows: list[int] = []
+
+    class Recording:
+        def forward(self, q: torch.Tensor, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+            rows.append(q.shape[0])
+            engine.forward(q, *args, **kwargs)
+
+    attention.prompt_attention = Recording()
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    want = [hf_greedy(checkpoints["llama"], "llama", p) for p in PROMPTS]
+    assert [o.outputs[0].token_ids for o in outs] == want
+    layers = len(llm.engine.runner.model.decoder_layers)
+    # (A one-token prompt is a decode at position 0.)
+    assert Counter(rows) == Counter({len(p): layers for p in PROMPTS if 1 < len(p) <= 16}), rows

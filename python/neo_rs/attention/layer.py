@@ -53,7 +53,11 @@ class PendingCpuAttention:
 
 class Attention:
     """One layer's attention for one sub-batch. ``cpu_attention`` serves CPU decodes, and device
-    decodes too when the device pool lives in CPU memory."""
+    decodes too when the device pool lives in CPU memory; there, ``prompt_attention`` (the same
+    kernel without dot products: f32 products and probabilities) attends prompts' first chunks
+    (``metadata.FIRST_CHUNK_KERNEL_ROWS_MAX``). With bf16 dot products (the probabilities rounded
+    to bf16 for p·v), the default server's greedy answer to its smoke-test question changed: a
+    near-tie in its first token, which torch's SDPA, and f32 probabilities, resolve the other way."""
 
     def __init__(
         self,
@@ -66,6 +70,16 @@ class Attention:
         # Where each layer's KV lives: its group's tables, its slot on the pools' layer axis.
         self.groups = groups
         self.cpu_attention = cpu_attention
+        self.prompt_attention = (
+            CpuAttention(
+                num_threads=cpu_attention.num_threads,
+                simd=cpu_attention.simd,
+                openmp_team=cpu_attention.openmp_team,
+                dot_products=False,
+            )
+            if transfer.device.type == "cpu"
+            else None
+        )
         self.transfer = transfer
         cuda = transfer.device.type == "cuda"
         self.device_decode = select_device_decode(transfer.device) if cuda else None
@@ -171,13 +185,13 @@ class Attention:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KvPool, layer: int, p: Prefill
     ) -> torch.Tensor:
         kind, slot = self.kinds[layer], self.groups.slot[layer]
-        if p.num_computed == 0:
-            return attend_positions(q, k, v, 0, kind)
         if p.kernel_rows is not None:
             # Its K/V is written: each row reads the pool up to its own position.
             out = torch.empty_like(q)
             tables, lens = p.kernel_rows
-            self.cpu_attention.forward(
+            engine = self.cpu_attention if p.num_computed else self.prompt_attention
+            assert engine is not None, "kernel rows only over a pool in CPU memory"
+            engine.forward(
                 q.contiguous(),
                 pool.k,
                 pool.v,
@@ -190,6 +204,8 @@ class Attention:
                 softcap=kind.softcap,
             )
             return out
+        if p.num_computed == 0:
+            return attend_positions(q, k, v, 0, kind)
         if self.paged_prefill is not None:
             # A later chunk: earlier tokens are only in the pool, read there in place.
             return self.paged_prefill(

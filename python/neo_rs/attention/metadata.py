@@ -18,6 +18,20 @@ from neo_rs.kv.transfer import HostTransfer
 # SDPA over the gathered context: per call, 0.25x SDPA's time at 5 rows, 0.6x at 16, 0.86x (bf16)
 # to 1.06x (fp32) at 64, 1.4x (fp32) at 256 (SmolLM2's heads, 1k context, 2 threads, AMD EPYC).
 KERNEL_ROWS_MAX = 64
+# The most rows of a first chunk (a prompt from its start) the Rust kernel attends, a decode row
+# each over the pool its K/V was just written to, instead of torch's causal SDPA (CPU flash
+# attention). Prompts run the kernel without dot products (``Attention.prompt_attention``). Per
+# layer against SDPA per prompt, SmolLM2's heads, 2 threads, AMD EPYC Zen 5: 64 prompts of 128
+# tokens 0.48-0.49x the time in bf16, 0.63x in fp32; one prompt of 1,024 0.69x (bf16), 0.86x
+# (fp32); of 2,048 1.06x in fp32, where the rows' re-reads of their context outgrow the caches
+# (``benches/prefill_attention.py``).
+FIRST_CHUNK_KERNEL_ROWS_MAX = 1024
+
+
+def kernel_fits(rows: int, computed: int) -> bool:
+    """Whether a chunk of ``rows`` after ``computed`` tokens attends as decode rows in the Rust
+    kernel (over a pool in CPU memory)."""
+    return rows <= (KERNEL_ROWS_MAX if computed else FIRST_CHUNK_KERNEL_ROWS_MAX)
 
 
 @dataclass
@@ -29,9 +43,9 @@ class Prefill:
     num_computed: int
     seq_len: int
     block_table: torch.Tensor  # int64 block ids covering seq_len
-    # A short later chunk over a pool in CPU memory (a decode verifying drafts, a prompt's last
-    # rows): each row attends in the Rust kernel as a decode at its own position, over these
-    # int32 tables and lengths (a row each).
+    # A short chunk over a pool in CPU memory (a decode verifying drafts, a prompt's last rows, a
+    # whole prompt of up to ``FIRST_CHUNK_KERNEL_ROWS_MAX``): each row attends in the Rust kernel
+    # as a decode at its own position, over these int32 tables and lengths (a row each).
     kernel_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
@@ -117,13 +131,18 @@ class AttentionBatch:
         seq_lens = torch.from_numpy(lens)
         prefills = []
         on_host = transfer.device.type == "cpu"
+        # Prompts bound for the host pool (host prefills, the last ``nhp``; prompts staged through
+        # device blocks) name blocks of it in their tables: their first chunks attend their fresh
+        # K/V, not the device pool.
+        staged = len(plan.prefill_to_host) > 0
         for i in range(nd, hi - lo):
             nblocks = -(-int(lens[i]) // block_size)
             start, end = int(qsl[i]), int(qsl[i + 1])
             seq_len = int(lens[i])
             computed = seq_len - (end - start)
             kernel_rows = None
-            if on_host and computed > 0 and end - start <= KERNEL_ROWS_MAX:
+            in_device_pool = not staged and i < hi - lo - nhp
+            if on_host and kernel_fits(end - start, computed) and (computed or in_device_pool):
                 row_lens = torch.arange(computed + 1, seq_len + 1, dtype=torch.int32)
                 kernel_rows = (tables[i : i + 1].expand(end - start, -1).contiguous(), row_lens)
             prefills.append(
