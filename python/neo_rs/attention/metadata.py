@@ -21,10 +21,10 @@ KERNEL_ROWS_MAX = 64
 # The most rows of a first chunk (a prompt from its start) the Rust kernel attends, a decode row
 # each over the pool its K/V was just written to, instead of torch's causal SDPA (CPU flash
 # attention). Prompts run the kernel without dot products (``Attention.prompt_attention``). Per
-# layer against SDPA per prompt, SmolLM2's heads, 2 threads, AMD EPYC Zen 5: 64 prompts of 128
-# tokens 0.48-0.49x the time in bf16, 0.63x in fp32; one prompt of 1,024 0.69x (bf16), 0.86x
-# (fp32); of 2,048 1.06x in fp32, where the rows' re-reads of their context outgrow the caches
-# (``benches/prefill_attention.py``).
+# layer against SDPA per prompt, SmolLM2's heads, 2 threads, AMD EPYC Zen 5
+# (``benches/prefill_attention.py``): 64 prompts of 128 tokens 0.53x the time in bf16, 0.57x in
+# fp32; one prompt of 1,024 0.67x and 0.80x; of 2,048 0.80x but 1.03x in fp32, where the rows'
+# re-reads of their context outgrow the caches.
 FIRST_CHUNK_KERNEL_ROWS_MAX = 1024
 
 
