@@ -10,11 +10,10 @@ SmolLM2's heads (9 query heads, 3 KV heads, head_dim 64), block 16.
 """
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from attn_cpu import timed_pair
 from common import cpu_line
 from neo_rs import CpuAttention
 from neo_rs.kv.pools import page_aligned_empty
@@ -42,20 +41,8 @@ def attend(q, k, v, p: int, length: int, scale: float) -> torch.Tensor:  # noqa:
     """Prompt ``p``'s causal SDPA output, ``[length, heads, head_dim]``."""
     s = slice(p * length, (p + 1) * length)
     qh, kh, vh = (t[s].transpose(0, 1)[None] for t in (q, k, v))
-    return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)[
-        0
-    ].transpose(0, 1)
-
-
-def timed_pair(f, g, reps: int) -> tuple[float, float]:
-    f(), g()
-    tf, tg = [], []
-    for _ in range(reps):
-        for fn, ts in ((f, tf), (g, tg)):
-            t = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t)
-    return statistics.median(tf), statistics.median(tg)
+    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
 
 
 def compare(
