@@ -28,12 +28,6 @@ KERNEL_ROWS_MAX = 64
 FIRST_CHUNK_KERNEL_ROWS_MAX = 1024
 
 
-def kernel_fits(rows: int, computed: int) -> bool:
-    """Whether a chunk of ``rows`` after ``computed`` tokens attends as decode rows in the Rust
-    kernel (over a pool in CPU memory)."""
-    return rows <= (KERNEL_ROWS_MAX if computed else FIRST_CHUNK_KERNEL_ROWS_MAX)
-
-
 @dataclass
 class Prefill:
     """Rows ``start:end`` of the batch: positions ``num_computed .. seq_len`` of one sequence."""
@@ -141,8 +135,9 @@ class AttentionBatch:
             seq_len = int(lens[i])
             computed = seq_len - (end - start)
             kernel_rows = None
+            rows_max = KERNEL_ROWS_MAX if computed else FIRST_CHUNK_KERNEL_ROWS_MAX
             in_device_pool = not staged and i < hi - lo - nhp
-            if on_host and kernel_fits(end - start, computed) and (computed or in_device_pool):
+            if on_host and end - start <= rows_max and (computed or in_device_pool):
                 row_lens = torch.arange(computed + 1, seq_len + 1, dtype=torch.int32)
                 kernel_rows = (tables[i : i + 1].expand(end - start, -1).contiguous(), row_lens)
             prefills.append(
