@@ -53,11 +53,11 @@ class Bf16Linear:
         each output summed in float32 and rounded once. GIL released."""
 
 class Categorical:
-    """Random tokens from float32 logits on the CPU: for each row, the inverse of the CDF of
-    ``softmax(row / temperature)``, narrowed by top-k, top-p and min-p, at a uniform the caller
-    drew, summed by SIMD blocks (``tier``: ``NEO_RS_SIMD``, else the best this CPU has) on the
-    calling thread's OpenMP team of ``num_threads``. A row's token depends only on its row, its
-    parameters and its uniform; ``-inf`` entries are never drawn."""
+    """Tokens from logits on the CPU: greedy ones (``argmax``), and random ones (``draw``): for
+    each row, the inverse of the CDF of ``softmax(row / temperature)``, narrowed by top-k, top-p
+    and min-p, at a uniform the caller drew, summed by SIMD blocks (``tier``: ``NEO_RS_SIMD``, else
+    the best this CPU has), on the calling thread's OpenMP team of ``num_threads``. A row's token
+    depends only on its row, its parameters and its uniform; ``-inf`` entries are never drawn."""
 
     def __init__(self, *, num_threads: int, tier: str | None = None) -> None: ...
     @property
@@ -76,6 +76,9 @@ class Categorical:
         float32) at ``temperatures[i] > 0``, narrowed as vLLM narrows by ``top_ks[i]`` (0: off),
         ``top_ps[i]`` (1: off) and ``min_ps[i]`` (0: off; ties at a cut kept), at ``uniforms[i]``
         in ``[0, 1)``. GIL released."""
+    def argmax(self, logits: torch.Tensor) -> list[int]:
+        """Each row's first largest entry of ``logits`` (``[rows, vocab]``, contiguous float32 or
+        bf16), as ``max(dim=-1).indices`` gives it. GIL released."""
 
 class QuantGemm:
     """A weight-only int8, int4 or grouped int8 linear on the CPU for any number of rows, ``out =

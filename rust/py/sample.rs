@@ -1,12 +1,13 @@
-//! `Categorical` for Python: random tokens drawn from float32 logits on the CPU
-//! (`crate::sample`), a step's rows in one call.
+//! `Categorical` for Python: random tokens drawn from float32 logits on the CPU, and greedy
+//! tokens from float32 or bf16 ones (`crate::sample`), a step's rows in one call.
 
 use pyo3::prelude::*;
 
 use super::tensor::TensorRef;
 use crate::attn::{DType, Tier};
 use crate::error::{ensure, Result};
-use crate::sample;
+use crate::sample::{self, Logits};
+use half::bf16;
 
 /// Inverse-CDF draws from `softmax(logits / temperature)` on the calling thread's OpenMP team.
 #[pyclass(frozen, module = "neo_rs._core")]
@@ -66,6 +67,33 @@ impl Categorical {
             // for the call (the caller's argument), only read.
             let logits = unsafe { std::slice::from_raw_parts(t.addr as *const f32, t.numel()) };
             inner.draw(logits, vocab, &rows, &params, &uniforms, &mut out)
+        })?;
+        Ok(out)
+    }
+
+    /// Each row's first largest entry of `logits` (`[rows, vocab]`, contiguous float32 or bf16),
+    /// as torch's `max(dim=-1).indices`. GIL released.
+    fn argmax(&self, py: Python<'_>, logits: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        let t = TensorRef::extract(logits, "logits")?;
+        let (rows, vocab) = {
+            let dims = t.dims(2)?;
+            (dims[0], dims[1])
+        };
+        let dtype = t.float()?;
+        ensure!(dtype != DType::F16, DType, "logits must be float32 or bf16, got float16");
+        let mut out = vec![0u32; rows];
+        let inner = self.inner;
+        py.detach(|| {
+            // SAFETY: a contiguous CPU tensor of `numel` values of `dtype` (checked above), alive
+            // for the call (the caller's argument), only read.
+            let logits = unsafe {
+                if dtype == DType::F32 {
+                    Logits::F32(std::slice::from_raw_parts(t.addr as *const f32, t.numel()))
+                } else {
+                    Logits::Bf16(std::slice::from_raw_parts(t.addr as *const bf16, t.numel()))
+                }
+            };
+            inner.argmax(logits, vocab, &mut out)
         })?;
         Ok(out)
     }

@@ -12,7 +12,10 @@
 //! Each row is drawn by one thread in a fixed order, so its token depends on nothing but its row,
 //! parameters and uniform. Masked entries (`-inf`) are never drawn.
 
+mod argmax;
 mod filter;
+
+use half::bf16;
 
 use crate::attn::simd::{Portable, Simd};
 use crate::attn::Tier;
@@ -49,12 +52,31 @@ impl RowParams {
     }
 }
 
-/// The vector halves of a draw, per tier: a row's maximum, and its exponentials summed by blocks.
+/// A step's logits, `[rows, vocab]` flattened: float32, or the model's bf16 (greedy rows only).
+#[derive(Clone, Copy)]
+pub enum Logits<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [bf16]),
+}
+
+impl Logits<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Logits::F32(x) => x.len(),
+            Logits::Bf16(x) => x.len(),
+        }
+    }
+}
+
+/// The vector halves of a draw, per tier: a row's maximum, and its exponentials summed by blocks;
+/// and a greedy row's token (`argmax.rs`).
 #[derive(Clone, Copy)]
 struct Kernels {
     lanes: usize,
     max: unsafe fn(&[f32]) -> f32,
     block_sums: unsafe fn(&[f32], f32, f32, &mut Vec<f32>),
+    argmax_f32: unsafe fn(&[f32]) -> usize,
+    argmax_bf16: unsafe fn(&[bf16]) -> usize,
 }
 
 /// A thread's buffers: block sums, a filter's candidates, a narrowed row.
@@ -131,6 +153,35 @@ impl Categorical {
         Ok(())
     }
 
+    /// `out[i]`: the first largest entry of row `i` of `logits` (rows of `vocab`), as torch's
+    /// `max(dim=-1).indices`.
+    pub fn argmax(&self, logits: Logits<'_>, vocab: usize, out: &mut [u32]) -> Result<()> {
+        let n = out.len();
+        ensure!(
+            vocab > 0 && logits.len() == n * vocab,
+            Shape,
+            "logits hold {} values, not {n} rows of {vocab}",
+            logits.len()
+        );
+        let out_addr = out.as_mut_ptr() as usize;
+        let Kernels { argmax_f32, argmax_bf16, .. } = self.kernels;
+        let row = |_: &mut (), i: usize| {
+            let at = i * vocab..(i + 1) * vocab;
+            // SAFETY: `kernels` gave the functions of a tier `Tier::require` accepted on this CPU.
+            let token = unsafe {
+                match logits {
+                    Logits::F32(x) => argmax_f32(&x[at]),
+                    Logits::Bf16(x) => argmax_bf16(&x[at]),
+                }
+            };
+            // SAFETY: `out` is `n` long and borrowed mutably for this call; item `i` alone writes
+            // `out[i]`.
+            unsafe { *(out_addr as *mut u32).add(i) = token as u32 };
+        };
+        team::for_each_init(self.team, n, || (), row);
+        Ok(())
+    }
+
     /// One row's token (its parameters checked).
     ///
     /// # Safety
@@ -164,16 +215,40 @@ impl Categorical {
 fn kernels(tier: Tier) -> Kernels {
     match tier {
         #[cfg(target_arch = "x86_64")]
-        Tier::Avx512 => Kernels { lanes: 16, max: avx512::max, block_sums: avx512::block_sums },
+        Tier::Avx512 => Kernels {
+            lanes: 16,
+            max: avx512::max,
+            block_sums: avx512::block_sums,
+            argmax_f32: avx512::argmax_f32,
+            argmax_bf16: avx512::argmax_bf16,
+        },
         #[cfg(target_arch = "x86_64")]
-        Tier::Avx2 => Kernels { lanes: 8, max: avx2::max, block_sums: avx2::block_sums },
+        Tier::Avx2 => Kernels {
+            lanes: 8,
+            max: avx2::max,
+            block_sums: avx2::block_sums,
+            argmax_f32: avx2::argmax_f32,
+            argmax_bf16: avx2::argmax_bf16,
+        },
         #[cfg(target_arch = "aarch64")]
-        Tier::Neon => Kernels { lanes: 4, max: neon::max, block_sums: neon::block_sums },
-        _ => Kernels { lanes: Portable::LANES, max: portable::max, block_sums: portable::block_sums },
+        Tier::Neon => Kernels {
+            lanes: 4,
+            max: neon::max,
+            block_sums: neon::block_sums,
+            argmax_f32: neon::argmax_f32,
+            argmax_bf16: neon::argmax_bf16,
+        },
+        _ => Kernels {
+            lanes: Portable::LANES,
+            max: portable::max,
+            block_sums: portable::block_sums,
+            argmax_f32: portable::argmax_f32,
+            argmax_bf16: portable::argmax_bf16,
+        },
     }
 }
 
-/// `max` and `block_sums` of one tier, compiled for its instructions.
+/// `max`, `block_sums` and the argmaxes of one tier, compiled for its instructions.
 macro_rules! tier {
     ($name:ident, $simd:ty $(, $features:literal)?) => {
         mod $name {
@@ -191,6 +266,22 @@ macro_rules! tier {
             pub(super) unsafe fn block_sums(x: &[f32], m: f32, inv_t: f32, sums: &mut Vec<f32>) {
                 // SAFETY: forwarded caller contract.
                 unsafe { super::block_sums::<$simd>(x, m, inv_t, sums) }
+            }
+
+            /// # Safety
+            /// The CPU must support the tier.
+            $(#[target_feature(enable = $features)])?
+            pub(super) unsafe fn argmax_f32(x: &[f32]) -> usize {
+                // SAFETY: forwarded caller contract.
+                unsafe { super::argmax::row::<$simd, f32>(x) }
+            }
+
+            /// # Safety
+            /// The CPU must support the tier.
+            $(#[target_feature(enable = $features)])?
+            pub(super) unsafe fn argmax_bf16(x: &[half::bf16]) -> usize {
+                // SAFETY: forwarded caller contract.
+                unsafe { super::argmax::row::<$simd, half::bf16>(x) }
             }
         }
     };

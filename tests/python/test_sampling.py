@@ -275,6 +275,44 @@ def test_cpu_draws_are_torch_draws_in_every_simd_tier(monkeypatch: pytest.Monkey
     assert checked > 100 * len(simd_tiers())
 
 
+def test_bf16_logits_give_the_float32_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``compute_logits`` hands over the model's bf16: greedy rows read them as they are (the Rust
+    argmax, every tier), any other row reads them widened; tokens and logprobs are those of the
+    float32 copy."""
+    from neo_rs._core import simd_tiers
+    from neo_rs.sample import sampling
+
+    g = torch.Generator().manual_seed(0)
+    narrow = (torch.randn(5, 5003, generator=g) * 3).to(torch.bfloat16)
+    narrow[1, [7, 4000]] = 20.0  # a tie: the first wins
+    narrow[2] = float("-inf")
+    narrow[3, :4990] = float("-inf")  # the largest past the last whole vector
+    narrow[3, 5002] = 30.0
+    wide = narrow.float()
+    want = wide.max(dim=-1).indices.tolist()
+    assert want[1:4] == [7, 0, 5002]
+    for tier in simd_tiers():
+        monkeypatch.setenv("NEO_RS_SIMD", tier)
+        sampling._categorical.cache_clear()
+        try:
+            assert sample(narrow, [_row(temperature=0)] * 5, g).token_ids == want, tier
+        finally:
+            sampling._categorical.cache_clear()
+    banned = SampleRow(
+        SamplingParams(temperature=0), prompt_ids=[0], output_ids=[], generator=None, banned_ids=[want[0]]
+    )
+    mixed = [
+        banned,
+        _row(temperature=1.0, logprobs=2),
+        _row(temperature=0),
+        _row(temperature=0.5, top_k=3),
+        _row(temperature=0, logit_bias={3: 100.0}),
+    ]
+    got, ref = (sample(x, mixed, torch.Generator().manual_seed(1)) for x in (narrow, wide))
+    assert got == ref
+    assert got.token_ids[0] != want[0] and got.token_ids[4] == 3
+
+
 @pytest.mark.parametrize("stop", [[], ["e", "xyz"]])
 def test_delta_outputs_add_up_to_the_cumulative_ones(llm: LLM, stop: list[str]) -> None:
     def run(kind: RequestOutputKind) -> list[list[RequestOutput]]:

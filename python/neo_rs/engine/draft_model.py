@@ -33,6 +33,7 @@ from neo_rs.cuda_runtime import runtime
 from neo_rs.errors import InvalidArgumentError, ModelLoadError
 from neo_rs.kv.pools import KvLayout
 from neo_rs.model.registry import resolve_model
+from neo_rs.sample.sampling import greedy
 from neo_rs.speculative_config import SpeculativeConfig
 from neo_rs.worker.runner import RunnerSetup
 
@@ -133,7 +134,7 @@ class DraftModel:
                 break
             try:
                 # A wait for the device each round: its tokens are the next round's inputs.
-                sampled = runtime().read(self.runner.execute(plan).argmax(-1))
+                sampled = runtime().read(greedy(self.runner.execute(plan)))
             except BaseException:
                 for seq_id in self.scheduler.abort_step():
                     self.held.discard(seq_id)

@@ -226,10 +226,12 @@ class CausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits ``[rows, vocab]`` of the final hidden states of the sampled rows (on
-        rank 0 under tensor parallelism; other ranks get their vocab shard), soft-capped where
-        the model says (Gemma 2)."""
-        logits = self.lm_head(self.norm(hidden)).float()
+        """Logits ``[rows, vocab]`` of the final hidden states of the sampled rows (on rank 0
+        under tensor parallelism; other ranks get their vocab shard), in the model's dtype, or
+        float32 soft-capped where the model says (Gemma 2). ``sample`` widens them exactly where
+        a row reads more than their maximum: a float32 copy of 64 rows cost 0.9 ms of a 41 ms
+        step of SmolLM2 on the CPU."""
+        logits = self.lm_head(self.norm(hidden))
         if (cap := self.config.final_softcap) is not None:
-            logits = cap * torch.tanh(logits / cap)
+            logits = cap * torch.tanh(logits.float() / cap)
         return self.tp.gather_vocab(logits, self.vocab_size)

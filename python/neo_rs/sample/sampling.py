@@ -224,8 +224,9 @@ def sample(
     default_generator: torch.Generator,
     mask: TokenMask | None = None,
 ) -> SampleResult:
-    """Sample one token per row of float32 ``logits`` ``[len(rows), vocab]``; ``mask``: the tokens
-    the constrained rows' grammars allow (logprobs stay those of the model)."""
+    """Sample one token per row of ``logits`` ``[len(rows), vocab]`` (float32, or the model's dtype,
+    widened here unless every row takes its maximum); ``mask``: the tokens the constrained rows'
+    grammars allow (logprobs stay those of the model)."""
     tokens, raw_logprobs = draw(logits, rows, default_generator, mask)
     token_list = runtime().read(tokens)
     logprobs: list[dict[int, float] | None] = [None] * len(rows)
@@ -242,6 +243,8 @@ def draw(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``sample``'s device work: the tokens drawn, and the rows' log-probabilities when any row
     asks for them (the memory plan runs this alone, ``worker/memory_plan.py``)."""
+    if not _maxima_only(rows, mask):
+        logits = logits.float()  # exact from the model's dtype; float32 stays as it is
     want_logprobs = [r.params.logprobs is not None for r in rows]
     raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
     if mask is not None:
@@ -267,8 +270,7 @@ def draw(
                 logits[i] = torch.where(kept.isfinite().any(), kept, logits[i])
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if len(random_rows) < len(rows):
-        # The first maximum, as argmax gives, in half argmax's time on the CPU.
-        tokens = logits.max(dim=-1).indices
+        tokens = greedy(logits)
     else:  # every row drawn: no pass over the logits for a maximum no row keeps
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     if random_rows:
@@ -277,6 +279,27 @@ def draw(
         draw_rows = draw_on_cpu if logits.device.type == "cpu" else draw_in_torch
         tokens[torch.tensor(random_rows, device=logits.device)] = draw_rows(logits, random_rows, params, u)
     return tokens, raw_logprobs
+
+
+def _maxima_only(rows: list[SampleRow], mask: TokenMask | None) -> bool:
+    """Whether every row's token is its largest logit as the model gave it: greedy, no grammar,
+    penalty, bias, banned token or logprobs."""
+    return mask is None and all(
+        r.params.greedy
+        and r.params.logprobs is None
+        and not (r.params.has_penalties or r.params.logit_bias or r.banned_ids)
+        for r in rows
+    )
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first largest logit, as argmax gives: on the CPU by the Rust kernel, which reads
+    bf16 rows as they are (64 rows of a 49k vocabulary: 0.1 ms against torch's 0.9 ms maximum
+    after a 0.9 ms float32 copy in the engine)."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16):
+        tokens = _categorical(torch.get_num_threads()).argmax(logits.contiguous())
+        return torch.tensor(tokens, dtype=torch.long)
+    return logits.max(dim=-1).indices  # the first maximum, as argmax, in half its time on the CPU
 
 
 def _uniforms(

@@ -112,8 +112,8 @@ class DecodeGraphs:
         )
 
     def run(self, plan: SchedulerOutput) -> torch.Tensor:
-        """The plan's logits, ``[rows, vocab]`` float32 (a view of the bucket's output: valid
-        until the next replay)."""
+        """The plan's logits, ``[rows, vocab]`` as ``compute_logits`` gives them (a view of the
+        bucket's output: valid until the next replay)."""
         n = len(plan.req_ids)
         b = self._bucket(next(s for s in self.sizes if s >= n))
         self._fill(b, plan)

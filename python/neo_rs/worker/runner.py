@@ -330,8 +330,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> torch.Tensor:
-        """Run the plan's tokens through the model; float32 logits of its sampled rows. Stage
-        times are left in ``last_times``."""
+        """Run the plan's tokens through the model; the logits of its sampled rows
+        (``compute_logits``). Stage times are left in ``last_times``."""
         clock = StageClock(self.device, HostWaits())
         self.last_times = MeasuredTimes(clock, waits=clock.waits)
         self.transfer.waits, self.transfer.clock = clock.waits, clock
