@@ -112,11 +112,12 @@ impl Team {
     }
 }
 
-/// `f(state, i)` for every `i` in `0..n`: on `team` where it has threads to share and this thread
-/// may lead it, else on this thread alone.
+/// `f(state, i)` for every `i` in `0..n`: on `team` where it has threads and more than one item to
+/// share and this thread may lead it, else on this thread alone (a single stream's greedy token
+/// is one item: waking the team for it would cost more than the item).
 pub fn for_each_init<S>(team: Option<Team>, n: usize, init: impl Fn() -> S + Sync, f: impl Fn(&mut S, usize) + Sync) {
     match team {
-        Some(team) if team.threads() > 1 && team.usable_here() => team.for_each_init(n, init, f),
+        Some(team) if team.threads() > 1 && n > 1 && team.usable_here() => team.for_each_init(n, init, f),
         _ => {
             let mut state = init();
             (0..n).for_each(|i| f(&mut state, i));

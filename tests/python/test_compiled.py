@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import ARCHS, FAMILIES, assert_all_blocks_free
 from neo_rs import LLM, SamplingParams
-from neo_rs.worker.compiled import MAX_GRAPHS
+from neo_rs.worker.compiled import MAX_GRAPHS, CompiledStack
 from test_model_parity import GREEDY, MODES, PROMPTS, hf_greedy, run
 from test_speculation import NGRAM
 from test_speculation import PROMPTS as REPEATING
@@ -58,6 +58,23 @@ def test_prompts_and_decodes_run_compiled_in_two_graphs(checkpoints) -> None:
     assert compiled.skips_guards(torch.zeros(1, hidden)) and compiled.skips_guards(torch.zeros(6, hidden))
     assert not compiled.skips_guards(torch.zeros(0, hidden))
     assert not compiled.skips_guards(torch.zeros(3, hidden, dtype=torch.bfloat16))
+
+
+def test_the_layers_float_attributes_are_constants_of_the_graphs(checkpoints, monkeypatch) -> None:
+    """RMSNorm's eps enters the graphs specialized: Dynamo would otherwise take each float
+    attribute as a 0-dim tensor input, built anew on every call."""
+    seen: list[list[object]] = []
+    count = CompiledStack._count
+
+    def spy(self: CompiledStack, gm: torch.fx.GraphModule, inputs: list[object]) -> object:
+        seen.append(inputs)
+        return count(self, gm, inputs)
+
+    monkeypatch.setattr(CompiledStack, "_count", spy)
+    llm = LLM(str(checkpoints["llama"]), dtype="float32", enforce_eager=False)
+    assert len(seen) == MAX_GRAPHS
+    assert not [x for inputs in seen for x in inputs if isinstance(x, torch.Tensor) and x.dim() == 0]
+    llm.shutdown()
 
 
 def test_sparse_models_and_enforce_eager_run_eager(checkpoints, monkeypatch) -> None:
