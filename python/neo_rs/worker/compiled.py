@@ -53,7 +53,10 @@ MAX_GRAPHS = 2  # one row, and any other number (Dynamo specializes one row)
 # Inductor checks the size, stride and alignment of every op's output at run time by default:
 # 300 checks a token, 0.4 ms of a single stream's 12.5 (1.03x, alternating A/B). Our ops' fake
 # implementations are held to the real ones by ``torch.library.opcheck`` in the tests instead.
-_INDUCTOR = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+# The graph's wrapper in C++ rather than Python (``cpp_wrapper``): the calls of its fused kernels
+# and the bookkeeping of its buffers leave the interpreter, one stream 0.94-0.99x the time a
+# token (alternating A/B, Zen 5), for about 16 s more of a cold start and 0.5 s of a warm one.
+_INDUCTOR = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False, "cpp_wrapper": True}
 # Dynamo makes the layers' float attributes (RMSNorm's eps) inputs of the graph, turned into
 # tensors on every call: 60 calls of ``torch.as_tensor`` a token on SmolLM2. Specialized, they
 # are constants of the generated code (one stream 0.89-0.97x the time a token, alternating A/B).
