@@ -14,7 +14,8 @@ Shapes: one graph takes any number of rows (``dynamic=True``), and Dynamo specia
 its own: two graphs per model (``MAX_GRAPHS``; ``graphs`` counts them), both compiled at start-up.
 The one-row graph is kept (``mark_unbacked`` would fold it into the other): single-stream decode
 is 0.5 ms a token faster with it, at 3 s more start-up. Inductor's cache sits under ``neo_rs``'s
-cache folder, so a later start compiles from it (SmolLM2: 52 s with an empty cache, 11 s warm).
+cache folder, so a later start compiles from it (SmolLM2: 52 s with an empty cache, 8.5-9 s
+warm, to the first tokens).
 
 Guards: Dynamo checks every guard of the stack's inputs (30 layers' modules and parameters, the
 hidden states, the rotary tables) before each call, 0.2-0.4 ms of a single stream's 10 ms token.
