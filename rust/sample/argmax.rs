@@ -117,7 +117,7 @@ mod tests {
         let mut tail = vec![0.0; vocab]; // the maximum past the last whole vector
         tail[vocab - 1] = 1.0;
         out.push(tail);
-        let mut twice = random(0); // the maximum at the start of a later block and in the first one
+        let mut twice = random(0); // the maximum twice (in two blocks of the longer rows)
         twice[vocab / 2] = 100.0;
         twice[vocab / 5] = 100.0;
         out.push(twice);
