@@ -68,12 +68,11 @@ impl Logits<'_> {
     }
 }
 
-/// The vector halves of a draw, per tier: a row's maximum, and its exponentials summed by blocks;
-/// and a greedy row's token (`argmax.rs`).
+/// The vector halves of a draw, per tier: a row's first maximum (`argmax.rs`, a greedy row's
+/// token too), and its exponentials summed by blocks.
 #[derive(Clone, Copy)]
 struct Kernels {
     lanes: usize,
-    max: unsafe fn(&[f32]) -> f32,
     block_sums: unsafe fn(&[f32], f32, f32, &mut Vec<f32>),
     argmax_f32: unsafe fn(&[f32]) -> usize,
     argmax_bf16: unsafe fn(&[bf16]) -> usize,
@@ -189,7 +188,7 @@ impl Categorical {
     unsafe fn draw_row(&self, x: &[f32], p: RowParams, u: f32, scratch: &mut Scratch) -> usize {
         let inv_t = 1.0 / p.temperature;
         // SAFETY: forwarded caller contract.
-        let m = unsafe { (self.kernels.max)(x) };
+        let m = x[unsafe { (self.kernels.argmax_f32)(x) }];
         if m == f32::NEG_INFINITY {
             return 0; // every entry masked: nothing to draw (the caller's masks leave one at least)
         }
@@ -217,7 +216,6 @@ fn kernels(tier: Tier) -> Kernels {
         #[cfg(target_arch = "x86_64")]
         Tier::Avx512 => Kernels {
             lanes: 16,
-            max: avx512::max,
             block_sums: avx512::block_sums,
             argmax_f32: avx512::argmax_f32,
             argmax_bf16: avx512::argmax_bf16,
@@ -225,7 +223,6 @@ fn kernels(tier: Tier) -> Kernels {
         #[cfg(target_arch = "x86_64")]
         Tier::Avx2 => Kernels {
             lanes: 8,
-            max: avx2::max,
             block_sums: avx2::block_sums,
             argmax_f32: avx2::argmax_f32,
             argmax_bf16: avx2::argmax_bf16,
@@ -233,14 +230,12 @@ fn kernels(tier: Tier) -> Kernels {
         #[cfg(target_arch = "aarch64")]
         Tier::Neon => Kernels {
             lanes: 4,
-            max: neon::max,
             block_sums: neon::block_sums,
             argmax_f32: neon::argmax_f32,
             argmax_bf16: neon::argmax_bf16,
         },
         _ => Kernels {
             lanes: Portable::LANES,
-            max: portable::max,
             block_sums: portable::block_sums,
             argmax_f32: portable::argmax_f32,
             argmax_bf16: portable::argmax_bf16,
@@ -248,18 +243,10 @@ fn kernels(tier: Tier) -> Kernels {
     }
 }
 
-/// `max`, `block_sums` and the argmaxes of one tier, compiled for its instructions.
+/// `block_sums` and the argmaxes of one tier, compiled for its instructions.
 macro_rules! tier {
     ($name:ident, $simd:ty $(, $features:literal)?) => {
         mod $name {
-            /// # Safety
-            /// The CPU must support the tier.
-            $(#[target_feature(enable = $features)])?
-            pub(super) unsafe fn max(x: &[f32]) -> f32 {
-                // SAFETY: forwarded caller contract.
-                unsafe { super::max::<$simd>(x) }
-            }
-
             /// # Safety
             /// The CPU must support the tier.
             $(#[target_feature(enable = $features)])?
@@ -295,27 +282,6 @@ tier!(avx2, crate::attn::x86::avx2::Avx2, "avx2,fma,f16c");
 #[cfg(target_arch = "aarch64")]
 tier!(neon, crate::attn::aarch64::neon::Neon, "neon");
 
-/// The largest entry of `x` (`-inf` for an empty or fully masked row).
-///
-/// # Safety
-/// The CPU must support `S`'s tier.
-#[inline(always)]
-unsafe fn max<S: Simd>(x: &[f32]) -> f32 {
-    let lanes = S::LANES;
-    let full = x.len() / lanes * lanes;
-    let p = x.as_ptr();
-    // SAFETY: the caller's CPU runs `S`; every load reads `lanes` values at `i + lanes <= full
-    // <= x.len()`.
-    let m = unsafe {
-        let mut v = S::splat(f32::NEG_INFINITY);
-        for i in (0..full).step_by(lanes) {
-            v = S::max(v, S::load(p.add(i)));
-        }
-        S::reduce_max(v)
-    };
-    x[full..].iter().fold(m, |a, &b| a.max(b))
-}
-
 /// `sums`: `exp((x - m) * inv_t)` summed a block of `BLOCK_VECTORS` vectors at a time, then the
 /// tail past the last whole vector. The vector `exp` gives near zero, not zero, below about -87,
 /// so a masked entry adds about 1e-38 to its block.
@@ -328,7 +294,8 @@ unsafe fn block_sums<S: Simd>(x: &[f32], m: f32, inv_t: f32, sums: &mut Vec<f32>
     let full = x.len() / lanes * lanes;
     let p = x.as_ptr();
     sums.clear();
-    // SAFETY: as for `max`.
+    // SAFETY: the caller's CPU runs `S`; every load reads `lanes` values at `i + lanes <= full
+    // <= x.len()`.
     unsafe {
         let (shift, scale) = (S::splat(m), S::splat(inv_t));
         for start in (0..full).step_by(BLOCK_VECTORS * lanes) {

@@ -26,7 +26,6 @@ the inputs changes after start-up.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -61,7 +60,7 @@ _INDUCTOR = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts"
 # Dynamo makes the layers' float attributes (RMSNorm's eps) inputs of the graph, turned into
 # tensors on every call: 60 calls of ``torch.as_tensor`` a token on SmolLM2. Specialized, they
 # are constants of the generated code (one stream 0.89-0.97x the time a token, alternating A/B).
-# Set around our calls only, as Dynamo reads it while it traces; other compiled code keeps torch's.
+# Set around our calls that may trace (Dynamo reads it then); other compiled code keeps torch's.
 _DYNAMO: dict[str, Any] = {"specialize_float": True}
 
 
@@ -215,12 +214,13 @@ class CompiledStack:
         rope = self.model.rotary.at(positions, x.dtype)
         _current.step = step
         try:
+            # A call that skips the guards runs a graph built already; any other may trace one.
             guards = (
                 torch.compiler.set_stance(skip_guard_eval_unsafe=True)
                 if self.skips_guards(x)
-                else contextlib.nullcontext()
+                else torch._dynamo.config.patch(_DYNAMO)
             )
-            with bound_linears(self.linears), guards, torch._dynamo.config.patch(_DYNAMO):
+            with bound_linears(self.linears), guards:
                 return self._fn(self.model.decoder_layers, x, rope), step.attention_ms
         finally:
             _current.step = None
