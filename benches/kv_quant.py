@@ -16,10 +16,12 @@ same file dequantized). Every other run loads the weights in the model dtype (``
 none``). With ``--compiled`` it compares the compiled decoder stack with the same model op by op
 (``enforce_eager``), every decode on the device (``offload="none"``), where the stack runs. With
 ``--row-gemv`` it compares the Rust kernel for a few rows (``model/packed.py``) with oneDNN's GEMM
-at every row count (``NEO_RS_ROW_GEMV=0``), the text as one sequence (every decode one row).
+at every row count (``NEO_RS_ROW_GEMV=0``), the text as one sequence (every decode one row). With
+``--cpu-gemm`` it compares the packed linears computing in f32 (``NEO_RS_CPU_GEMM=float32``) with
+bf16, the compiled stack in both (offload none).
 
     python benches/kv_quant.py [--model smollm2-135m-instruct] [--dtype bfloat16] [--seqs 4]
-        [--weights [int8|int4|fp8|gguf] | --compiled | --row-gemv]
+        [--weights [int8|int4|fp8|gguf] | --compiled | --row-gemv | --cpu-gemm]
 """
 
 from __future__ import annotations
@@ -102,6 +104,7 @@ def main() -> None:
     )
     ap.add_argument("--compiled", action="store_true", help="the compiled decoder stack against eager")
     ap.add_argument("--row-gemv", action="store_true", help="the Rust kernel for a few rows against oneDNN")
+    ap.add_argument("--cpu-gemm", action="store_true", help="the linears computing in f32 against bf16")
     args = ap.parse_args()
     args.seqs = args.seqs or (1 if args.row_gemv else 4)
     llm = LLM(args.model, dtype=args.dtype)
@@ -127,6 +130,14 @@ def main() -> None:
             os.environ["NEO_RS_ROW_GEMV"] = flag
             runs[kv] = teacher_forced(args.model, args.dtype, "auto", seqs, offload="none")
         os.environ["NEO_RS_ROW_GEMV"] = "0"  # the floor below runs as auto did
+    elif args.cpu_gemm:
+        name = "f32"
+        print("auto: the same model with its packed linears computing in bf16 (NEO_RS_CPU_GEMM)")
+        runs = {}
+        for kv, gemm in (("auto", "bfloat16"), (name, "float32")):
+            os.environ["NEO_RS_CPU_GEMM"] = gemm
+            runs[kv] = teacher_forced(args.model, args.dtype, "auto", seqs, offload="none")
+        os.environ["NEO_RS_CPU_GEMM"] = "bfloat16"  # the floor below runs as auto did
     elif args.weights:
         runs = {"auto": teacher_forced(args.model, args.dtype, "auto", seqs)}
         print(f"{name}: the decoder's linear weights (--quantization {name}); the host KV as auto")

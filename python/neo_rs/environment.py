@@ -76,6 +76,19 @@ def forced_acceptance() -> float | None:
     return float(value) if value else None
 
 
+CPU_GEMMS = ("auto", "bfloat16", "float32")
+
+
+def cpu_gemm() -> str:
+    """``NEO_RS_CPU_GEMM``: what a CPU device's bf16 linears of many rows compute in (``model/packed.py``):
+    ``bfloat16`` (oneDNN on the bf16 weight), ``float32`` (oneDNN on a widened copy), or ``auto``,
+    the default: ``float32`` where it runs faster on this CPU and its copy fits in memory."""
+    value = os.environ.get("NEO_RS_CPU_GEMM", "auto")
+    if value not in CPU_GEMMS:
+        raise InvalidArgumentError(f"NEO_RS_CPU_GEMM must be one of {', '.join(CPU_GEMMS)}, got {value!r}")
+    return value
+
+
 def enforce_eager_default() -> bool:
     """``NEO_RS_ENFORCE_EAGER=1``: engines that do not say run op by op (``EngineArgs.enforce_eager``);
     the test suite sets it, and tests of the compiled stack ask for it."""

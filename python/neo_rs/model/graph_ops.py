@@ -47,10 +47,19 @@ class GraphLinear:
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def graph_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """The dtype a graph hands the op ``x`` in: where ``linear`` computes in another than the
+        input's (``PackedLinear``'s f32), the graph casts to it and back around the op, so that the
+        casts fuse into the kernels beside it rather than run as ops of their own."""
+        return x.dtype
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             assert self.slot >= 0, "a compiled model numbers its graph linears first"
-            return torch.ops.neo_rs.packed_linear(x, self.slot, self.out_features)
+            dtype = self.graph_dtype(x)
+            if dtype == x.dtype:
+                return torch.ops.neo_rs.packed_linear(x, self.slot, self.out_features)
+            return torch.ops.neo_rs.packed_linear(x.to(dtype), self.slot, self.out_features).to(x.dtype)
         return self.linear(x)
 
 

@@ -11,6 +11,13 @@
   The plain weight then stays beside the packed one (one more copy of the linears' weights in
   RAM; ``NEO_RS_ROW_GEMV=0`` drops it).
 
+Where oneDNN's bf16 GEMM runs slower than its f32 one, the batches compute in f32 instead, on a
+widened copy of the weight (``gemm_compute``): on an Intel Xeon whose VM hides AMX (family 6
+model 207, AVX512-BF16 without AMX) a 64-row step's linears ran 1.48x faster so
+(``benches/cpu_gemm.py``). bf16 widens to f32 exactly and oneDNN's bf16 GEMM sums in f32 too, so
+only the order of the sums changes. Calls of a few rows stay on the Rust kernel and the bf16
+weight, where reading half the bytes is what counts.
+
 A tied LM head is packed too, a copy of the embedding (57 MB for SmolLM2): unpacked, oneDNN
 reorders its 28M weights on every call, 6.9 ms of a 16-stream step's 36. Its Rust kernel reads the
 embedding itself.
@@ -24,12 +31,16 @@ here too."""
 
 from __future__ import annotations
 
+import functools
+import math
 import os
+import time
 
 import torch
 from torch import nn
 
 from neo_rs._core import Bf16Linear
+from neo_rs.environment import cpu_gemm
 from neo_rs.model.graph_ops import GraphLinear
 from neo_rs.model.moe import SparseMoe
 from neo_rs.model.quant import GroupedInt8Linear, Int4Linear, Int8Linear
@@ -66,17 +77,78 @@ def packing_applies(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
+# ``auto`` computes in f32 where a GEMM timed at load runs at least this much faster so: a clear
+# margin, so that timing noise does not flip the choice (and with it the order of the sums) between
+# starts. Measured: 1.48x on the Xeon above; where bf16 is native (AMX, Zen 4 and 5) bf16 is faster.
+_FLOAT32_MARGIN = 1.2
+# ... and where the f32 copies, twice the bf16 weights, take at most this share of the free memory.
+_FLOAT32_MEMORY_SHARE = 0.5
+
+
+def gemm_compute(weight_bytes: int) -> torch.dtype:
+    """What the packed linears of ``weight_bytes`` bf16 bytes compute in (``environment.cpu_gemm``)."""
+    choice = cpu_gemm()
+    if choice != "auto":
+        return getattr(torch, choice)
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    fits = 2 * weight_bytes <= _FLOAT32_MEMORY_SHARE * free
+    pays = fits and float32_speedup(torch.get_num_threads()) >= _FLOAT32_MARGIN
+    return torch.float32 if pays else torch.bfloat16
+
+
+@functools.cache
+def float32_speedup(threads: int) -> float:
+    """How much faster oneDNN's packed f32 GEMM runs than its bf16 one on torch's ``threads``
+    threads: 64 rows of a 1,024-wide linear with 2,048 outputs, the input widened and the output
+    narrowed, the best of six alternating calls of each (about 30 ms in all)."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(2048, 1024, generator=gen).to(torch.bfloat16)
+    x = torch.randn(64, 1024, generator=gen).to(torch.bfloat16)
+    best = {dtype: math.inf for dtype in (torch.bfloat16, torch.float32)}
+    packs = {dtype: _pack(w, None, 64, dtype) for dtype in best}
+    for _ in range(6):
+        for dtype, (packed, _) in packs.items():
+            start = time.perf_counter()
+            _gemm(x, packed, None, dtype)
+            best[dtype] = min(best[dtype], time.perf_counter() - start)
+    return best[torch.bfloat16] / best[torch.float32]
+
+
+def _pack(
+    weight: torch.Tensor, bias: torch.Tensor | None, rows: int, compute: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight reordered by oneDNN for ``rows`` rows, and the bias, both in ``compute``."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(compute), max(rows, _PACK_ROWS_MIN))
+    return packed, None if bias is None else bias.detach().to(compute)
+
+
+def _gemm(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, compute: torch.dtype
+) -> torch.Tensor:
+    out = torch.ops.mkldnn._linear_pointwise(x.to(compute), packed, bias, "none", [], "")
+    return out.to(x.dtype)
+
+
 class PackedLinear(GraphLinear, nn.Module):
     """An ``nn.Linear`` whose weight oneDNN has reordered (the layout depends on ``rows``, the
-    usual number of rows; any number is computed exactly), and with ``gemv_threads``, whose calls
-    of up to ``gemv_rows(in_features)`` rows run the Rust kernel on that many threads."""
+    usual number of rows; any number is computed exactly) in ``compute`` (bf16, or a widened f32
+    copy), and with ``gemv_threads``, whose calls of up to ``gemv_rows(in_features)`` rows run the
+    Rust kernel on that many threads."""
 
-    def __init__(self, linear: nn.Linear, rows: int, *, gemv_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        rows: int,
+        *,
+        gemv_threads: int | None = None,
+        compute: torch.dtype = torch.bfloat16,
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.compute = compute
         weight = linear.weight.detach()
         # Plain attributes: an opaque oneDNN tensor and a Rust object, never moved or saved.
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, max(rows, _PACK_ROWS_MIN))
+        self.packed, self.packed_bias = _pack(weight, linear.bias, rows, compute)
         self.gemv = (
             None if gemv_threads is None else Bf16Linear(weight, linear.bias, num_threads=gemv_threads)
         )
@@ -87,11 +159,19 @@ class PackedLinear(GraphLinear, nn.Module):
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         if 0 < x.numel() <= self.gemv_numel:
             return self.rows_kernel(x)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return _gemm(x, self.packed, self.packed_bias, self.compute)
+
+    def graph_dtype(self, x: torch.Tensor) -> torch.dtype:
+        # The one-row graph (``worker/compiled.py``) runs the Rust kernel on bf16 rows. In the other,
+        # of two rows or more, Dynamo knows this to be false without a guard on the row count.
+        one_row = x.numel() == self.in_features and self.gemv_numel > 0
+        return x.dtype if one_row else self.compute
 
     def rows_kernel(self, x: torch.Tensor) -> torch.Tensor:
         """The Rust kernel's output for ``x`` (any number of rows; ``linear`` sends it a few)."""
         assert self.gemv is not None, "built without gemv_threads"
+        if x.dtype != torch.bfloat16:  # a graph's f32 input of a few rows (``graph_dtype``)
+            return self.rows_kernel(x.to(torch.bfloat16)).to(x.dtype)
         if x.dim() != 2:  # the decoder's are: its rows are tokens
             return self.rows_kernel(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
         out = x.new_empty(x.shape[0], self.out_features)
@@ -99,16 +179,20 @@ class PackedLinear(GraphLinear, nn.Module):
         return out
 
 
-def pack_linears(model: nn.Module, rows: int, gemv_threads: int | None = None) -> int:
+def pack_linears(model: nn.Module, rows: int, gemv_threads: int | None = None) -> tuple[int, torch.dtype]:
     """Replace each linear (a tied LM head too), and pack each MoE layer's experts; returns how
-    many linears were packed. With ``gemv_threads`` (``gemv_applies``), the linears also run the
-    Rust kernel for a few rows; the experts do not (their plain weights, most of such a model,
-    would stay in RAM twice). Int8 and int4 linears that run our kernel run it on those threads."""
+    many linears were packed, and what the linears compute in (``gemm_compute``; the experts, read
+    a few rows at a time, stay in bf16). With ``gemv_threads`` (``gemv_applies``), the linears also
+    run the Rust kernel for a few rows; the experts do not (their plain weights, most of such a
+    model, would stay in RAM twice). Int8 and int4 linears that run our kernel run it on those
+    threads."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    compute = gemm_compute(sum(m.weight.numel() * m.weight.element_size() for m in linears))
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child, rows, gemv_threads=gemv_threads))
+                setattr(parent, name, PackedLinear(child, rows, gemv_threads=gemv_threads, compute=compute))
                 count += 1
             elif (
                 isinstance(child, Int8Linear | Int4Linear | GroupedInt8Linear)
@@ -119,4 +203,4 @@ def pack_linears(model: nn.Module, rows: int, gemv_threads: int | None = None) -
         if isinstance(parent, SparseMoe):
             parent.pack(PackedLinear, rows)
             count += 2 * parent.num_experts
-    return count
+    return count, compute

@@ -128,10 +128,12 @@ class ModelRunner:
         if packing_applies(device, dtype):
             # After ``cpu_attention``, which sets torch's threads: the Rust linears run on them.
             gemv_threads = torch.get_num_threads() if gemv_applies() else None
-            packed = pack_linears(self.model, args.max_num_seqs, gemv_threads)
+            packed, compute = pack_linears(self.model, args.max_num_seqs, gemv_threads)
             log.info(
-                "prepacked %d bf16 linears for oneDNN (Rust kernel for up to %s rows, by width: %s)",
+                "prepacked %d bf16 linears for oneDNN, computing in %s "
+                "(Rust kernel for up to %s rows, by width: %s)",
                 packed,
+                compute,
                 GEMV_ROWS,
                 gemv_threads is not None,
             )
