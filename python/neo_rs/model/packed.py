@@ -79,7 +79,8 @@ def packing_applies(device: torch.device, dtype: torch.dtype) -> bool:
 
 # ``auto`` computes in f32 where a GEMM timed at load runs at least this much faster so: a clear
 # margin, so that timing noise does not flip the choice (and with it the order of the sums) between
-# starts. Measured: 1.48x on the Xeon above; where bf16 is native (AMX, Zen 4 and 5) bf16 is faster.
+# starts. The probe read 1.5-1.67x on the Xeon above; it has not run where bf16 has full-rate dot
+# products (AMX, Zen 4 and 5), which it is there to leave on bf16.
 _FLOAT32_MARGIN = 1.2
 # ... and where the f32 copies, twice the bf16 weights, take at most this share of the free memory.
 _FLOAT32_MEMORY_SHARE = 0.5
@@ -90,7 +91,9 @@ def gemm_compute(weight_bytes: int) -> torch.dtype:
     choice = cpu_gemm()
     if choice != "auto":
         return getattr(torch, choice)
-    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    # Free pages (page cache not counted); where the OS does not say, nothing is taken to fit.
+    known = "SC_AVPHYS_PAGES" in os.sysconf_names
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if known else 0
     fits = 2 * weight_bytes <= _FLOAT32_MEMORY_SHARE * free
     pays = fits and float32_speedup(torch.get_num_threads()) >= _FLOAT32_MARGIN
     return torch.float32 if pays else torch.bfloat16
@@ -100,7 +103,7 @@ def gemm_compute(weight_bytes: int) -> torch.dtype:
 def float32_speedup(threads: int) -> float:
     """How much faster oneDNN's packed f32 GEMM runs than its bf16 one on torch's ``threads``
     threads: 64 rows of a 1,024-wide linear with 2,048 outputs, the input widened and the output
-    narrowed, the best of six alternating calls of each (about 30 ms in all)."""
+    narrowed, the best of six alternating calls of each (about 40 ms in all)."""
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(2048, 1024, generator=gen).to(torch.bfloat16)
     x = torch.randn(64, 1024, generator=gen).to(torch.bfloat16)
