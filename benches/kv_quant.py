@@ -125,19 +125,11 @@ def main() -> None:
     elif args.row_gemv:
         name = "gemv"
         print("auto: the same model with oneDNN's GEMM at every row count (NEO_RS_ROW_GEMV=0)")
-        runs = {}
-        for kv, flag in (("auto", "0"), (name, "1")):
-            os.environ["NEO_RS_ROW_GEMV"] = flag
-            runs[kv] = teacher_forced(args.model, args.dtype, "auto", seqs, offload="none")
-        os.environ["NEO_RS_ROW_GEMV"] = "0"  # the floor below runs as auto did
+        runs = switched("NEO_RS_ROW_GEMV", ("0", "1"), name, args.model, args.dtype, seqs)
     elif args.cpu_gemm:
         name = "f32"
         print("auto: the same model with its packed linears computing in bf16 (NEO_RS_CPU_GEMM)")
-        runs = {}
-        for kv, gemm in (("auto", "bfloat16"), (name, "float32")):
-            os.environ["NEO_RS_CPU_GEMM"] = gemm
-            runs[kv] = teacher_forced(args.model, args.dtype, "auto", seqs, offload="none")
-        os.environ["NEO_RS_CPU_GEMM"] = "bfloat16"  # the floor below runs as auto did
+        runs = switched("NEO_RS_CPU_GEMM", ("bfloat16", "float32"), name, args.model, args.dtype, seqs)
     elif args.weights:
         runs = {"auto": teacher_forced(args.model, args.dtype, "auto", seqs)}
         print(f"{name}: the decoder's linear weights (--quantization {name}); the host KV as auto")
@@ -169,6 +161,19 @@ def main() -> None:
             f"floor, auto against auto with NEO_RS_BF16_DOT=0: agreement {agree:.2%}"
             f" ({tie_agreement(auto, widened):.2%} with ties), KL {kl:.2e} nats"
         )
+
+
+def switched(
+    variable: str, values: tuple[str, str], name: str, model: str, dtype: str, seqs: list[list[int]]
+) -> dict[str, tuple[torch.Tensor, float]]:
+    """Teacher-forced runs on the device pool (offload none) with ``variable`` at its first value
+    (``auto``) and its second (``name``); it is left at the first, so the floor runs as auto did."""
+    runs = {}
+    for kv, value in zip(("auto", name), values, strict=True):
+        os.environ[variable] = value
+        runs[kv] = teacher_forced(model, dtype, "auto", seqs, offload="none")
+    os.environ[variable] = values[0]
+    return runs
 
 
 def compare(ref: torch.Tensor, other: torch.Tensor, targets: torch.Tensor) -> tuple[float, float, float]:
