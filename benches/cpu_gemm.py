@@ -1,10 +1,10 @@
 """What the packed CPU linears compute batches in (``model/packed.py``, ``NEO_RS_CPU_GEMM``):
 oneDNN's GEMM on the bf16 weight against the same on a widened f32 copy (input widened, output
-narrowed, as ``PackedLinear`` runs it), side by side in one process, for each decoder linear of
-SmolLM2-135M and its tied LM head, at batch sizes from 16 rows (below them the Rust kernel takes
-one stream's rows) to a prefill chunk's. It prints each ratio, a decode step's linears (every
-layer's and the head's), the start-up probe's figure (``float32_speedup``) and what ``auto`` picks
-for SmolLM2 on this machine.
+narrowed), ``PackedLinear`` itself without the Rust kernel, side by side in one process, for each
+decoder linear of SmolLM2-135M and its tied LM head, at batch sizes from 16 rows (below them the
+Rust kernel takes one stream's rows) to a prefill chunk's. It prints each ratio, a decode step's
+linears (every layer's and the head's), the start-up probe's figure (``float32_speedup``) and what
+``auto`` picks for SmolLM2 on this machine.
 
     python benches/cpu_gemm.py [--threads 2] [--rows 16 32 64 128 512]
 """
@@ -17,8 +17,9 @@ import time
 
 import torch
 from common import cpu_line
-from neo_rs.model.packed import float32_speedup, gemm_compute
+from neo_rs.model.packed import PackedLinear, float32_speedup, gemm_compute
 from quant_linear import SHAPES, linears
+from torch import nn
 
 DTYPES = (torch.bfloat16, torch.float32)
 
@@ -33,14 +34,9 @@ def per_call_ms(call, x: torch.Tensor, reps: int) -> float:  # noqa: ANN001 (a c
 
 def compare(k: int, n: int, rows: int) -> dict[torch.dtype, float]:
     """Milliseconds per call in each compute dtype: the median of alternating rounds."""
-    w = (torch.randn(n, k) * 0.02).to(torch.bfloat16)
+    plain = nn.Linear(k, n, bias=False).to(torch.bfloat16)
     x = torch.randn(rows, k).to(torch.bfloat16)
-    calls = {}
-    for dtype in DTYPES:
-        packed = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), rows)
-        calls[dtype] = lambda x, p=packed, d=dtype: torch.ops.mkldnn._linear_pointwise(
-            x.to(d), p, None, "none", [], ""
-        ).to(x.dtype)
+    calls = {dtype: PackedLinear(plain, rows, compute=dtype).linear for dtype in DTYPES}
     reps = max(3, int(2e8 // (rows * k * n)))  # about 0.4 GFLOP a round
     times: dict[torch.dtype, list[float]] = {d: [] for d in DTYPES}
     for _ in range(5):

@@ -128,8 +128,9 @@ def _pack(
 def _gemm(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, compute: torch.dtype
 ) -> torch.Tensor:
-    out = torch.ops.mkldnn._linear_pointwise(x.to(compute), packed, bias, "none", [], "")
-    return out.to(x.dtype)
+    if x.dtype == compute:  # bf16 packs, and a graph's f32 rows: no cast calls on the layers' path
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x.to(compute), packed, bias, "none", [], "").to(x.dtype)
 
 
 class PackedLinear(GraphLinear, nn.Module):
