@@ -34,12 +34,15 @@ def test_compiled_greedy_matches_transformers(checkpoints, kind: str) -> None:
 
 @pytest.mark.parametrize("offload", list(MODES))
 def test_compiled_with_preemption_and_offload_keeps_tokens(checkpoints, offload: str) -> None:
-    # Iterations with swaps, host prefills or CPU decodes (every one under neo's forced pipeline
-    # and under all) run eager; device iterations between them compiled.
+    # Every iteration of one batch runs compiled: its swaps, host prefills and CPU decodes (NEO's
+    # hand-off) in the attention op. Only NEO's pipelined sub-batches (every CPU decode under the
+    # forced pipeline) run eager.
     tokens, engine, seen = run(checkpoints["qwen2"], offload=offload, enforce_eager=False, **MODES[offload])
     assert tokens == [hf_greedy(checkpoints["qwen2"], "qwen2", p) for p in PROMPTS]
-    assert offload != "none" or engine.runner.compiled.runs > 0
+    assert engine.runner.compiled.runs == seen["gpu-only"] + seen["sequential"] > 0, seen
+    assert (seen["sequential"] > 0) == (offload == "all"), seen
     assert (seen["cpu_decodes"] > 0) == (offload != "none"), seen
+    assert engine.runner.compiled.graphs == MAX_GRAPHS
     assert_all_blocks_free(engine)
 
 
@@ -133,13 +136,13 @@ def test_the_attention_op_keeps_its_fake_shapes(checkpoints) -> None:
 
     llm = LLM(str(checkpoints["llama"]), dtype="float32", enforce_eager=False)
     runner = llm.engine.runner
-    compiled, cfg = runner.compiled, runner.model.config
+    cfg = runner.model.config
     llm.engine.add_request([1, 2, 3], SamplingParams(max_tokens=1))
     plan = llm.engine.scheduler.schedule()  # one prompt's, as the engine plans it
     batch = AttentionBatch.from_plan(plan, runner.transfer, runner.layout.block_size)[0]
     assert batch.prefills and batch.device_writes
     clock = StageClock(torch.device("cpu"), HostWaits(), timed=False)
-    module._current.step = module._Step(compiled.attention, compiled.pool, batch, clock)
+    module._current.step = module._Step(runner.attend, batch, None, clock)
     try:
         q = torch.randn(3, cfg.num_heads, cfg.head_dim)
         k, v = (torch.randn(3, cfg.num_kv_heads, cfg.head_dim) for _ in range(2))

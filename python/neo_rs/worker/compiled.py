@@ -2,13 +2,15 @@
 One graph runs every layer, so the elementwise work between the GEMMs (RMSNorm, RoPE, SwiGLU,
 residuals) runs as fused C++ loops instead of one eager op and one Python dispatch each, 30 layers
 deep. Prepacked linears (``neo_rs::packed_linear``) and each layer's attention with its KV writes
-(``neo_rs::layer_attention``: ``Attention.device_part``, the Rust kernel appending the decodes'
-K/V) are opaque ops in the graph.
+(``neo_rs::layer_attention``: the runner's ``attend``) are opaque ops in the graph. That op is
+also NEO's hand-off: its CPU decodes' rows go to the Rust kernel over the host pool, and the op
+returns once they are back; host prefills' K/V and the layer's share of the plan's swaps are
+copied there too, in eager's order.
 
-Which iterations: one batch over the device pool, prompt chunks and decodes alike (a decode
-verifying drafts is a row per position, ``attention/metadata.py``), with no CPU decode and no copy
-between the pools. Others (NEO's sub-batches, host prefills, swaps) run eagerly. A burst of 64
-prompts of 128 tokens spent a sixth of its eager time in the elementwise ops between the GEMMs.
+Which iterations: every one of a single batch, prompt chunks and decodes alike (a decode
+verifying drafts is a row per position, ``attention/metadata.py``), over either pool or both.
+NEO's two sub-batches (its asymmetric pipeline) run eagerly: their layers interleave. A burst of
+64 prompts of 128 tokens spent a sixth of its eager time in the elementwise ops between the GEMMs.
 
 Shapes: one graph takes any number of rows (``dynamic=True``), and Dynamo specializes one row on
 its own: two graphs per model (``MAX_GRAPHS``; ``graphs`` counts them), both compiled at start-up.
@@ -37,10 +39,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from neo_rs.attention.layer import Attention
 from neo_rs.attention.metadata import AttentionBatch, DecodeRows
 from neo_rs.kv.layer_copies import LayerCopies
-from neo_rs.kv.pools import KvPool
 from neo_rs.model.decoder import CausalLM, DecoderLayer, DenseMlp, RMSNorm, Rope
 from neo_rs.model.graph_ops import bound_linears, graph_op, number_linears
 from neo_rs.model.packed import PackedLinear
@@ -64,13 +64,21 @@ _INDUCTOR = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts"
 _DYNAMO: dict[str, Any] = {"specialize_float": True}
 
 
+# Layer i's KV writes and whole attention of a batch, the plan's copies around the writes
+# (``ModelRunner.attend``).
+Attend = Callable[
+    [int, torch.Tensor, torch.Tensor, torch.Tensor, AttentionBatch, LayerCopies | None, StageClock],
+    torch.Tensor,
+]
+
+
 @dataclass
 class _Step:
     """What ``neo_rs::layer_attention`` needs of the iteration running in this thread."""
 
-    attention: Attention
-    pool: KvPool
+    attend: Attend
     batch: AttentionBatch
+    copies: LayerCopies | None
     clock: StageClock
     attention_ms: float = 0.0
 
@@ -84,16 +92,11 @@ def _attention_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
 
 @graph_op("layer_attention(Tensor q, Tensor k, Tensor v, int layer) -> Tensor", _attention_shape)
 def _layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-    """Layer ``layer``'s attention over the device pool, its rows' K/V written first (the decodes'
-    appended by the kernel): the pool changes behind the graph's back, which is safe as nothing
-    in the graph reads it."""
+    """Layer ``layer``'s attention, its rows' K/V written first: the pools change behind the
+    graph's back, which is safe as nothing in the graph reads them."""
     step: _Step = _current.step
     t = time.perf_counter()
-    groups = step.attention.groups
-    for rows, slots in step.batch.group(groups.group[layer]).device_writes:
-        step.pool.write(groups.slot[layer], slots, k[rows], v[rows])
-    out = torch.empty_like(q)
-    step.attention.device_part(q, k, v, step.pool, layer, step.batch, out, step.clock)
+    out = step.attend(layer, q, k, v, step.batch, step.copies, step.clock)
     step.attention_ms += (time.perf_counter() - t) * 1e3
     return out
 
@@ -131,10 +134,10 @@ _TRACED = {
 
 
 class CompiledStack:
-    """The compiled stack of one model and its pools (``takes`` a batch, ``run`` it)."""
+    """The compiled stack of one model, its attention ``attend`` (``run`` a batch)."""
 
-    def __init__(self, model: CausalLM, attention: Attention, pool: KvPool) -> None:
-        self.model, self.attention, self.pool = model, attention, pool
+    def __init__(self, model: CausalLM, attend: Attend) -> None:
+        self.model, self.attend = model, attend
         self.linears = number_linears(model)
         self.graphs = 0  # graphs compiled so far
         self.runs = 0  # iterations run compiled
@@ -178,7 +181,7 @@ class CompiledStack:
                 append_decodes=True,
             )
             x, positions = torch.zeros(rows, hidden, dtype=dtype), torch.zeros(rows, dtype=torch.long)
-            self._call(x, positions, batch, clock)
+            self._call(x, positions, batch, None, clock)
         self._warm_dtype = dtype
         log.info("compiled the decoder stack in %.1f s", time.perf_counter() - t)
 
@@ -188,29 +191,33 @@ class CompiledStack:
         (anything else checks every guard, and compiles if it must)."""
         return self.graphs == MAX_GRAPHS and x.dtype == self._warm_dtype and x.dim() == 2 and x.shape[0] >= 1
 
-    def takes(self, batches: list[AttentionBatch], copies: LayerCopies) -> bool:
-        """Whether the iteration is one batch over the device pool alone."""
-        if len(batches) != 1 or not copies.idle:
-            return False
-        b = batches[0]
-        return b.host_writes is None and not len(b.cpu_decodes)
-
     def run(
-        self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, clock: StageClock
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        copies: LayerCopies | None,
+        clock: StageClock,
     ) -> torch.Tensor:
-        """The final hidden states of a batch ``takes`` accepted; its attention is timed by kind
-        (``gpu_decode``, ``prefill_attn``) inside the op, the rest as ``linear``."""
+        """The final hidden states of a single batch, the plan's ``copies`` made layer by layer;
+        its attention is timed by kind (``gpu_decode``, ``prefill_attn``, the wait for CPU
+        decodes) inside the op, the rest as ``linear``."""
         t = time.perf_counter()
-        x, attention_ms = self._call(x, positions, batch, clock)
+        x, attention_ms = self._call(x, positions, batch, copies, clock)
         clock.record_ms("linear", (time.perf_counter() - t) * 1e3 - attention_ms)
         self.runs += 1
         return x
 
     def _call(
-        self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, clock: StageClock
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        copies: LayerCopies | None,
+        clock: StageClock,
     ) -> tuple[torch.Tensor, float]:
         """The stack's output, and the ms its attention (with its KV writes) took."""
-        step = _Step(self.attention, self.pool, batch, clock)
+        step = _Step(self.attend, batch, copies, clock)
         rope = self.model.rotary.at(positions, x.dtype)
         _current.step = step
         try:

@@ -190,7 +190,6 @@ class ModelRunner:
             else None
         )
         self.host_pool = KvPool(self.layout, num_cpu, torch.device("cpu"), quantized=int8)
-        self.compiled = self._compiled(args)
         log.info(
             "KV pools: %d device blocks (%.2f GiB), %d host blocks (%.2f GiB, %s; %d for the "
             "prefix cache's host tier), %d tokens per block",
@@ -209,18 +208,20 @@ class ModelRunner:
         # before the next plan).
         self._swapped_out: Staged | None = None
         self._landing: list[Staged] = []
+        # Last: its warm-up runs ``attend``, which uses the state above.
+        self.compiled = self._compiled(args)
 
     def _compiled(self, args: EngineArgs) -> CompiledStack | None:
         eager = enforce_eager_default() if args.enforce_eager is None else args.enforce_eager
         reason = "enforce_eager" if eager else why_eager(self.model, self.device, self.tp.size)
         if self.device.type == "cpu":
             log.info(
-                "iterations over the device pool: %s",
+                "iterations of one batch: %s",
                 "compiled decoder stack" if reason is None else f"eager ({reason})",
             )
         if reason is not None:
             return None
-        compiled = CompiledStack(self.model, self.attention, self.device_pool)
+        compiled = CompiledStack(self.model, self.attend)
         try:
             compiled.warm_up()
         except Exception as e:  # a machine without a C++ compiler, say: serve, only slower
@@ -368,8 +369,8 @@ class ModelRunner:
         sample_rows = up(torch.from_numpy(np.ascontiguousarray(plan.sample_rows)))
         batches = AttentionBatch.from_plan(plan, self.transfer, self.layout.block_size)
         x = self.model.embed(ids)
-        if self.compiled is not None and self.compiled.takes(batches, copies):
-            x = self.compiled.run(x, positions, batches[0], clock)
+        if self.compiled is not None and len(batches) == 1:
+            x = self.compiled.run(x, positions, batches[0], copies, clock)
         elif len(batches) == 1:
             x = self._sequential(x, positions, batches[0], copies, clock)
         else:
@@ -395,12 +396,19 @@ class ModelRunner:
         copies: LayerCopies | None,
         clock: StageClock,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Stage 1 of layer ``i`` and the KV writes: device rows to the device pool, host prefills
-        to the host pool; around them the layer's share of the plan's copies (``copies``, given
-        to the first sub-batch)."""
-        model, pool = self.model, self.device_pool
+        """Stage 1 of layer ``i`` and its KV writes."""
         with clock.span("linear"):
-            q, k, v = model.decoder_layers[i].pre_attention(x, rope)
+            q, k, v = self.model.decoder_layers[i].pre_attention(x, rope)
+        self._write_kv(i, k, v, batch, copies)
+        return q, k, v
+
+    def _write_kv(
+        self, i: int, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch, copies: LayerCopies | None
+    ) -> None:
+        """Layer ``i``'s KV writes: device rows to the device pool, host prefills to the host
+        pool; around them the layer's share of the plan's copies (``copies``, given to the first
+        sub-batch)."""
+        pool = self.device_pool
         if copies is not None:
             copies.before_writes(i)
         groups = self.attention.groups
@@ -412,7 +420,27 @@ class ModelRunner:
             self._landing.append(self.transfer.rows_to_host(self.host_pool, slot, slots, k[h], v[h]))
         if copies is not None:
             copies.after_writes(i)
-        return q, k, v
+
+    def attend(
+        self,
+        i: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: AttentionBatch,
+        copies: LayerCopies | None,
+        clock: StageClock,
+    ) -> torch.Tensor:
+        """Layer ``i``'s KV writes and its whole attention, its CPU decodes (NEO's hand-off to
+        the host) waited for: one layer of ``_sequential``, and the compiled stack's
+        ``neo_rs::layer_attention``."""
+        self._write_kv(i, k, v, batch, copies)
+        out = torch.empty_like(q)
+        pending = self.attention.run_layer(q, k, v, self.device_pool, self.host_pool, i, batch, out, clock)
+        if pending is not None:
+            c = batch.cpu_decodes
+            out[c.start : c.end] = self._cpu_result(pending)
+        return out
 
     def _post(self, i: int, out: torch.Tensor, x: torch.Tensor, clock: StageClock) -> torch.Tensor:
         with clock.span("linear"):
@@ -434,16 +462,11 @@ class ModelRunner:
         clock: StageClock,
     ) -> torch.Tensor:
         """Layer by layer; CPU decodes (if any) run while the device attention is issued."""
-        attn = self.attention
         rope = self.model.rotary.at(positions, x.dtype)
-        for i in range(len(self.model.decoder_layers)):
-            q, k, v = self._pre(i, x, rope, batch, copies, clock)
-            out = torch.empty_like(q)
-            pending = attn.run_layer(q, k, v, self.device_pool, self.host_pool, i, batch, out, clock)
-            if pending is not None:
-                c = batch.cpu_decodes
-                out[c.start : c.end] = self._cpu_result(pending)
-            x = self._post(i, out, x, clock)
+        for i, layer in enumerate(self.model.decoder_layers):
+            with clock.span("linear"):
+                q, k, v = layer.pre_attention(x, rope)
+            x = self._post(i, self.attend(i, q, k, v, batch, copies, clock), x, clock)
         return x
 
     def _pipelined(
