@@ -6,15 +6,17 @@ what cannot compile runs eager; Inductor's cache sits in our folder."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
 from conftest import ARCHS, FAMILIES, assert_all_blocks_free
 from neo_rs import LLM, SamplingParams
-from neo_rs.worker.compiled import MAX_GRAPHS, CompiledStack
+from neo_rs.worker.compiled import MAX_GRAPHS, _Inductor
 from test_model_parity import GREEDY, MODES, PROMPTS, hf_greedy, run
 from test_speculation import NGRAM
 from test_speculation import PROMPTS as REPEATING
@@ -67,17 +69,32 @@ def test_the_layers_float_attributes_are_constants_of_the_graphs(checkpoints, mo
     """RMSNorm's eps enters the graphs specialized: Dynamo would otherwise take each float
     attribute as a 0-dim tensor input, built anew on every call."""
     seen: list[list[object]] = []
-    count = CompiledStack._count
+    count = _Inductor.__call__
 
-    def spy(self: CompiledStack, gm: torch.fx.GraphModule, inputs: list[object]) -> object:
+    def spy(self: _Inductor, gm: torch.fx.GraphModule, inputs: list[object]) -> object:
         seen.append(inputs)
         return count(self, gm, inputs)
 
-    monkeypatch.setattr(CompiledStack, "_count", spy)
+    monkeypatch.setattr(_Inductor, "__call__", spy)
     llm = LLM(str(checkpoints["llama"]), dtype="float32", enforce_eager=False)
     assert len(seen) == MAX_GRAPHS
     assert not [x for inputs in seen for x in inputs if isinstance(x, torch.Tensor) and x.dim() == 0]
     llm.shutdown()
+
+
+def test_a_shut_down_engine_frees_its_compiled_model(checkpoints) -> None:
+    # Dynamo keeps its backend as long as the code it compiled, where the garbage collector does
+    # not look: a backend holding the stack kept every compiled model and its pools alive.
+    llm = LLM(str(checkpoints["llama"]), dtype="float32", enforce_eager=False)
+    runner = llm.engine.runner
+    assert runner.compiled is not None
+    held = (runner, runner.compiled, runner.model, runner.device_pool, runner.host_pool)
+    refs = [weakref.ref(x) for x in held]
+    del held
+    llm.shutdown()
+    del llm, runner
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)
 
 
 def test_sparse_models_and_enforce_eager_run_eager(checkpoints, monkeypatch) -> None:

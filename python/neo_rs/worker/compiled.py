@@ -139,7 +139,7 @@ class CompiledStack:
     def __init__(self, model: CausalLM, attend: Attend) -> None:
         self.model, self.attend = model, attend
         self.linears = number_linears(model)
-        self.graphs = 0  # graphs compiled so far
+        self._inductor = _Inductor()
         self.runs = 0  # iterations run compiled
         self._warm_dtype: torch.dtype | None = None  # the hidden states' dtype, once warm_up ran
         # Dynamo keeps graphs and their guards on the function's code object: a copy of it per
@@ -147,17 +147,13 @@ class CompiledStack:
         # graphs of all the process's models against one recompile limit).
         stack = types.FunctionType(_stack.__code__.replace(), _stack.__globals__, "_stack")
         self._fn: Callable[..., torch.Tensor] = torch.compile(
-            stack, backend=self._count, dynamic=True, fullgraph=True
+            stack, backend=self._inductor, dynamic=True, fullgraph=True
         )
 
-    def _count(self, gm: torch.fx.GraphModule, inputs: list[Any]) -> Callable[..., Any]:
-        from torch._inductor.compile_fx import compile_fx  # Inductor loads only when a model compiles
-
-        self.graphs += 1
-        log.info("compiling the decoder stack: graph %d (inputs %s)", self.graphs, _shapes(inputs))
-        if self.graphs > MAX_GRAPHS:
-            log.warning("the decoder stack compiled %d graphs (at most %d expected)", self.graphs, MAX_GRAPHS)
-        return cast(Callable[..., Any], compile_fx(gm, inputs, config_patches=_INDUCTOR))
+    @property
+    def graphs(self) -> int:
+        """Graphs compiled so far."""
+        return self._inductor.graphs
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -231,6 +227,25 @@ class CompiledStack:
                 return self._fn(self.model.decoder_layers, x, rope), step.attention_ms
         finally:
             _current.step = None
+
+
+class _Inductor:
+    """Dynamo's backend: Inductor, counting the graphs it compiles. Dynamo keeps its backend for
+    as long as the code it compiled, on the code object where the garbage collector does not
+    look: it holds nothing of the stack, else every model compiled in the process, its pools and
+    runner, would live as long as the process."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, inputs: list[Any]) -> Callable[..., Any]:
+        from torch._inductor.compile_fx import compile_fx  # Inductor loads only when a model compiles
+
+        self.graphs += 1
+        log.info("compiling the decoder stack: graph %d (inputs %s)", self.graphs, _shapes(inputs))
+        if self.graphs > MAX_GRAPHS:
+            log.warning("the decoder stack compiled %d graphs (at most %d expected)", self.graphs, MAX_GRAPHS)
+        return cast(Callable[..., Any], compile_fx(gm, inputs, config_patches=_INDUCTOR))
 
 
 def _shapes(inputs: list[Any]) -> str:
