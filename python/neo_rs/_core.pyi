@@ -143,7 +143,8 @@ class CpuAttention:
     ``num_threads`` defaults to ``NEO_RS_CPU_THREADS``, else the machine's cores; ``simd`` to
     ``NEO_RS_SIMD``, else the best tier of this CPU. With ``openmp_team``, ``forward`` runs on the
     calling thread's OpenMP team of ``num_threads`` threads (torch's intra-op threads) instead of
-    the pool, where an OpenMP runtime is loaded; ``submit`` always uses the pool. Without
+    the pool, where an OpenMP runtime is loaded, and so does ``submit`` (before it returns: the
+    team's threads are the cores the pool's would contend for). Without
     ``dot_products``, pools are read by the widening path alone (``int8_dot`` and ``bf16_dot`` off):
     f32 products and probabilities.
     """

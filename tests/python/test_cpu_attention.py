@@ -387,8 +387,13 @@ def test_openmp_team_matches_the_pool_bit_for_bit():
     torch.nn.functional.linear(q[0], q[0])  # torch's team has just run
     team.forward(q, k, v, 1, tables, seq_lens, 0.1, got)
     assert torch.equal(got, want)
+    # Submitted, it runs on the team too, done before submit returns (the pool's threads would
+    # contend with torch's spinning ones); the pool's engine submits to its threads.
     submitted = torch.full_like(q, float("nan"))
-    team.submit(q, k, v, 1, tables, seq_lens, 0.1, submitted).wait()  # on the pool's threads
+    handle = team.submit(q, k, v, 1, tables, seq_lens, 0.1, submitted)
+    assert handle.done() and torch.equal(submitted, want)
+    handle = pool.submit(q, k, v, 1, tables, seq_lens, 0.1, submitted)
+    handle.wait()
     assert torch.equal(submitted, want)
 
 
