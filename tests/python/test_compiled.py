@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import ARCHS, FAMILIES, assert_all_blocks_free
 from neo_rs import LLM, SamplingParams
+from neo_rs.worker import compiled as compiled_module
 from neo_rs.worker.compiled import MAX_GRAPHS, _Inductor
 from test_model_parity import GREEDY, MODES, PROMPTS, hf_greedy, run
 from test_speculation import NGRAM
@@ -60,14 +61,15 @@ def test_prompts_and_decodes_run_compiled_in_two_graphs(checkpoints) -> None:
     # Those iterations checked only the guard between the two graphs; hidden states unlike the
     # warm-up's would check them all.
     hidden = compiled.model.config.hidden_size
-    assert compiled.skips_guards(torch.zeros(1, hidden)) and compiled.skips_guards(torch.zeros(6, hidden))
-    assert not compiled.skips_guards(torch.zeros(0, hidden))
-    assert not compiled.skips_guards(torch.zeros(3, hidden, dtype=torch.bfloat16))
+    assert compiled.serves(torch.zeros(1, hidden)) and compiled.serves(torch.zeros(6, hidden))
+    assert not compiled.serves(torch.zeros(0, hidden))
+    assert not compiled.serves(torch.zeros(3, hidden, dtype=torch.bfloat16))
 
 
-def test_the_layers_float_attributes_are_constants_of_the_graphs(checkpoints, monkeypatch) -> None:
+def test_the_layers_float_attributes_are_constants_of_the_graphs(checkpoints, monkeypatch, tmp_path) -> None:
     """RMSNorm's eps enters the graphs specialized: Dynamo would otherwise take each float
     attribute as a 0-dim tensor input, built anew on every call."""
+    monkeypatch.setattr(compiled_module, "_saved_graphs", lambda: tmp_path)  # traced, not loaded
     seen: list[list[object]] = []
     count = _Inductor.__call__
 
@@ -106,8 +108,10 @@ def test_sparse_models_and_enforce_eager_run_eager(checkpoints, monkeypatch) -> 
     assert LLM(str(checkpoints["llama"]), dtype="float32").engine.runner.compiled is not None
 
 
-def test_a_failed_compile_leaves_the_engine_eager(checkpoints, monkeypatch, caplog) -> None:
+def test_a_failed_compile_leaves_the_engine_eager(checkpoints, monkeypatch, caplog, tmp_path) -> None:
     import torch._inductor.compile_fx
+
+    monkeypatch.setattr(compiled_module, "_saved_graphs", lambda: tmp_path)  # nothing to load
 
     def no_compiler(*args: object, **kwargs: object) -> None:
         raise RuntimeError("no C++ compiler")
@@ -117,6 +121,57 @@ def test_a_failed_compile_leaves_the_engine_eager(checkpoints, monkeypatch, capl
     assert engine.runner.compiled is None
     assert "no C++ compiler" in caplog.text
     assert tokens == [hf_greedy(checkpoints["llama"], "llama", p) for p in PROMPTS]
+
+
+def test_a_later_engine_loads_the_saved_graphs(checkpoints, monkeypatch, caplog, tmp_path) -> None:
+    # Each graph is compiled ahead of time and saved; a later start (another engine here) loads
+    # both instead of tracing them. Files that do not load are compiled and saved anew.
+    monkeypatch.setattr(compiled_module, "_saved_graphs", lambda: tmp_path)
+    want = [hf_greedy(checkpoints["qwen2"], "qwen2", p) for p in PROMPTS]
+    built = []
+    for corrupt in (False, False, True):
+        if corrupt:
+            for saved in tmp_path.iterdir():
+                saved.write_bytes(b"not a graph")
+        tokens, engine, _ = run(checkpoints["qwen2"], num_gpu_blocks=64, enforce_eager=False)
+        assert tokens == want
+        compiled = engine.runner.compiled
+        assert compiled.runs > 0
+        built.append((compiled._inductor.graphs, compiled.loaded))
+        engine.shutdown()
+    assert built == [(MAX_GRAPHS, 0), (0, MAX_GRAPHS), (MAX_GRAPHS, 0)]
+    assert "could not load the saved decoder stack" in caplog.text
+    assert len(list(tmp_path.iterdir())) == MAX_GRAPHS
+
+
+def test_without_aot_compile_the_graphs_trace_at_start_up(checkpoints, monkeypatch) -> None:
+    # A torch whose compiled functions have no ``aot_compile``: both graphs are traced by the
+    # warm-up, nothing is saved or loaded, and the tokens are transformers'.
+    compile_ = torch.compile
+
+    def without_aot(fn: object, **kwargs: object) -> object:
+        compiled = compile_(fn, **kwargs)
+        return lambda *args: compiled(*args)
+
+    monkeypatch.setattr(torch, "compile", without_aot)
+    tokens, engine, _ = run(checkpoints["llama"], num_gpu_blocks=64, enforce_eager=False)
+    assert tokens == [hf_greedy(checkpoints["llama"], "llama", p) for p in PROMPTS]
+    compiled = engine.runner.compiled
+    assert (compiled._inductor.graphs, compiled.loaded) == (MAX_GRAPHS, 0)
+    assert compiled.runs > 0
+    engine.shutdown()
+
+
+def test_saved_graphs_are_named_by_what_their_code_depends_on(checkpoints) -> None:
+    names = set()
+    for kwargs in ({"dtype": "float32"}, {"dtype": "bfloat16"}, {"dtype": "float32", "quantization": "int8"}):
+        llm = LLM(str(checkpoints["llama"]), enforce_eager=True, **kwargs)
+        model = llm.engine.runner.model
+        names |= {compiled_module._graph_name(model, rows) for rows in (1, 2)}
+        model.decoder_layers[-1].input_layernorm.eps *= 2  # a constant of the graph
+        names.add(compiled_module._graph_name(model, 2))
+        llm.shutdown()
+    assert len(names) == 9
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
@@ -149,7 +204,6 @@ def test_the_attention_op_keeps_its_fake_shapes(checkpoints) -> None:
     fake implementation to the real one instead (a prompt of three rows in a fresh pool)."""
     from neo_rs.attention.metadata import AttentionBatch
     from neo_rs.timing import HostWaits, StageClock
-    from neo_rs.worker import compiled as module
 
     llm = LLM(str(checkpoints["llama"]), dtype="float32", enforce_eager=False)
     runner = llm.engine.runner
@@ -159,13 +213,13 @@ def test_the_attention_op_keeps_its_fake_shapes(checkpoints) -> None:
     batch = AttentionBatch.from_plan(plan, runner.transfer, runner.layout.block_size)[0]
     assert batch.prefills and batch.device_writes
     clock = StageClock(torch.device("cpu"), HostWaits(), timed=False)
-    module._current.step = module._Step(runner.attend, batch, None, clock)
+    compiled_module._current.step = compiled_module._Step(runner.attend, batch, None, clock)
     try:
         q = torch.randn(3, cfg.num_heads, cfg.head_dim)
         k, v = (torch.randn(3, cfg.num_kv_heads, cfg.head_dim) for _ in range(2))
         torch.library.opcheck(torch.ops.neo_rs.layer_attention.default, (q, k, v, 0))
     finally:
-        module._current.step = None
+        compiled_module._current.step = None
         llm.shutdown()
 
 

@@ -13,27 +13,38 @@ NEO's two sub-batches (its asymmetric pipeline) run eagerly: their layers interl
 64 prompts of 128 tokens spent a sixth of its eager time in the elementwise ops between the GEMMs.
 
 Shapes: one graph takes any number of rows (``dynamic=True``), and Dynamo specializes one row on
-its own: two graphs per model (``MAX_GRAPHS``; ``graphs`` counts them), both compiled at start-up.
+its own: two graphs per model (``MAX_GRAPHS``; ``graphs`` counts them), both built at start-up.
 The one-row graph is kept (``mark_unbacked`` would fold it into the other): single-stream decode
-is 0.5 ms a token faster with it, at 3 s more start-up. Inductor's cache sits under ``neo_rs``'s
-cache folder, so a later start compiles from it (SmolLM2: 52 s with an empty cache, 8.5-9 s
-warm, to the first tokens).
+is 0.5 ms a token faster with it, at 3 s more start-up.
 
-Guards: Dynamo checks every guard of the stack's inputs (30 layers' modules and parameters, the
-hidden states, the rotary tables) before each call, 0.2-0.4 ms of a single stream's 10 ms token.
-Once ``warm_up`` has built both graphs, a batch like theirs (the model's dtype, one row or more)
-checks only the guard that picks between them (``skip_guard_eval_unsafe``): nothing else about
-the inputs changes after start-up.
+Start-up: Inductor's cache sits under ``neo_rs``'s cache folder, so a later start compiles from
+it (SmolLM2: 52 s with an empty cache). Dynamo's tracing of 30 layers still took 3.5-4 s a
+graph, most of a warm start; so each graph is compiled ahead of time (torch's ``aot_compile``)
+and saved beside Inductor's cache (``stacks/``), and a later start loads it instead of tracing
+(``loaded`` counts them). A saved graph is found by a hash of everything its code depends on
+but its inputs' values: torch's version, the CPU's vector ISA and thread count, ``neo_rs``'s
+Python sources, the model's config, and its layers' module types, scalar attributes and
+parameter shapes (the weights are inputs of the graph, not constants).
+
+Guards: the graphs run with none checked (a traced call checked every guard of the stack's inputs,
+30 layers' modules and parameters, 0.2-0.4 ms of a single stream's 10 ms token): ``serves`` picks
+the graph by the row count, for hidden states of the dtype they were built for, and nothing else
+about the inputs changes after start-up. Other hidden states go through Dynamo, which traces (and
+counts) a graph for them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
+import platform
 import threading
 import time
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -141,7 +152,10 @@ class CompiledStack:
         self.linears = number_linears(model)
         self._inductor = _Inductor()
         self.runs = 0  # iterations run compiled
+        self.loaded = 0  # graphs loaded from earlier starts' ``aot_compile``
         self._warm_dtype: torch.dtype | None = None  # the hidden states' dtype, once warm_up ran
+        # The graphs warm_up built or loaded, by whether they take one row.
+        self._graphs: dict[bool, Callable[..., torch.Tensor]] = {}
         # Dynamo keeps graphs and their guards on the function's code object: a copy of it per
         # model keeps every model's two graphs apart (one shared code object would count the
         # graphs of all the process's models against one recompile limit).
@@ -152,13 +166,14 @@ class CompiledStack:
 
     @property
     def graphs(self) -> int:
-        """Graphs compiled so far."""
-        return self._inductor.graphs
+        """Graphs traced or loaded so far."""
+        return self._inductor.graphs + self.loaded
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Compile both graphs now, not in the first requests' iterations: each runs one step of
-        decodes at position 0 of block 0, which nothing holds yet (the pools are new)."""
+        """Build (or load) both graphs now, not in the first requests' iterations, and run each
+        on one step of decodes at position 0 of block 0, which nothing holds yet (the pools are
+        new)."""
         t = time.perf_counter()
         hidden = self.model.config.hidden_size
         dtype = self.model.embed_tokens.weight.dtype
@@ -177,15 +192,47 @@ class CompiledStack:
                 append_decodes=True,
             )
             x, positions = torch.zeros(rows, hidden, dtype=dtype), torch.zeros(rows, dtype=torch.long)
+            rope = self.model.rotary.at(positions, dtype)
+            self._graphs[rows == 1] = self._built(rows, (self.model.decoder_layers, x, rope))
+            self._warm_dtype = dtype
             self._call(x, positions, batch, None, clock)
-        self._warm_dtype = dtype
-        log.info("compiled the decoder stack in %.1f s", time.perf_counter() - t)
+        log.info(
+            "built the decoder stack in %.1f s (%d graphs traced, %d loaded)",
+            time.perf_counter() - t,
+            self._inductor.graphs,
+            self.loaded,
+        )
 
-    def skips_guards(self, x: torch.Tensor) -> bool:
-        """Whether a call on hidden states ``x`` checks only the guard between the two graphs:
-        after ``warm_up`` built both, for ``x`` of the dtype they were built for, one row or more
-        (anything else checks every guard, and compiles if it must)."""
-        return self.graphs == MAX_GRAPHS and x.dtype == self._warm_dtype and x.dim() == 2 and x.shape[0] >= 1
+    def _built(self, rows: int, args: tuple[Any, ...]) -> Callable[..., torch.Tensor]:
+        """The graph for ``rows`` rows like ``args``: saved by an earlier start, else compiled
+        ahead of time and saved; where torch has no ``aot_compile``, the traced function itself."""
+        if not hasattr(self._fn, "aot_compile"):
+            return self._fn  # traced by warm_up's call, its guards checked on every call
+        path = _saved_graphs() / _graph_name(self.model, rows)
+        if path.exists():
+            try:
+                with path.open("rb") as f:
+                    fn: Any = torch.compiler.load_compiled_function(f)
+                fn.disable_guard_check()
+                self.loaded += 1
+                return cast(Callable[..., torch.Tensor], fn)
+            except Exception as e:  # another torch's artifact, a truncated file: trace anew
+                log.warning("could not load the saved decoder stack %s, compiling it: %s", path, e)
+        with bound_linears(self.linears), torch._dynamo.config.patch(_DYNAMO):
+            fn = self._fn.aot_compile((args, {}))
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fn.save_compiled_function(str(path))
+        except Exception as e:  # a read-only cache: serve, only a slower start next time
+            log.warning("could not save the decoder stack to %s: %s", path, e)
+        fn.disable_guard_check()
+        return cast(Callable[..., torch.Tensor], fn)
+
+    def serves(self, x: torch.Tensor) -> bool:
+        """Whether a graph built at start-up runs hidden states ``x`` unchecked: of the dtype they
+        were built for, one row or more (anything else goes through Dynamo, and may trace)."""
+        rows = x.shape[0] if x.dim() == 2 else 0
+        return x.dtype == self._warm_dtype and rows >= 1 and (rows == 1) in self._graphs
 
     def run(
         self,
@@ -217,14 +264,11 @@ class CompiledStack:
         rope = self.model.rotary.at(positions, x.dtype)
         _current.step = step
         try:
-            # A call that skips the guards runs a graph built already; any other may trace one.
-            guards = (
-                torch.compiler.set_stance(skip_guard_eval_unsafe=True)
-                if self.skips_guards(x)
-                else torch._dynamo.config.patch(_DYNAMO)
-            )
-            with bound_linears(self.linears), guards:
-                return self._fn(self.model.decoder_layers, x, rope), step.attention_ms
+            fn = self._graphs[x.shape[0] == 1] if self.serves(x) else self._fn
+            # Through Dynamo, which may trace, the float attributes are specialized.
+            dynamo = torch._dynamo.config.patch(_DYNAMO) if fn is self._fn else contextlib.nullcontext()
+            with bound_linears(self.linears), dynamo:
+                return fn(self.model.decoder_layers, x, rope), step.attention_ms
         finally:
             _current.step = None
 
@@ -246,6 +290,37 @@ class _Inductor:
         if self.graphs > MAX_GRAPHS:
             log.warning("the decoder stack compiled %d graphs (at most %d expected)", self.graphs, MAX_GRAPHS)
         return cast(Callable[..., Any], compile_fx(gm, inputs, config_patches=_INDUCTOR))
+
+
+def _saved_graphs() -> Path:
+    """The folder of saved graphs: in Inductor's cache (``TORCHINDUCTOR_CACHE_DIR``), whose
+    compiled kernels they were built with, so that an empty Inductor cache is a cold start."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()) / "neo_rs_stacks"
+
+
+def _graph_name(model: CausalLM, rows: int) -> str:
+    """The file of the graph for ``rows`` rows: a hash of everything its code depends on but its
+    inputs' values (the module docstring lists them)."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    h = hashlib.sha256()
+    for source in sorted(Path(__file__).resolve().parents[1].rglob("*.py")):
+        h.update(source.read_bytes())
+    layers = nn.ModuleList(model.decoder_layers)
+    # A module's scalars are constants of the graph (an eps, a slot, a compute dtype), its
+    # tensors inputs of it: their shapes and dtypes.
+    scalars = (bool, int, float, str, torch.dtype, type(None))
+    modules = [
+        (name, type(m).__qualname__, [(k, repr(v)) for k, v in vars(m).items() if isinstance(v, scalars)])
+        for name, m in layers.named_modules()
+    ]
+    tensors = [(name, tuple(t.shape), t.dtype) for name, t in layers.state_dict(keep_vars=True).items()]
+    machine = (torch.__version__, platform.machine(), str(pick_vec_isa()), torch.get_num_threads())
+    for part in (machine, rows, model.config, modules, tensors, _INDUCTOR, _DYNAMO):
+        h.update(repr(part).encode())
+    return f"{h.hexdigest()[:32]}-{rows}.bin"
 
 
 def _shapes(inputs: list[Any]) -> str:
