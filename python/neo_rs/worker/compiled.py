@@ -20,8 +20,8 @@ is 0.5 ms a token faster with it, at 3 s more start-up.
 Start-up: Inductor's cache sits under ``neo_rs``'s cache folder, so a later start compiles from
 it (SmolLM2: 52 s with an empty cache). Dynamo's tracing of 30 layers still took 3.5-4 s a
 graph, most of a warm start; so each graph is compiled ahead of time (torch's ``aot_compile``)
-and saved beside Inductor's cache (``stacks/``), and a later start loads it instead of tracing
-(``loaded`` counts them). A saved graph is found by a hash of everything its code depends on
+and saved in Inductor's cache folder (``neo_rs_stacks/``), and a later start loads it instead of
+tracing (``loaded`` counts them). A saved graph is found by a hash of everything its code depends on
 but its inputs' values: torch's version, the CPU's vector ISA and thread count, ``neo_rs``'s
 Python sources, the model's config, and its layers' module types, scalar attributes and
 parameter shapes (the weights are inputs of the graph, not constants).
