@@ -195,7 +195,7 @@ class CompiledStack:
             rope = self.model.rotary.at(positions, dtype)
             self._graphs[rows == 1] = self._built(rows, (self.model.decoder_layers, x, rope))
             self._warm_dtype = dtype
-            self._call(x, positions, batch, None, clock)
+            self._call(x, positions, _Step(self.attend, batch, None, clock))
         log.info(
             "built the decoder stack in %.1f s (%d graphs traced, %d loaded)",
             time.perf_counter() - t,
@@ -246,21 +246,14 @@ class CompiledStack:
         its attention is timed by kind (``gpu_decode``, ``prefill_attn``, the wait for CPU
         decodes) inside the op, the rest as ``linear``."""
         t = time.perf_counter()
-        x, attention_ms = self._call(x, positions, batch, copies, clock)
-        clock.record_ms("linear", (time.perf_counter() - t) * 1e3 - attention_ms)
+        step = _Step(self.attend, batch, copies, clock)
+        x = self._call(x, positions, step)
+        clock.record_ms("linear", (time.perf_counter() - t) * 1e3 - step.attention_ms)
         self.runs += 1
         return x
 
-    def _call(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        batch: AttentionBatch,
-        copies: LayerCopies | None,
-        clock: StageClock,
-    ) -> tuple[torch.Tensor, float]:
-        """The stack's output, and the ms its attention (with its KV writes) took."""
-        step = _Step(self.attend, batch, copies, clock)
+    def _call(self, x: torch.Tensor, positions: torch.Tensor, step: _Step) -> torch.Tensor:
+        """The stack's output, ``step``'s op calls timed in its ``attention_ms``."""
         rope = self.model.rotary.at(positions, x.dtype)
         _current.step = step
         try:
@@ -268,7 +261,7 @@ class CompiledStack:
             # Through Dynamo, which may trace, the float attributes are specialized.
             dynamo = torch._dynamo.config.patch(_DYNAMO) if fn is self._fn else contextlib.nullcontext()
             with bound_linears(self.linears), dynamo:
-                return fn(self.model.decoder_layers, x, rope), step.attention_ms
+                return fn(self.model.decoder_layers, x, rope)
         finally:
             _current.step = None
 
