@@ -187,6 +187,24 @@ def test_compiled_quantized_linears_keep_eager_tokens(checkpoints, quantization:
     assert tokens[True] == tokens[False]
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_our_quantized_kernels_compile_and_save_in_bfloat16(
+    checkpoints, monkeypatch, tmp_path, quantization: str
+) -> None:
+    # In bf16 on the CPU the quantized linears run our Rust kernel (``QuantGemm``), which does not
+    # pickle: the trace must not read it, or saving the graphs' guards fails and the engine runs
+    # eager (``make serve``'s GGUF blocks did).
+    monkeypatch.setattr(compiled_module, "_saved_graphs", lambda: tmp_path)
+    llm = LLM(str(checkpoints["llama"]), dtype="bfloat16", quantization=quantization, enforce_eager=False)
+    compiled = llm.engine.runner.compiled
+    assert compiled is not None and compiled.graphs == MAX_GRAPHS
+    assert any(getattr(m, "gemm", None) is not None for m in compiled.model.modules())
+    out = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in out)
+    assert compiled.runs > 0 and len(list(tmp_path.iterdir())) == MAX_GRAPHS
+    llm.shutdown()
+
+
 def test_inductor_caches_under_our_folder(tmp_path) -> None:
     """Set on import, before torch._dynamo fixes the folder; a folder the user set is kept."""
     code = "import os, neo_rs, torch._dynamo; print(os.environ['TORCHINDUCTOR_CACHE_DIR'])"

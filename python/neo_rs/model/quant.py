@@ -118,6 +118,9 @@ class Int8Linear(GraphLinear, nn.Module):
         self.register_buffer("scales", scale.to(like.device, like.dtype))
         self.bias = linear.bias
         self.gemm: QuantGemm | None = None
+        # Read by forward instead of ``gemm``: a compiled stack's saved guards pickle what its
+        # trace read, and our kernel's object does not pickle.
+        self.ours = ours
         if ours:
             self.use_threads(torch.get_num_threads())
 
@@ -127,7 +130,7 @@ class Int8Linear(GraphLinear, nn.Module):
         self.gemm = QuantGemm.int8(self.weight, self.scales.float(), self.bias, n=n, k=k, num_threads=threads)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemm is not None:
+        if self.ours:
             return GraphLinear.forward(self, x)
         rows = x.reshape(-1, self.in_features)
         y = torch._weight_int8pack_mm(rows, self.weight, self.scales)
@@ -322,7 +325,8 @@ class GroupedLinear(GraphLinear, nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemm is not None:
+        # ``kernel``, not ``gemm``: see Int8Linear's ``ours``.
+        if self.kernel == "ours":
             return GraphLinear.forward(self, x)
         return self.linear(x)
 
