@@ -106,8 +106,8 @@ impl CpuAttention {
     }
 
     /// Runs calls made outside the pool (blocking ones, and submitted ones, which the binding
-    /// then runs before returning) on the calling thread's OpenMP team of `num_threads` threads when an OpenMP runtime is loaded (see
-    /// `team.rs`); whether one was found is `team()`.
+    /// then runs before returning) on the calling thread's OpenMP team of `num_threads` threads
+    /// when an OpenMP runtime is loaded (see `team.rs`); whether one was found is `team()`.
     pub fn with_team(mut self) -> Self {
         self.team = Team::find(self.num_threads);
         self

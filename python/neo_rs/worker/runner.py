@@ -461,7 +461,8 @@ class ModelRunner:
         copies: LayerCopies | None,
         clock: StageClock,
     ) -> torch.Tensor:
-        """Layer by layer; CPU decodes (if any) run while the device attention is issued."""
+        """Layer by layer; beside a GPU, CPU decodes (if any) run while the device attention is
+        issued (on a CPU device, before it, on the same cores)."""
         rope = self.model.rotary.at(positions, x.dtype)
         for i, layer in enumerate(self.model.decoder_layers):
             with clock.span("linear"):
