@@ -36,6 +36,7 @@ counts) a graph for them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import platform
@@ -293,14 +294,21 @@ def _saved_graphs() -> Path:
     return Path(cache_dir()) / "neo_rs_stacks"
 
 
+@functools.cache
+def _sources_digest() -> bytes:
+    """A hash of ``neo_rs``'s Python sources, read once a process."""
+    h = hashlib.sha256()
+    for source in sorted(Path(__file__).resolve().parents[1].rglob("*.py")):
+        h.update(source.read_bytes())
+    return h.digest()
+
+
 def _graph_name(model: CausalLM, rows: int) -> str:
     """The file of the graph for ``rows`` rows: a hash of everything its code depends on but its
     inputs' values (the module docstring lists them)."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-    h = hashlib.sha256()
-    for source in sorted(Path(__file__).resolve().parents[1].rglob("*.py")):
-        h.update(source.read_bytes())
+    h = hashlib.sha256(_sources_digest())
     layers = nn.ModuleList(model.decoder_layers)
     # A module's scalars are constants of the graph (an eps, a slot, a compute dtype), its
     # tensors inputs of it: their shapes and dtypes.
