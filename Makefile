@@ -52,12 +52,15 @@ test-gpu-script: build
 
 test: test-rust test-gpu-compile test-python test-gpu-script
 
-# The NEON tier under qemu-user (needs: rustup target add aarch64-unknown-linux-gnu;
-# apt-get install qemu-user gcc-aarch64-linux-gnu libc6-dev-arm64-cross). Not part of `make test`.
+# The NEON paths (attention, argmax, the bf16 linear) under qemu-user, on a CPU with every
+# feature they use (BF16, DotProd) and on a Cortex-A72 with neither (needs: rustup target add
+# aarch64-unknown-linux-gnu; apt-get install qemu-user gcc-aarch64-linux-gnu libc6-dev-arm64-cross).
+# Not part of `make test`: the target is not always installable.
+AARCH64 = CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc cargo test --release \
+	--target aarch64-unknown-linux-gnu --test attn_cpu --lib
 test-aarch64:
-	CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
-	CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch64-linux-gnu" \
-	cargo test --release --target aarch64-unknown-linux-gnu --test attn_cpu --lib
+	CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch64-linux-gnu" $(AARCH64)
+	CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -cpu cortex-a72 -L /usr/aarch64-linux-gnu" $(AARCH64)
 
 lint: $(STAMP)
 	cargo fmt --check

@@ -10,6 +10,8 @@
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "aarch64")]
+mod neon;
 mod scalar;
 
 use half::bf16;
@@ -28,22 +30,30 @@ pub enum Path {
     Scalar,
     /// AVX512_BF16 `vdpbf16ps`: 32 products per instruction, summed pairwise into f32 lanes.
     Avx512Bf16,
+    /// NEON (aarch64): bf16 widened to f32, fused multiply-adds of 4 lanes.
+    Neon,
+    /// NEON with BF16 (Armv8.6) `bfdot`: 8 products per instruction, summed pairwise into 4 lanes.
+    NeonBf16,
 }
 
 impl Path {
-    pub const ALL: [Path; 2] = [Path::Scalar, Path::Avx512Bf16];
+    /// In the order `best` prefers them last to first.
+    pub const ALL: [Path; 4] = [Path::Scalar, Path::Avx512Bf16, Path::Neon, Path::NeonBf16];
 
     pub fn name(self) -> &'static str {
         match self {
             Path::Scalar => "scalar",
             Path::Avx512Bf16 => "avx512_bf16",
+            Path::Neon => "neon",
+            Path::NeonBf16 => "neon_bf16",
         }
     }
 
     pub fn parse(s: &str) -> Result<Path> {
         let name = s.trim().to_ascii_lowercase();
         Path::ALL.into_iter().find(|p| p.name() == name).ok_or_else(|| {
-            crate::error::NeoError::Value(format!("unknown linear kernel {s:?}; expected scalar or avx512_bf16"))
+            let names: Vec<_> = Path::ALL.iter().map(|p| p.name()).collect();
+            crate::error::NeoError::Value(format!("unknown linear kernel {s:?}; expected one of {}", names.join(", ")))
         })
     }
 
@@ -55,6 +65,10 @@ impl Path {
                 use std::arch::is_x86_feature_detected as has;
                 has!("avx512f") && has!("avx512bw") && has!("avx512bf16")
             }
+            #[cfg(target_arch = "aarch64")]
+            Path::Neon => true,
+            #[cfg(target_arch = "aarch64")]
+            Path::NeonBf16 => std::arch::is_aarch64_feature_detected!("bf16"),
             #[allow(unreachable_patterns)]
             _ => false,
         }
@@ -71,6 +85,11 @@ impl Path {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Path::is_supported` was checked when the path was chosen (`Gemv::new`).
             Path::Avx512Bf16 => unsafe { avx512::dots(x, rows, k, w, sums) },
+            #[cfg(target_arch = "aarch64")]
+            Path::Neon => neon::dots_widen(x, rows, k, w, sums),
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: as above.
+            Path::NeonBf16 => unsafe { neon::dots_bfdot(x, rows, k, w, sums) },
             _ => scalar::dots(x, rows, k, w, sums),
         }
     }

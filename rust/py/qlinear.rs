@@ -81,7 +81,7 @@ impl QuantGemm {
         let mut scales_f32 = copied::<f32>(&s, n);
         scales_f32.resize(padded, 0.0);
         Ok(QuantGemm {
-            kernel: Gemv::new(path.map(Path::parse).transpose()?, num_threads)?,
+            kernel: Gemv::quantized(path.map(Path::parse).transpose()?, num_threads)?,
             format: Format::Int8,
             _packed: packed.clone().unbind(),
             packed: q,
@@ -130,7 +130,7 @@ impl QuantGemm {
         let shape = [blocks, k / group, 2, COLS];
         ensure!(g.shape == shape, Shape, "groups must have shape {shape:?}, got {:?}", g.shape);
         Ok(QuantGemm {
-            kernel: Gemv::new(path.map(Path::parse).transpose()?, num_threads)?,
+            kernel: Gemv::quantized(path.map(Path::parse).transpose()?, num_threads)?,
             format,
             _packed: packed.clone().unbind(),
             packed: q,
@@ -142,7 +142,7 @@ impl QuantGemm {
         })
     }
 
-    /// The kernel this CPU runs (`scalar` or `avx512_bf16`).
+    /// The kernel this CPU runs (`scalar` or `avx512_bf16`: the int8 and int4 linears have no NEON one).
     #[getter]
     fn path(&self) -> &'static str {
         self.kernel.path().name()

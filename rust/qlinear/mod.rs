@@ -48,6 +48,7 @@ pub const COLS: usize = 16;
 const FUSED_ROWS: usize = 4;
 /// Rows per pass over a widened block: one accumulator each, enough of them to hide the latency
 /// of `vdpbf16ps`, with registers left for the weight and the broadcasts.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 const TILE: usize = 12;
 /// Blocks a tile passes over together (past `FUSED_ROWS` rows): each row's broadcast pair of
 /// `x` then feeds two blocks' `vdpbf16ps`, half a load per product rather than one.
@@ -142,8 +143,18 @@ impl QuantWeight<'_> {
 }
 
 impl Gemv {
+    /// `Gemv::new` for `run_quantized`: by default the best path this CPU runs that has a
+    /// quantized kernel; a path without one is refused.
+    pub fn quantized(path: Option<Path>, threads: usize) -> Result<Gemv> {
+        let best = Path::ALL.into_iter().rev().find(|p| p.quantized() && p.is_supported());
+        let path = path.or(best).unwrap_or(Path::Scalar);
+        path.has_quantized()?;
+        Gemv::new(Some(path), threads)
+    }
+
     /// `out[m] = x[m] · Wᵀ + bias` for each of the `x.len() / k` rows of `x` (`out`: `[rows, n]`).
     pub fn run_quantized(&self, x: &[bf16], weight: QuantWeight<'_>, out: &mut [bf16]) -> Result<()> {
+        self.path().has_quantized()?;
         weight.check()?;
         let (n, k) = (weight.n, weight.k);
         ensure!(x.len().is_multiple_of(k) && !x.is_empty(), Shape, "x holds {} values, not rows of {k}", x.len());
@@ -202,6 +213,7 @@ struct Block<'a> {
 #[derive(Clone, Copy)]
 struct Rows<'a> {
     x: &'a [bf16],
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     stride: usize,
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     group_sums: &'a [f32],
@@ -261,6 +273,17 @@ impl Out {
 }
 
 impl Path {
+    /// Whether the int8 and int4 linears have a kernel of this path (NEON's are bf16's alone).
+    pub fn quantized(self) -> bool {
+        matches!(self, Path::Scalar | Path::Avx512Bf16)
+    }
+
+    fn has_quantized(self) -> Result<()> {
+        ensure!(self.quantized(), Runtime, "the int8 and int4 linears have no {} kernel", self.name());
+        Ok(())
+    }
+
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))] // `scratch`: AVX-512's
     fn blocks(self, x: Rows<'_>, rows: usize, k: usize, ws: &[Block<'_>], scratch: &mut Scratch, out: Out) {
         match self {
             #[cfg(target_arch = "x86_64")]

@@ -166,7 +166,7 @@ impl Case {
 
 #[test]
 fn every_path_matches_the_f64_outputs() {
-    for path in Path::ALL.into_iter().filter(|p| p.is_supported()) {
+    for path in Path::ALL.into_iter().filter(|p| p.quantized() && p.is_supported()) {
         // Rows on both sides of the fused kernel's limit and of a tile; widths with a partial
         // block; odd and even inputs, below and above the fused kernel's unrolling.
         for (rows, n, k) in [
@@ -207,7 +207,7 @@ fn every_path_matches_the_f64_outputs() {
 fn an_odd_input_width_never_reads_past_a_row() {
     // Row 1 starts with an infinity right after row 0's last value: row 0 must not meet it
     // (through the pad weight, 0, it would make a NaN). Fused and tiled rows.
-    for path in Path::ALL.into_iter().filter(|p| p.is_supported()) {
+    for path in Path::ALL.into_iter().filter(|p| p.quantized() && p.is_supported()) {
         for rows in [2, 8] {
             let mut case = Case::new(rows, 16, 5, 7);
             case.x[5] = bf16::INFINITY;
@@ -221,6 +221,22 @@ fn an_odd_input_width_never_reads_past_a_row() {
             assert_eq!(out[..16], row0[..], "{} rows={rows}", path.name());
             case.check(path, 1);
         }
+    }
+}
+
+#[test]
+fn only_paths_with_a_quantized_kernel_run_it() {
+    for path in Path::ALL {
+        let made = Gemv::quantized(Some(path), 1);
+        assert_eq!(made.is_ok(), path.quantized() && path.is_supported(), "{}", path.name());
+    }
+    assert!(Gemv::quantized(None, 1).unwrap().path().quantized());
+    // A bf16 linear's kernel (NEON's, on aarch64) is refused, not run as the scalar one.
+    let case = Case::new(1, 16, 4, 1);
+    for path in Path::ALL.into_iter().filter(|p| p.is_supported() && !p.quantized()) {
+        let gemm = Gemv::new(Some(path), 1).unwrap();
+        let mut out = vec![bf16::ZERO; 16];
+        assert!(gemm.run_quantized(&case.x, case.weight(), &mut out).is_err(), "{}", path.name());
     }
 }
 
@@ -249,11 +265,16 @@ fn run_refuses_shapes_that_do_not_fit() {
     assert!(gemm.run_quantized(&case.x, int4, &mut out).is_err(), "int8 bytes read as int4's");
 }
 
+/// The path `QuantGemm` runs by default.
+fn best() -> Path {
+    Gemv::quantized(None, 1).unwrap().path()
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
     #[test]
     fn the_best_path_matches_the_f64_outputs(rows in 1usize..40, n in 1usize..50, k in 1usize..300, seed in 0u64..1000) {
-        Case::new(rows, n, k, seed).check(Path::best(), 1);
+        Case::new(rows, n, k, seed).check(best(), 1);
     }
 
     #[test]
@@ -261,7 +282,7 @@ proptest! {
         rows in 1usize..40, n in 1usize..50, groups in 1usize..6, half_group in 1usize..40, seed in 0u64..1000,
     ) {
         let group = 2 * half_group;
-        Case::with(Format::Int4 { group }, rows, n, group * groups, seed).check(Path::best(), 1);
+        Case::with(Format::Int4 { group }, rows, n, group * groups, seed).check(best(), 1);
     }
 
     #[test]
@@ -269,6 +290,6 @@ proptest! {
         rows in 1usize..40, n in 1usize..50, groups in 1usize..6, half_group in 1usize..40, seed in 0u64..1000,
     ) {
         let group = 2 * half_group;
-        Case::with(Format::GroupedInt8 { group }, rows, n, group * groups, seed).check(Path::best(), 1);
+        Case::with(Format::GroupedInt8 { group }, rows, n, group * groups, seed).check(best(), 1);
     }
 }

@@ -11,12 +11,13 @@ import torch.nn.functional as F
 from neo_rs import LLM, SamplingParams
 from neo_rs._core import Bf16Linear
 from neo_rs.errors import DTypeError, InvalidArgumentError, ShapeError
+from neo_rs.model import rust_linears
 from neo_rs.model.graph_ops import bound_linears, number_linears
 from neo_rs.model.packed import GEMV_ROWS, PackedLinear, gemv_rows, pack_linears, packing_applies
-from neo_rs.model.rust_linears import gemv_applies
+from neo_rs.model.rust_linears import gemv_applies, gemv_path
 from torch import nn
 
-PATHS = ["scalar"] + (["avx512_bf16"] if gemv_applies() else [])
+PATHS = sorted({"scalar", gemv_path()})
 
 
 def _close_to_f32(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
@@ -120,6 +121,29 @@ def test_a_tied_head_runs_it_on_the_embedding_itself() -> None:
     assert head.weight is model[0].weight  # the kernel's weight is not a copy
     x = torch.randn(1, 16, dtype=torch.bfloat16)
     _close_to_f32(head(x), x, model[0].weight, None)
+
+
+@pytest.mark.parametrize(
+    ("path", "by_default", "when_asked"),
+    [
+        ("avx512_bf16", True, True),
+        ("neon_bf16", False, True),
+        ("neon", False, True),
+        ("scalar", False, False),
+    ],
+)
+def test_the_engine_takes_timed_paths_and_others_when_asked(
+    monkeypatch: pytest.MonkeyPatch, path: str, by_default: bool, when_asked: bool
+) -> None:
+    """NEON's paths (tested under qemu-user, not timed on an Arm CPU) run only with
+    ``NEO_RS_ROW_GEMV=1``; the scalar reference never; ``0`` turns every path off."""
+    monkeypatch.setattr(rust_linears, "gemv_path", lambda: path)
+    monkeypatch.delenv("NEO_RS_ROW_GEMV", raising=False)
+    assert gemv_applies() == by_default
+    monkeypatch.setenv("NEO_RS_ROW_GEMV", "1")
+    assert gemv_applies() == when_asked
+    monkeypatch.setenv("NEO_RS_ROW_GEMV", "0")
+    assert not gemv_applies()
 
 
 @needs_gemv

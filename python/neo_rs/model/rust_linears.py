@@ -1,6 +1,9 @@
-"""Whether our Rust CPU linears run natively here: the bf16 one for a few rows
-(``packed.PackedLinear``) and the int8 and int4 one for any rows (``quant``), both AVX512_BF16 (a
-scalar path is their reference, never the engine's). ``NEO_RS_ROW_GEMV=0`` turns them off."""
+"""Whether our Rust CPU linears run here: the bf16 one for a few rows (``packed.PackedLinear``) and
+the int8 and int4 one for any rows (``quant``). Each has a scalar path, their reference and never
+the engine's. The engine takes a SIMD path by default where it was timed against torch's kernels
+(AVX512_BF16); the bf16 kernel's NEON paths (aarch64) are tested against the scalar one under
+qemu-user but not yet timed on an Arm CPU, so there it runs only when ``NEO_RS_ROW_GEMV=1`` asks
+(the int8 and int4 kernel has no NEON path). ``NEO_RS_ROW_GEMV=0`` turns both off."""
 
 from __future__ import annotations
 
@@ -8,17 +11,30 @@ import os
 
 import torch
 
-from neo_rs._core import Bf16Linear
+from neo_rs._core import Bf16Linear, QuantGemm
+
+# The paths measured faster than torch's kernels on the CPUs that run them (``benches/gemv.py``,
+# ``benches/cpu_gemm.py``, ``benches/quant_linear.py``).
+_TIMED = frozenset({"avx512_bf16"})
+
+
+def gemv_path() -> str:
+    """The bf16 kernel's path on this CPU: ``scalar``, ``avx512_bf16``, ``neon`` or ``neon_bf16``."""
+    return Bf16Linear(torch.zeros(1, 1, dtype=torch.bfloat16), num_threads=1).path
 
 
 def gemv_applies() -> bool:
-    """The Rust linears run natively on this CPU, unless turned off."""
-    if os.environ.get("NEO_RS_ROW_GEMV", "1") == "0":
+    """The bf16 kernel runs the engine's linears of a few rows on this CPU."""
+    flag = os.environ.get("NEO_RS_ROW_GEMV")
+    if flag == "0":
         return False
-    probe = torch.zeros(1, 1, dtype=torch.bfloat16)
-    return Bf16Linear(probe, num_threads=1).path != "scalar"
+    path = gemv_path()
+    return path in _TIMED or (path != "scalar" and flag == "1")
 
 
 def quant_kernel_applies(device: torch.device, dtype: torch.dtype) -> bool:
     """Quantized linears of a ``dtype`` model on ``device`` run our kernel (``_core.QuantGemm``)."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and gemv_applies()
+    if device.type != "cpu" or dtype != torch.bfloat16 or os.environ.get("NEO_RS_ROW_GEMV") == "0":
+        return False
+    probe = QuantGemm.int8(torch.zeros(1, 1, 16, 2, dtype=torch.int8), torch.ones(1), n=1, k=1, num_threads=1)
+    return probe.path in _TIMED
