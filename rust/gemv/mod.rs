@@ -9,6 +9,8 @@
 //! torch's GEMMs just used; without a team the calling thread does it all.
 
 #[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
 mod avx512;
 #[cfg(target_arch = "aarch64")]
 mod neon;
@@ -28,6 +30,8 @@ const BLOCK: usize = 16;
 pub enum Path {
     /// Plain f32 multiply-adds: the reference every SIMD path is tested against.
     Scalar,
+    /// AVX2 with FMA: bf16 widened to f32, fused multiply-adds of 8 lanes.
+    Avx2,
     /// AVX512_BF16 `vdpbf16ps`: 32 products per instruction, summed pairwise into f32 lanes.
     Avx512Bf16,
     /// NEON (aarch64): bf16 widened to f32, fused multiply-adds of 4 lanes.
@@ -38,11 +42,12 @@ pub enum Path {
 
 impl Path {
     /// In the order `best` prefers them last to first.
-    pub const ALL: [Path; 4] = [Path::Scalar, Path::Avx512Bf16, Path::Neon, Path::NeonBf16];
+    pub const ALL: [Path; 5] = [Path::Scalar, Path::Avx2, Path::Avx512Bf16, Path::Neon, Path::NeonBf16];
 
     pub fn name(self) -> &'static str {
         match self {
             Path::Scalar => "scalar",
+            Path::Avx2 => "avx2",
             Path::Avx512Bf16 => "avx512_bf16",
             Path::Neon => "neon",
             Path::NeonBf16 => "neon_bf16",
@@ -60,6 +65,11 @@ impl Path {
     pub fn is_supported(self) -> bool {
         match self {
             Path::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Path::Avx2 => {
+                use std::arch::is_x86_feature_detected as has;
+                has!("avx2") && has!("fma")
+            }
             #[cfg(target_arch = "x86_64")]
             Path::Avx512Bf16 => {
                 use std::arch::is_x86_feature_detected as has;
@@ -85,6 +95,9 @@ impl Path {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Path::is_supported` was checked when the path was chosen (`Gemv::new`).
             Path::Avx512Bf16 => unsafe { avx512::dots(x, rows, k, w, sums) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            Path::Avx2 => unsafe { avx2::dots(x, rows, k, w, sums) },
             #[cfg(target_arch = "aarch64")]
             Path::Neon => neon::dots_widen(x, rows, k, w, sums),
             #[cfg(target_arch = "aarch64")]

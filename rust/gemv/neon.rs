@@ -174,8 +174,7 @@ unsafe fn row<S: Step, const M: usize>(x: &[bf16], w: &[bf16], k: usize, out: &m
         c += S::VALUES;
     }
     for (m, o) in out.iter_mut().enumerate() {
-        let tail: f32 =
-            x[m * k + whole..(m + 1) * k].iter().zip(&w[whole..]).map(|(a, b)| a.to_f32() * b.to_f32()).sum();
+        let tail = super::scalar::dot(&x[m * k + whole..(m + 1) * k], &w[whole..]);
         // SAFETY: see `acc`.
         *o = unsafe { vaddvq_f32(vaddq_f32(acc[m][0], acc[m][1])) } + tail;
     }

@@ -50,7 +50,7 @@ impl Bf16Linear {
         Ok(Bf16Linear { gemv, _tensors: tensors, weight: w, bias: b })
     }
 
-    /// The kernel this CPU runs (`scalar`, `avx512_bf16`, `neon` or `neon_bf16`).
+    /// The kernel this CPU runs (`scalar`, `avx2`, `avx512_bf16`, `neon` or `neon_bf16`).
     #[getter]
     fn path(&self) -> &'static str {
         self.gemv.path().name()

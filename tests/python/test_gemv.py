@@ -127,6 +127,7 @@ def test_a_tied_head_runs_it_on_the_embedding_itself() -> None:
     ("path", "by_default", "when_asked"),
     [
         ("avx512_bf16", True, True),
+        ("avx2", True, True),
         ("neon_bf16", False, True),
         ("neon", False, True),
         ("scalar", False, False),

@@ -102,6 +102,23 @@ def test_gemm_compute_follows_the_environment_and_the_timing(monkeypatch: pytest
         assert gemm_compute(10**15) == torch.bfloat16, "f32 copies that do not fit stay bf16"
 
 
+def test_without_a_bf16_gemm_of_onednn_s_own_batches_compute_in_f32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU without AVX512-BF16 (or Arm's BF16): f32 copies whenever they fit, else nothing
+    packed (never bf16 packs), and no probe, whose bf16 GEMM would be the slow one; what the
+    environment forces stays forced."""
+    monkeypatch.setattr(packed_module, "bf16_native", lambda: False)
+    monkeypatch.setattr(packed_module, "float32_speedup", lambda threads: pytest.fail("probed"))
+    monkeypatch.setenv("NEO_RS_CPU_GEMM", "auto")
+    assert gemm_compute(1 << 20) == torch.float32
+    assert gemm_compute(10**15) is None
+    monkeypatch.setenv("NEO_RS_CPU_GEMM", "bfloat16")
+    assert gemm_compute(10**15) == torch.bfloat16, "forced"
+    monkeypatch.setattr(packed_module, "gemm_compute", lambda weight_bytes: None)
+    model = nn.Sequential(nn.Linear(8, 8)).to(torch.bfloat16)
+    assert pack_linears(model, rows=4) == (0, torch.bfloat16)
+    assert type(model[0]) is nn.Linear
+
+
 def test_float32_compute_in_the_compiled_stack(checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
     # Graphs of two rows or more hand the op f32 rows (their casts fuse into the kernels beside);
     # the one-row graph keeps bf16 rows for the Rust kernel. No graph more than the two.

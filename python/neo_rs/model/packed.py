@@ -16,7 +16,10 @@ widened copy of the weight (``gemm_compute``): on an Intel Xeon whose VM hides A
 model 207, AVX512-BF16 without AMX) a 64-row step's linears ran 1.48x faster so
 (``benches/cpu_gemm.py``). bf16 widens to f32 exactly and oneDNN's bf16 GEMM sums in f32 too, so
 only the order of the sums changes. Calls of a few rows stay on the Rust kernel and the bf16
-weight, where reading half the bytes is what counts.
+weight, where reading half the bytes is what counts. Where oneDNN has no bf16 GEMM of its own
+(x86 with AVX2 but not AVX512-BF16, Arm without BF16), torch's bf16 linear widens as it goes and
+ran SmolLM2's linears 4-8x slower than oneDNN's f32 GEMM (``benches/cpu_gemm.py`` with oneDNN and
+torch held to AVX2), so there the batches compute in f32 whenever the copies fit.
 
 A tied LM head is packed too, a copy of the embedding (57 MB for SmolLM2): unpacked, oneDNN
 reorders its 28M weights on every call, 6.9 ms of a 16-stream step's 36. Its Rust kernel reads the
@@ -68,13 +71,19 @@ _PACK_ROWS_MIN = 2
 
 
 def packing_applies(device: torch.device, dtype: torch.dtype) -> bool:
-    """bf16 on a CPU oneDNN runs natively (AVX512-BF16 or AMX), unless turned off."""
+    """bf16 on a CPU with oneDNN, unless turned off (``gemm_compute`` says in what)."""
     return (
         device.type == "cpu"
         and dtype == torch.bfloat16
         and os.environ.get("NEO_RS_PACK_LINEARS", "1") != "0"
-        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        and torch.backends.mkldnn.is_available()
     )
+
+
+@functools.cache
+def bf16_native() -> bool:
+    """oneDNN has bf16 GEMMs of its own on this CPU (AVX512-BF16, AMX, Arm's BF16)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 # ``auto`` computes in f32 where a GEMM timed at load runs at least this much faster so: a clear
@@ -86,8 +95,9 @@ _FLOAT32_MARGIN = 1.2
 _FLOAT32_MEMORY_SHARE = 0.5
 
 
-def gemm_compute(weight_bytes: int) -> torch.dtype:
-    """What the packed linears of ``weight_bytes`` bf16 bytes compute in (``environment.cpu_gemm``)."""
+def gemm_compute(weight_bytes: int) -> torch.dtype | None:
+    """What the packed linears of ``weight_bytes`` bf16 bytes compute in (``environment.cpu_gemm``);
+    None where neither pays: oneDNN has no bf16 GEMM of its own and the f32 copies do not fit."""
     choice = cpu_gemm()
     if choice != "auto":
         return getattr(torch, choice)
@@ -95,6 +105,8 @@ def gemm_compute(weight_bytes: int) -> torch.dtype:
     known = "SC_AVPHYS_PAGES" in os.sysconf_names
     free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if known else 0
     fits = 2 * weight_bytes <= _FLOAT32_MEMORY_SHARE * free
+    if not bf16_native():
+        return torch.float32 if fits else None
     pays = fits and float32_speedup(torch.get_num_threads()) >= _FLOAT32_MARGIN
     return torch.float32 if pays else torch.bfloat16
 
@@ -192,6 +204,8 @@ def pack_linears(model: nn.Module, rows: int, gemv_threads: int | None = None) -
     threads."""
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     compute = gemm_compute(sum(m.weight.numel() * m.weight.element_size() for m in linears))
+    if compute is None:
+        return 0, torch.bfloat16
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

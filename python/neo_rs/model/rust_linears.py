@@ -1,9 +1,10 @@
 """Whether our Rust CPU linears run here: the bf16 one for a few rows (``packed.PackedLinear``) and
 the int8 and int4 one for any rows (``quant``). Each has a scalar path, their reference and never
-the engine's. The engine takes a SIMD path by default where it was timed against torch's kernels
-(AVX512_BF16); the bf16 kernel's NEON paths (aarch64) are tested against the scalar one under
-qemu-user but not yet timed on an Arm CPU, so there it runs only when ``NEO_RS_ROW_GEMV=1`` asks
-(the int8 and int4 kernel has no NEON path). ``NEO_RS_ROW_GEMV=0`` turns both off."""
+the engine's. The engine takes a SIMD path by default where it was timed against oneDNN's
+(AVX512_BF16; AVX2 with oneDNN held to AVX2); the bf16 kernel's NEON paths (aarch64) are tested
+against the scalar one under qemu-user but not yet timed on an Arm CPU, so there it runs only when
+``NEO_RS_ROW_GEMV=1`` asks. The int8 and int4 kernel has AVX512_BF16's path alone.
+``NEO_RS_ROW_GEMV=0`` turns both off."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ import torch
 
 from neo_rs._core import Bf16Linear, QuantGemm
 
-# The paths measured faster than torch's kernels on the CPUs that run them (``benches/gemv.py``,
-# ``benches/cpu_gemm.py``, ``benches/quant_linear.py``).
-_TIMED = frozenset({"avx512_bf16"})
+# The paths measured faster than oneDNN's GEMM on the CPUs that run them (``benches/gemv.py``,
+# ``benches/quant_linear.py``).
+_TIMED = frozenset({"avx512_bf16", "avx2"})
 
 
 def gemv_path() -> str:
-    """The bf16 kernel's path on this CPU: ``scalar``, ``avx512_bf16``, ``neon`` or ``neon_bf16``."""
+    """The bf16 kernel's path on this CPU: ``scalar``, ``avx2``, ``avx512_bf16``, ``neon`` or
+    ``neon_bf16``."""
     return Bf16Linear(torch.zeros(1, 1, dtype=torch.bfloat16), num_threads=1).path
 
 

@@ -129,14 +129,19 @@ class ModelRunner:
             # After ``cpu_attention``, which sets torch's threads: the Rust linears run on them.
             gemv_threads = torch.get_num_threads() if gemv_applies() else None
             packed, compute = pack_linears(self.model, args.max_num_seqs, gemv_threads)
-            log.info(
-                "prepacked %d bf16 linears for oneDNN, computing in %s "
-                "(Rust kernel for up to %s rows, by width: %s)",
-                packed,
-                compute,
-                GEMV_ROWS,
-                gemv_threads is not None,
-            )
+            if packed == 0:
+                log.warning(
+                    "bf16 linears left to torch: oneDNN has no bf16 GEMM here, and f32 copies do not fit"
+                )
+            else:
+                log.info(
+                    "prepacked %d bf16 linears for oneDNN, computing in %s "
+                    "(Rust kernel for up to %s rows, by width: %s)",
+                    packed,
+                    compute,
+                    GEMV_ROWS,
+                    gemv_threads is not None,
+                )
         # On a GPU, room for one worst-case iteration's activations is kept from the KV pools. The
         # trace runs this rank's heads and FFN columns in one process (no collectives on fake
         # tensors) and the whole vocabulary's logits, as rank 0 gathers them.
