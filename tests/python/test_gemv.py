@@ -10,14 +10,24 @@ import torch
 import torch.nn.functional as F
 from neo_rs import LLM, SamplingParams
 from neo_rs._core import Bf16Linear
-from neo_rs.errors import DTypeError, InvalidArgumentError, ShapeError
+from neo_rs.errors import BackendError, DTypeError, InvalidArgumentError, ShapeError
 from neo_rs.model import rust_linears
 from neo_rs.model.graph_ops import bound_linears, number_linears
 from neo_rs.model.packed import GEMV_ROWS, PackedLinear, gemv_rows, pack_linears, packing_applies
-from neo_rs.model.rust_linears import gemv_applies, gemv_path
+from neo_rs.model.rust_linears import gemv_applies
 from torch import nn
 
-PATHS = sorted({"scalar", gemv_path()})
+
+def _runs(path: str) -> bool:
+    try:
+        Bf16Linear(torch.zeros(1, 1, dtype=torch.bfloat16), num_threads=1, path=path)
+    except BackendError:  # not on this CPU
+        return False
+    return True
+
+
+# Every path of the kernel this CPU runs (AVX2 too where AVX-512 is the engine's).
+PATHS = [p for p in ("scalar", "avx2", "avx512_bf16", "neon", "neon_bf16") if _runs(p)]
 
 
 def _close_to_f32(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:

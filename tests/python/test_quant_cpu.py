@@ -16,10 +16,10 @@ from neo_rs.errors import DTypeError, ShapeError
 from neo_rs.model.graph_ops import bound_linears, number_linears
 from neo_rs.model.packed import packing_applies
 from neo_rs.model.quant import Int4Linear, Int8Linear, pack_int4, pack_int8, quantize_int4
-from neo_rs.model.rust_linears import gemv_applies
+from neo_rs.model.rust_linears import gemv_applies, quant_kernel_applies
 from torch import nn
 
-PATHS = ["scalar"] + (["avx512_bf16"] if gemv_applies() else [])
+PATHS = ["scalar"] + (["avx512_bf16"] if quant_kernel_applies(torch.device("cpu"), torch.bfloat16) else [])
 
 
 def _linear(n: int, k: int, bias: bool, seed: int) -> nn.Linear:
