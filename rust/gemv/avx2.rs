@@ -24,27 +24,7 @@ const PREFETCH: usize = 4096;
 /// The CPU must have AVX2 and FMA.
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn dots(x: &[bf16], rows: usize, k: usize, w: &[bf16], sums: &mut [f32]) {
-    let n = w.len() / k;
-    assert!(x.len() >= rows * k && sums.len() >= n * rows, "dots: slices shorter than their shapes");
-    for r in 0..n {
-        let mut m = 0;
-        while m < rows {
-            let c = ROWS.min(rows - m);
-            let (xs, ws) = (&x[m * k..(m + c) * k], &w[r * k..(r + 1) * k]);
-            let out = &mut sums[r * rows + m..r * rows + m + c];
-            // SAFETY: `c` rows of `x` and one of `w`, `k` values each (sliced above); the
-            // features are the caller's.
-            unsafe {
-                match c {
-                    1 => row::<1>(xs, ws, k, out),
-                    2 => row::<2>(xs, ws, k, out),
-                    3 => row::<3>(xs, ws, k, out),
-                    _ => row::<4>(xs, ws, k, out),
-                }
-            }
-            m += c;
-        }
-    }
+    passes!(row, ROWS, [1, 2, 3], x, rows, k, w, sums);
 }
 
 /// `out[m] = x[m] · w` for the `M` rows of `x`, `k` values each; values past the last whole

@@ -28,31 +28,7 @@ const PREFETCH: usize = 4096;
 /// The CPU must have AVX512F, AVX512BW and AVX512_BF16.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 pub(super) unsafe fn dots(x: &[bf16], rows: usize, k: usize, w: &[bf16], sums: &mut [f32]) {
-    let n = w.len() / k;
-    assert!(x.len() >= rows * k && sums.len() >= n * rows, "dots: slices shorter than their shapes");
-    for r in 0..n {
-        let mut m = 0;
-        while m < rows {
-            let c = ROWS.min(rows - m);
-            let (xs, ws) = (x[m * k..].as_ptr(), w[r * k..].as_ptr());
-            let out = &mut sums[r * rows + m..r * rows + m + c];
-            // SAFETY: rows `m .. m + c` of `x` and row `r` of `w`, `k` values each, lie inside
-            // the slices (asserted above); the features are the caller's.
-            unsafe {
-                match c {
-                    1 => row::<1>(xs, ws, k, out),
-                    2 => row::<2>(xs, ws, k, out),
-                    3 => row::<3>(xs, ws, k, out),
-                    4 => row::<4>(xs, ws, k, out),
-                    5 => row::<5>(xs, ws, k, out),
-                    6 => row::<6>(xs, ws, k, out),
-                    7 => row::<7>(xs, ws, k, out),
-                    _ => row::<8>(xs, ws, k, out),
-                }
-            }
-            m += c;
-        }
-    }
+    passes!(row, ROWS, [1, 2, 3, 4, 5, 6, 7], x, rows, k, w, sums);
 }
 
 /// `out[m] = x[m] · w` for `M` rows of `x`, `k` values each.
@@ -62,7 +38,8 @@ pub(super) unsafe fn dots(x: &[bf16], rows: usize, k: usize, w: &[bf16], sums: &
 /// and a store (4 rows ran at half of 1 row's speed).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn row<const M: usize>(x: *const bf16, w: *const bf16, k: usize, out: &mut [f32]) {
+unsafe fn row<const M: usize>(x: &[bf16], w: &[bf16], k: usize, out: &mut [f32]) {
+    let (x, w) = (x.as_ptr(), w.as_ptr());
     let mut even = [_mm512_setzero_ps(); M];
     let mut odd = [_mm512_setzero_ps(); M];
     let mut c = 0;

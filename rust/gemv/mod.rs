@@ -8,6 +8,33 @@
 //! Work is split by weight rows over the calling thread's OpenMP team (`crate::team`), the threads
 //! torch's GEMMs just used; without a team the calling thread does it all.
 
+/// The passes of a SIMD path's `dots` (`sums[r * rows + m] = x[m] · w[r]` for the `w.len() / k`
+/// rows of `w`): for each weight row, the `x` rows at most `$max` at a time, each pass
+/// `$row::<count>(x_rows, w_row, k, sums)`, `count` a constant of `$counts` or `$max`. A macro,
+/// so that the row kernels inline under the calling function's target features.
+macro_rules! passes {
+    ($row:ident, $max:ident, [$($n:literal),*], $x:expr, $rows:expr, $k:expr, $w:expr, $sums:expr) => {{
+        let (x, rows, k, w, sums): (&[bf16], usize, usize, &[bf16], &mut [f32]) = ($x, $rows, $k, $w, $sums);
+        let n = w.len() / k;
+        for r in 0..n {
+            let mut m = 0;
+            while m < rows {
+                let c = rows.min(m + $max) - m;
+                let (xs, ws, out) = (&x[m * k..(m + c) * k], &w[r * k..(r + 1) * k], &mut sums[r * rows + m..][..c]);
+                // SAFETY: `c` rows of `x` and one of `w`, `k` values each (sliced above); the
+                // target features are the caller's.
+                unsafe {
+                    match c {
+                        $($n => $row::<$n>(xs, ws, k, out),)*
+                        _ => $row::<$max>(xs, ws, k, out),
+                    }
+                }
+                m += c;
+            }
+        }
+    }};
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]

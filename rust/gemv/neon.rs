@@ -20,8 +20,7 @@ const ROWS: usize = 8;
 /// The sums `sums[r * rows + m] = x[m] · w[r]` for the `w.len() / k` rows of `w`, in f32
 /// multiply-adds on the widened values.
 pub(super) fn dots_widen(x: &[bf16], rows: usize, k: usize, w: &[bf16], sums: &mut [f32]) {
-    // SAFETY: NEON is part of every aarch64 target.
-    unsafe { dots::<Widen>(x, rows, k, w, sums) }
+    passes!(row_widen, ROWS, [1, 2, 3, 4, 5, 6, 7], x, rows, k, w, sums);
 }
 
 /// As `dots_widen`, by `bfdot`.
@@ -29,8 +28,7 @@ pub(super) fn dots_widen(x: &[bf16], rows: usize, k: usize, w: &[bf16], sums: &m
 /// # Safety
 /// The CPU must have BF16 (`is_aarch64_feature_detected!("bf16")`).
 pub(super) unsafe fn dots_bfdot(x: &[bf16], rows: usize, k: usize, w: &[bf16], sums: &mut [f32]) {
-    // SAFETY: the caller's.
-    unsafe { dots::<Bfdot>(x, rows, k, w, sums) }
+    passes!(row_bfdot, ROWS, [1, 2, 3, 4, 5, 6, 7], x, rows, k, w, sums);
 }
 
 /// One step of a row's products: `VALUES` values of a weight row (loaded once as `W` for every
@@ -121,35 +119,21 @@ unsafe fn bfdot(mut acc: float32x4_t, a: uint16x8_t, b: uint16x8_t) -> float32x4
     acc
 }
 
-/// # Safety
-/// The CPU runs `S`'s instructions.
+/// `row` by widening (NEON, part of every aarch64 target).
 #[inline(always)]
-unsafe fn dots<S: Step>(x: &[bf16], rows: usize, k: usize, w: &[bf16], sums: &mut [f32]) {
-    let n = w.len() / k;
-    assert!(x.len() >= rows * k && sums.len() >= n * rows, "dots: slices shorter than their shapes");
-    for r in 0..n {
-        let mut m = 0;
-        while m < rows {
-            let c = ROWS.min(rows - m);
-            let (xs, ws) = (&x[m * k..(m + c) * k], &w[r * k..(r + 1) * k]);
-            let out = &mut sums[r * rows + m..r * rows + m + c];
-            // SAFETY: `c` rows of `x` and one of `w`, `k` values each (sliced above); the
-            // instructions are the caller's.
-            unsafe {
-                match c {
-                    1 => row::<S, 1>(xs, ws, k, out),
-                    2 => row::<S, 2>(xs, ws, k, out),
-                    3 => row::<S, 3>(xs, ws, k, out),
-                    4 => row::<S, 4>(xs, ws, k, out),
-                    5 => row::<S, 5>(xs, ws, k, out),
-                    6 => row::<S, 6>(xs, ws, k, out),
-                    7 => row::<S, 7>(xs, ws, k, out),
-                    _ => row::<S, 8>(xs, ws, k, out),
-                }
-            }
-            m += c;
-        }
-    }
+unsafe fn row_widen<const M: usize>(x: &[bf16], w: &[bf16], k: usize, out: &mut [f32]) {
+    // SAFETY: the caller's.
+    unsafe { row::<Widen, M>(x, w, k, out) }
+}
+
+/// `row` by `bfdot`.
+///
+/// # Safety
+/// The CPU has BF16.
+#[inline(always)]
+unsafe fn row_bfdot<const M: usize>(x: &[bf16], w: &[bf16], k: usize, out: &mut [f32]) {
+    // SAFETY: the caller's.
+    unsafe { row::<Bfdot, M>(x, w, k, out) }
 }
 
 /// `out[m] = x[m] · w` for the `M` rows of `x`, `k` values each.
