@@ -17,9 +17,10 @@ model 207, AVX512-BF16 without AMX) a 64-row step's linears ran 1.48x faster so
 (``benches/cpu_gemm.py``). bf16 widens to f32 exactly and oneDNN's bf16 GEMM sums in f32 too, so
 only the order of the sums changes. Calls of a few rows stay on the Rust kernel and the bf16
 weight, where reading half the bytes is what counts. Where oneDNN has no bf16 GEMM of its own
-(x86 with AVX2 but not AVX512-BF16, Arm without BF16), torch's bf16 linear widens as it goes and
-ran SmolLM2's linears 4-8x slower than oneDNN's f32 GEMM (``benches/cpu_gemm.py`` with oneDNN and
-torch held to AVX2), so there the batches compute in f32 whenever the copies fit.
+(x86 with AVX2 but not AVX512-BF16, Arm without BF16), torch's bf16 linear widens as it goes:
+SmolLM2's linears at 16 and 64 rows ran 3.3-6.0x slower so than oneDNN's packed f32 GEMM, with
+oneDNN, torch and MKL held to AVX2 on the Xeon above. There the batches compute in f32 whenever
+the copies fit.
 
 A tied LM head is packed too, a copy of the embedding (57 MB for SmolLM2): unpacked, oneDNN
 reorders its 28M weights on every call, 6.9 ms of a 16-stream step's 36. Its Rust kernel reads the
