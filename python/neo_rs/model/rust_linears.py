@@ -8,6 +8,7 @@ against the scalar one under qemu-user but not yet timed on an Arm CPU, so there
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -38,5 +39,11 @@ def quant_kernel_applies(device: torch.device, dtype: torch.dtype) -> bool:
     """Quantized linears of a ``dtype`` model on ``device`` run our kernel (``_core.QuantGemm``)."""
     if device.type != "cpu" or dtype != torch.bfloat16 or os.environ.get("NEO_RS_ROW_GEMV") == "0":
         return False
+    return _quant_path() in _TIMED
+
+
+@functools.cache
+def _quant_path() -> str:
+    """The int8/int4 kernel's path on this CPU, probed once (every quantized linear asks)."""
     probe = QuantGemm.int8(torch.zeros(1, 1, 16, 2, dtype=torch.int8), torch.ones(1), n=1, k=1, num_threads=1)
-    return probe.path in _TIMED
+    return str(probe.path)
