@@ -37,15 +37,28 @@ def test_compiled_greedy_matches_transformers(checkpoints, kind: str) -> None:
 
 @pytest.mark.parametrize("offload", list(MODES))
 def test_compiled_with_preemption_and_offload_keeps_tokens(checkpoints, offload: str) -> None:
-    # Every iteration of one batch runs compiled: its swaps, host prefills and CPU decodes (NEO's
-    # hand-off) in the attention op. Only NEO's pipelined sub-batches (every CPU decode under the
-    # forced pipeline) run eager.
+    # Every iteration runs compiled: its swaps, host prefills and CPU decodes (NEO's hand-off) in
+    # the attention op; NEO's pipelined sub-batches (every CPU decode under the forced pipeline)
+    # one after the other, as the kernel runs on the model's OpenMP team.
     tokens, engine, seen = run(checkpoints["qwen2"], offload=offload, enforce_eager=False, **MODES[offload])
     assert tokens == [hf_greedy(checkpoints["qwen2"], "qwen2", p) for p in PROMPTS]
-    assert engine.runner.compiled.runs == seen["gpu-only"] + seen["sequential"] > 0, seen
+    runs = seen["gpu-only"] + seen["sequential"] + 2 * seen["pipelined"]
+    assert engine.runner.compiled.runs == runs > 0, seen
     assert (seen["sequential"] > 0) == (offload == "all"), seen
+    assert (seen["pipelined"] > 0) == (offload == "neo"), seen
     assert (seen["cpu_decodes"] > 0) == (offload != "none"), seen
     assert engine.runner.compiled.graphs == MAX_GRAPHS
+    assert_all_blocks_free(engine)
+
+
+def test_pipelined_sub_batches_stay_eager_beside_the_kernel_s_own_threads(checkpoints, monkeypatch) -> None:
+    # Where the CPU attention runs on the kernel's own pool, NEO's pipeline overlaps it with the
+    # other sub-batch's layers: the layers interleave, op by op.
+    monkeypatch.setenv("NEO_RS_OPENMP_TEAM", "0")
+    tokens, engine, seen = run(checkpoints["qwen2"], offload="neo", enforce_eager=False, **MODES["neo"])
+    assert tokens == [hf_greedy(checkpoints["qwen2"], "qwen2", p) for p in PROMPTS]
+    assert seen["pipelined"] > 0, seen
+    assert engine.runner.compiled.runs == seen["gpu-only"] + seen["sequential"], seen
     assert_all_blocks_free(engine)
 
 

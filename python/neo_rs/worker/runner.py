@@ -374,10 +374,15 @@ class ModelRunner:
         sample_rows = up(torch.from_numpy(np.ascontiguousarray(plan.sample_rows)))
         batches = AttentionBatch.from_plan(plan, self.transfer, self.layout.block_size)
         x = self.model.embed(ids)
-        if self.compiled is not None and len(batches) == 1:
-            x = self.compiled.run(x, positions, batches[0], copies, clock)
-        elif len(batches) == 1:
-            x = self._sequential(x, positions, batches[0], copies, clock)
+        if len(batches) == 1:
+            run = self._sequential if self.compiled is None else self.compiled.run
+            x = run(x, positions, batches[0], copies, clock)
+        elif self.compiled is not None and self.attention.cpu_attention.openmp_team:
+            # The kernel runs on the model's own OpenMP team, done when submitted: NEO's pipeline
+            # overlaps nothing here, so its sub-batches run compiled one after the other, the
+            # plan's copies with the first (as the pipeline gives them to it).
+            sub = zip(batches, (copies, None), strict=True)
+            x = torch.cat([self.compiled.run(x[b.tokens], positions[b.tokens], b, c, clock) for b, c in sub])
         else:
             x = self._pipelined(x, positions, batches[0], batches[1], copies, clock)
         num_cpu = sum(len(b.cpu_decodes) for b in batches)
