@@ -1,19 +1,19 @@
 """Weight-only int8, int4 and FP8 (``--quantization int8|int4|fp8``) against bf16 on the CPU device,
-side by side in one process: each decoder linear of SmolLM2-135M and of Llama-3.2-1B alone (bf16
-as the engine runs it: prepacked for oneDNN, the Rust kernel for a few rows; against
-``Int8Linear``, ``Int4Linear`` and ``Fp8Linear``, the first two our Rust kernel where the CPU has
-AVX512_BF16, and ``GroupedInt8Linear`` in groups of 32 and 16, a GGUF's Q8_0 and Q6_K as the
-kernel keeps them) at 1 and 64 rows, with the weight bytes each reads per call and the bandwidth
-that makes; then decode end to end through ``LLM`` on SmolLM2 (real weights) and on a
-Llama-3.2-1B-shaped model (random weights, written once to a temporary directory): one stream
-(ms per token after the prompt) and 64 streams (tokens/s); SmolLM2 also with its GGUF's own Q4_1
-blocks kept (``gguf``, its default, int4 in groups of 32), bf16 being that file dequantized.
-Each method runs beside a bf16 engine loaded with it, in pairs whose order alternates, and its
-ratios are the median of the pairs' (this VM's read bandwidth drifts between minutes). A linear
-alone may stay in the last-level cache between calls (SmolLM2's all do, and the 1B shape's
-smaller ones: rates above the memory's). Last, the roofline of one stream: the weight bytes a
-token reads (the LM head stays bf16) over the measured read bandwidth, against the measured
-time.
+side by side in one process: each decoder linear of SmolLM2-135M and of Llama-3.2-1B alone (bf16 as
+the engine runs it: prepacked for oneDNN, the Rust kernel for a few rows; against ``Int8Linear``,
+``Int4Linear`` and ``Fp8Linear``, the first two our Rust kernel where the CPU has AVX512_BF16 or
+AVX2, and with AVX512_BF16 ``GroupedInt8Linear`` in groups of 32 and 16, a GGUF's Q8_0 and Q6_K as
+the kernel keeps them; ``benches/quant_kernels.py`` times the kernels alone) at 1 and 64 rows, with
+the weight bytes each reads per call and the bandwidth that makes; then decode end to end through
+``LLM`` on SmolLM2 (real weights) and on a Llama-3.2-1B-shaped model (random weights, written once
+to a temporary directory): one stream (ms per token after the prompt) and 64 streams (tokens/s);
+SmolLM2 also with its GGUF's own Q4_1 blocks kept (``gguf``, its default, int4 in groups of 32),
+bf16 being that file dequantized. Each method runs beside a bf16 engine loaded with it, in pairs
+whose order alternates, and its ratios are the median of the pairs' (this VM's read bandwidth drifts
+between minutes). A linear alone may stay in the last-level cache between calls (SmolLM2's all do,
+and the 1B shape's smaller ones: rates above the memory's). Last, the roofline of one stream: the
+weight bytes a token reads (the LM head stays bf16) over the measured read bandwidth, against the
+measured time.
 
     python benches/quant_linear.py [--threads 2] [--skip-1b] [--tokens 64] [--pairs 3]
         [--methods int8 int4 ...]
@@ -32,7 +32,14 @@ from common import cpu_line, random_llama
 from neo_rs import LLM, SamplingParams
 from neo_rs.model.fp8 import Fp8Linear
 from neo_rs.model.packed import PackedLinear
-from neo_rs.model.quant import GroupedInt8Linear, Int4Linear, Int8Blocks, Int8Linear, int4_group_size
+from neo_rs.model.quant import (
+    GroupedInt8Linear,
+    Int4Linear,
+    Int8Blocks,
+    Int8Linear,
+    grouped_int8_runs,
+    int4_group_size,
+)
 from neo_rs.model.rust_linears import gemv_applies
 from torch import nn
 
@@ -95,7 +102,7 @@ def linear_table(rows_list: list[int]) -> None:
             dense = nn.Linear(k, n, bias=False).to(torch.bfloat16)
             nn.init.normal_(dense.weight, std=0.02)
             quantized = Int8Linear(dense), Int4Linear(dense), Fp8Linear(dense)
-            if gemv is not None:  # only our kernel runs grouped int8
+            if grouped_int8_runs(torch.device("cpu"), torch.bfloat16):  # only our kernel runs grouped int8
                 quantized += (grouped_int8(dense, 32), grouped_int8(dense, 16))
             for rows in rows_list:
                 x = torch.randn(rows, k).to(torch.bfloat16)

@@ -20,7 +20,7 @@ const SETS: usize = 4;
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 pub(super) unsafe fn blocks(x: Rows<'_>, rows: usize, k: usize, ws: &[Block<'_>], scratch: &mut Scratch, out: Out) {
     let pairs = k.div_ceil(2);
-    let Rows { x, stride, group_sums } = x;
+    let Rows { x, stride, group_sums, .. } = x;
     assert!(stride >= k && x.len() >= (rows - 1) * stride + k, "block: rows shorter than their shapes");
     assert!((1..=SPAN).contains(&ws.len()) && (ws.len() == 1 || rows > FUSED_ROWS), "block: a span of blocks");
     let format = ws[0].format;

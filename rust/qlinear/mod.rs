@@ -34,6 +34,8 @@
 //! blocks over the calling thread's OpenMP team (`crate::team`), as `crate::gemv` does.
 
 #[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
 mod avx512;
 mod scalar;
 
@@ -162,17 +164,21 @@ impl Gemv {
         ensure!(out.len() == rows * n, Shape, "out holds {} values, not {rows} x {n}", out.len());
         let out = Out { addr: out.as_mut_ptr() as usize, n };
         let path = self.path();
-        let simd = path != Path::Scalar;
-        let spread = if simd { Rows::spread(x, rows, k) } else { None };
-        let group_sums = match (weight.format.group(), path) {
+        // What each path reads of `x` besides its rows: AVX-512 spreads them over the L1's sets;
+        // AVX2 widens them to f32. Both take the grouped formats' sums of each group.
+        let spread = if path == Path::Avx512Bf16 { Rows::spread(x, rows, k) } else { None };
+        let (group_sums, wide): (Vec<f32>, Vec<f32>) = match (path, weight.format.group()) {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the path was checked when it was chosen (`Gemv::new`).
-            (Some(group), Path::Avx512Bf16) => unsafe { avx512::group_sums(x, k, group) },
-            _ => Vec::new(),
+            (Path::Avx512Bf16, Some(group)) => (unsafe { avx512::group_sums(x, k, group) }, Vec::new()),
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            (Path::Avx2, group) => unsafe { avx2::prepare(x, rows, k, group) },
+            _ => (Vec::new(), Vec::new()),
         };
         let x = match &spread {
-            Some(s) => Rows { x: s, stride: s.len() / rows, group_sums: &group_sums },
-            None => Rows { x, stride: k, group_sums: &group_sums },
+            Some(s) => Rows { x: s, stride: s.len() / rows, group_sums: &group_sums, wide: &wide },
+            None => Rows { x, stride: k, group_sums: &group_sums, wide: &wide },
         };
         let (block_len, group_len) = (weight.pairs() * weight.format.pair_bytes(), weight.group_len());
         let block = |b: usize| Block {
@@ -208,8 +214,9 @@ struct Block<'a> {
     cols: usize,
 }
 
-/// The rows of `x`, `stride` values apart, and for the grouped formats each row's sum over each
-/// group of inputs (`[rows][k / group]`; empty otherwise).
+/// The rows of `x`, `stride` values apart, for the grouped formats each row's sum over each
+/// group of inputs (`[rows][k / group]`; empty otherwise), and for AVX2 the rows in f32
+/// (`avx2::prepare`; empty otherwise).
 #[derive(Clone, Copy)]
 struct Rows<'a> {
     x: &'a [bf16],
@@ -217,6 +224,8 @@ struct Rows<'a> {
     stride: usize,
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     group_sums: &'a [f32],
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    wide: &'a [f32],
 }
 
 impl Rows<'_> {
@@ -241,11 +250,14 @@ impl Rows<'_> {
     }
 }
 
-/// A thread's room for its blocks widened to bf16 and (the grouped formats) their rows' sums.
+/// A thread's room for its blocks widened (AVX-512: to bf16; AVX2: to f32) and (AVX-512's
+/// grouped formats) their rows' sums.
 #[derive(Default)]
 struct Scratch {
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     wide: Vec<bf16>,
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    wide32: Vec<f32>,
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     sums: Vec<f32>,
 }
@@ -275,7 +287,7 @@ impl Out {
 impl Path {
     /// Whether the int8 and int4 linears have a kernel of this path (NEON's are bf16's alone).
     pub fn quantized(self) -> bool {
-        matches!(self, Path::Scalar | Path::Avx512Bf16)
+        matches!(self, Path::Scalar | Path::Avx2 | Path::Avx512Bf16)
     }
 
     fn has_quantized(self) -> Result<()> {
@@ -283,13 +295,16 @@ impl Path {
         Ok(())
     }
 
-    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))] // `scratch`: AVX-512's
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))] // `scratch`: AVX-512's and AVX2's
     fn blocks(self, x: Rows<'_>, rows: usize, k: usize, ws: &[Block<'_>], scratch: &mut Scratch, out: Out) {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Path::is_supported` was checked when the path was chosen (`Gemv::new`);
             // `run` checked the shapes, and each block's columns are written by this call alone.
             Path::Avx512Bf16 => unsafe { avx512::blocks(x, rows, k, ws, scratch, out) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            Path::Avx2 => unsafe { avx2::blocks(x, rows, k, ws, scratch, out) },
             // SAFETY: as above.
             _ => ws.iter().for_each(|w| unsafe { scalar::block(x.x, rows, k, w, out) }),
         }

@@ -166,7 +166,7 @@ impl Case {
 
 #[test]
 fn every_path_matches_the_f64_outputs() {
-    for path in Path::ALL.into_iter().filter(|p| p.quantized() && p.is_supported()) {
+    for path in paths() {
         // Rows on both sides of the fused kernel's limit and of a tile; widths with a partial
         // block; odd and even inputs, below and above the fused kernel's unrolling.
         for (rows, n, k) in [
@@ -207,7 +207,7 @@ fn every_path_matches_the_f64_outputs() {
 fn an_odd_input_width_never_reads_past_a_row() {
     // Row 1 starts with an infinity right after row 0's last value: row 0 must not meet it
     // (through the pad weight, 0, it would make a NaN). Fused and tiled rows.
-    for path in Path::ALL.into_iter().filter(|p| p.quantized() && p.is_supported()) {
+    for path in paths() {
         for rows in [2, 8] {
             let mut case = Case::new(rows, 16, 5, 7);
             case.x[5] = bf16::INFINITY;
@@ -265,31 +265,37 @@ fn run_refuses_shapes_that_do_not_fit() {
     assert!(gemm.run_quantized(&case.x, int4, &mut out).is_err(), "int8 bytes read as int4's");
 }
 
-/// The path `QuantGemm` runs by default.
-fn best() -> Path {
-    Gemv::quantized(None, 1).unwrap().path()
+/// Every path of the quantized kernels this CPU runs (AVX2's beside AVX-512's).
+fn paths() -> impl Iterator<Item = Path> {
+    Path::ALL.into_iter().filter(|p| p.quantized() && p.is_supported())
 }
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
     #[test]
-    fn the_best_path_matches_the_f64_outputs(rows in 1usize..40, n in 1usize..50, k in 1usize..300, seed in 0u64..1000) {
-        Case::new(rows, n, k, seed).check(best(), 1);
+    fn every_path_matches_random_f64_outputs(rows in 1usize..40, n in 1usize..50, k in 1usize..300, seed in 0u64..1000) {
+        for path in paths() {
+            Case::new(rows, n, k, seed).check(path, 1);
+        }
     }
 
     #[test]
-    fn the_best_path_matches_the_f64_int4_outputs(
+    fn every_path_matches_random_f64_int4_outputs(
         rows in 1usize..40, n in 1usize..50, groups in 1usize..6, half_group in 1usize..40, seed in 0u64..1000,
     ) {
         let group = 2 * half_group;
-        Case::with(Format::Int4 { group }, rows, n, group * groups, seed).check(best(), 1);
+        for path in paths() {
+            Case::with(Format::Int4 { group }, rows, n, group * groups, seed).check(path, 1);
+        }
     }
 
     #[test]
-    fn the_best_path_matches_the_f64_grouped_int8_outputs(
+    fn every_path_matches_random_f64_grouped_int8_outputs(
         rows in 1usize..40, n in 1usize..50, groups in 1usize..6, half_group in 1usize..40, seed in 0u64..1000,
     ) {
         let group = 2 * half_group;
-        Case::with(Format::GroupedInt8 { group }, rows, n, group * groups, seed).check(best(), 1);
+        for path in paths() {
+            Case::with(Format::GroupedInt8 { group }, rows, n, group * groups, seed).check(path, 1);
+        }
     }
 }

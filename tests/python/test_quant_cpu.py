@@ -1,6 +1,6 @@
 """Our Rust kernel for int8, int4 and grouped int8 weights (``_core.QuantGemm``, run by
 ``quant.Int8Linear``, ``quant.Int4Linear`` and ``quant.GroupedInt8Linear`` in bf16 on a CPU with
-AVX512_BF16): the float32 sums of ``x`` by the weight (the scales and zeros applied to float32
+AVX512_BF16 or AVX2): the float32 sums of ``x`` by the weight (the scales and zeros applied to float32
 sums), rounded once, for any number of rows (the
 fused path up to 4, the tiled path past it, tiles split evenly); the same bits on any number of
 threads; typed errors; and the engine's quantized linears running it, eager and compiled."""
@@ -12,14 +12,34 @@ import torch
 import torch.nn.functional as F
 from neo_rs import LLM, InvalidArgumentError, SamplingParams
 from neo_rs._core import QuantGemm
-from neo_rs.errors import DTypeError, ShapeError
+from neo_rs.errors import BackendError, DTypeError, ShapeError
+from neo_rs.model import rust_linears
 from neo_rs.model.graph_ops import bound_linears, number_linears
 from neo_rs.model.packed import packing_applies
-from neo_rs.model.quant import Int4Linear, Int8Linear, pack_int4, pack_int8, quantize_int4
+from neo_rs.model.quant import (
+    Int4Linear,
+    Int8Linear,
+    grouped_int8_runs,
+    pack_int4,
+    pack_int8,
+    quantize_int4,
+)
 from neo_rs.model.rust_linears import gemv_applies, quant_kernel_applies
 from torch import nn
 
-PATHS = ["scalar"] + (["avx512_bf16"] if quant_kernel_applies(torch.device("cpu"), torch.bfloat16) else [])
+
+def _runs(path: str) -> bool:
+    try:
+        QuantGemm.int8(
+            torch.zeros(1, 1, 16, 2, dtype=torch.int8), torch.ones(1), n=1, k=1, num_threads=1, path=path
+        )
+    except BackendError:  # not on this CPU, or no quantized kernel of it
+        return False
+    return True
+
+
+# Every path of the kernel this CPU runs: AVX2's beside AVX-512's.
+PATHS = [p for p in ("scalar", "avx2", "avx512_bf16", "neon", "neon_bf16") if _runs(p)]
 
 
 def _linear(n: int, k: int, bias: bool, seed: int) -> nn.Linear:
@@ -148,6 +168,24 @@ def test_refuses_what_it_cannot_take() -> None:
     with pytest.raises(ShapeError):
         gemm.forward(x, torch.empty(3, 8, dtype=torch.bfloat16))
     gemm.forward(x, out)  # and it still works
+
+
+@pytest.mark.parametrize(
+    ("path", "int8_int4", "grouped_int8"),
+    [("avx512_bf16", True, True), ("avx2", True, False), ("scalar", False, False)],
+)
+def test_which_formats_run_it_by_the_kernel_s_path(
+    monkeypatch: pytest.MonkeyPatch, path: str, int8_int4: bool, grouped_int8: bool
+) -> None:
+    """With AVX2 alone, int8 and int4 run our kernel (faster than torch's there) but grouped int8
+    is dequantized at load (oneDNN's f32 GEMM on it was faster at batch sizes); the scalar
+    reference never runs the engine's; float32 models keep torch's kernels."""
+    monkeypatch.setattr(rust_linears, "_quant_path", lambda: path)
+    monkeypatch.delenv("NEO_RS_ROW_GEMV", raising=False)
+    cpu = torch.device("cpu")
+    assert quant_kernel_applies(cpu, torch.bfloat16) == int8_int4
+    assert grouped_int8_runs(cpu, torch.bfloat16) == grouped_int8
+    assert not quant_kernel_applies(cpu, torch.float32) and not grouped_int8_runs(cpu, torch.float32)
 
 
 needs_kernel = pytest.mark.skipif(

@@ -9,13 +9,14 @@ bytes, which is what bounds decode at small batches:
   by torch's tinygemm kernels (``_weight_int4pack_mm_for_cpu``; on CUDA ``_weight_int4pack_mm``
   from sm_80 in bfloat16, else our Triton kernel, ``cuda/grouped_gemm.py``).
 
-Except in bf16 on a CPU with AVX512_BF16 (``rust_linears.quant_kernel_applies``): there both are
-packed at load for our Rust kernel (``_core.QuantGemm``, ``rust/qlinear/``), which widens each
-block of the weight once a call for all rows, where torch's kernels widen it again for every row.
-The compiled graph reaches it through ``neo_rs::packed_linear`` (``graph_ops.GraphLinear``). That
-kernel, and on CUDA our Triton GEMM, also run ``GroupedInt8Linear``: int8 values with a scale and
-a zero per group, a GGUF's other block types and 8-bit GPTQ (``Int8Blocks``), which elsewhere (a
-CPU without AVX512_BF16, or a float32 model on the CPU) are dequantized at load.
+Except in bf16 on a CPU with AVX512_BF16 or AVX2 (``rust_linears.quant_kernel_applies``): there
+both are packed at load for our Rust kernel (``_core.QuantGemm``, ``rust/qlinear/``), which widens
+each block of the weight once a call for all rows, where torch's kernels widen it again for every
+row. The compiled graph reaches it through ``neo_rs::packed_linear`` (``graph_ops.GraphLinear``).
+That kernel with AVX512_BF16, and on CUDA our Triton GEMM, also run ``GroupedInt8Linear``: int8
+values with a scale and a zero per group, a GGUF's other block types and 8-bit GPTQ
+(``Int8Blocks``), which elsewhere (AVX2 alone: ``grouped_int8_kernel_applies``; a float32 model on
+the CPU) are dequantized at load.
 
 The embeddings and the LM head stay unquantized, as vLLM keeps them, and so do an MoE layer's
 experts (not yet quantized; the log says so)."""
@@ -35,7 +36,7 @@ from neo_rs.errors import ModelLoadError
 from neo_rs.model.fp8 import Fp8Linear
 from neo_rs.model.graph_ops import GraphLinear
 from neo_rs.model.moe import SparseMoe
-from neo_rs.model.rust_linears import quant_kernel_applies
+from neo_rs.model.rust_linears import grouped_int8_kernel_applies, quant_kernel_applies
 
 log = logging.getLogger(__name__)
 
@@ -396,8 +397,9 @@ def _dequantized(
 
 def grouped_int8_runs(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a kernel multiplies grouped int8 (``GroupedInt8Linear``) on ``device`` in ``dtype``:
-    our Triton GEMM on CUDA, our Rust one where it runs (``quant_kernel_applies``); torch has none."""
-    return device.type == "cuda" or quant_kernel_applies(device, dtype)
+    our Triton GEMM on CUDA, our Rust one where it runs them (``grouped_int8_kernel_applies``); torch
+    has none."""
+    return device.type == "cuda" or grouped_int8_kernel_applies(device, dtype)
 
 
 def keeps(blocks: Int4Blocks, home: torch.Tensor) -> bool:

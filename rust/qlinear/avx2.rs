@@ -1,0 +1,275 @@
+//! AVX2 with FMA, for x86 CPUs without AVX512_BF16. Each pair of a block is widened to f32 as
+//! four vectors of 8 lanes: the 16 columns' weights at the pair's even input (columns 0-7, then
+//! 8-15), then at its odd one. Rows of `x` are widened to f32 once a call (`prepare`) and each
+//! value broadcast against them, so no lane ever needs a horizontal sum. Int4 multiplies its
+//! values `q` (0..15) and offsets each group by `(zero - 8 · scale) · Σx`; grouped int8 by
+//! `zero · Σx`; the rows' group sums are taken in f64 and rounded once.
+//!
+//! A few rows (`FUSED_ROWS`) widen each pair in registers and use it at once; more widen the block
+//! once into the thread's scratch (128 bytes a pair), then pass over it `TILE` rows at a time.
+
+use std::arch::x86_64::*;
+
+use half::bf16;
+
+use super::{Block, Format, Out, Rows, Scratch, COLS, FUSED_ROWS};
+
+/// f32 values of a widened pair: even inputs' columns 0-7 and 8-15, then odd inputs'.
+const PAIR: usize = 4 * 8;
+/// Rows per pass over a widened block: 8 accumulators, the pair's 4 vectors and a row's 2
+/// broadcasts in the 16 vector registers.
+const TILE: usize = 4;
+
+/// For the grouped formats each row's sum over each group of `group` inputs (`[rows][k / group]`),
+/// and the rows of `x` in f32, `2 * k.div_ceil(2)` values each (an odd `k`'s pad weight meets a
+/// zero, never what follows the row).
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn prepare(x: &[bf16], rows: usize, k: usize, group: Option<usize>) -> (Vec<f32>, Vec<f32>) {
+    let width = 2 * k.div_ceil(2);
+    let mut wide = vec![0.0f32; rows * width];
+    for (to, from) in wide.chunks_exact_mut(width).zip(x.chunks_exact(k)) {
+        let (to8, from8) = (to[..k].chunks_exact_mut(8), from.chunks_exact(8));
+        for (t, f) in to8.zip(from8) {
+            // SAFETY: 8 values of each; a bf16 is the top half of its f32.
+            unsafe {
+                let v = _mm256_cvtepu16_epi32(_mm_loadu_si128(f.as_ptr().cast()));
+                _mm256_storeu_ps(t.as_mut_ptr(), _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v)));
+            }
+        }
+        let tail = k - k % 8;
+        for (t, f) in to[tail..k].iter_mut().zip(&from[tail..]) {
+            *t = f.to_f32();
+        }
+    }
+    let sums = group.map_or_else(Vec::new, |group| {
+        wide.chunks_exact(width).flat_map(|row| row[..k].chunks_exact(group)).map(|g| f64_sum(g) as f32).collect()
+    });
+    (sums, wide)
+}
+
+/// `Σ v` in f64, in which sums of bf16 values lose nothing at any realistic width or range.
+#[target_feature(enable = "avx2,fma")]
+fn f64_sum(v: &[f32]) -> f64 {
+    let (mut lo, mut hi) = (_mm256_setzero_pd(), _mm256_setzero_pd());
+    let chunks = v.chunks_exact(8);
+    let tail: f64 = chunks.remainder().iter().map(|&x| f64::from(x)).sum();
+    for c in chunks {
+        // SAFETY: 8 values.
+        unsafe {
+            lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm_loadu_ps(c.as_ptr())));
+            hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm_loadu_ps(c.as_ptr().add(4))));
+        }
+    }
+    let mut lanes = [0.0f64; 4];
+    // SAFETY: 4 values.
+    unsafe { _mm256_storeu_pd(lanes.as_mut_ptr(), _mm256_add_pd(lo, hi)) };
+    lanes.iter().sum::<f64>() + tail
+}
+
+/// # Safety
+/// The CPU must have AVX2 and FMA; `x` is `prepare`'s for `rows` rows of `k`, `ws` are blocks of
+/// one weight `k` wide, and this call alone writes their columns of `out`.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn blocks(x: Rows<'_>, rows: usize, k: usize, ws: &[Block<'_>], scratch: &mut Scratch, out: Out) {
+    let pairs = k.div_ceil(2);
+    let width = 2 * pairs;
+    let format = ws[0].format;
+    assert!(x.wide.len() >= rows * width, "block: rows shorter than their shapes");
+    if let Some(group) = format.group() {
+        assert!(x.group_sums.len() >= rows * (k / group), "block: no group sums of the rows");
+    }
+    for w in ws {
+        assert!(
+            w.format == format && w.q.len() >= pairs * format.pair_bytes(),
+            "block: a block shorter than its shape"
+        );
+        assert!(
+            format.group().is_none_or(|group| w.groups.len() >= k / group * 2 * COLS),
+            "block: groups shorter than their shape"
+        );
+    }
+    let rows_of = |m: usize| Tile {
+        x: x.wide.as_ptr().wrapping_add(m * width),
+        width,
+        group_sums: x.group_sums.as_ptr().wrapping_add(format.group().map_or(0, |group| m * (k / group))),
+        m0: m,
+    };
+    let int4 = matches!(format, Format::Int4 { .. });
+    for w in ws {
+        if rows <= FUSED_ROWS {
+            // SAFETY: the block's pairs (asserted); the rows, features and columns as below.
+            let pair = |p: usize| unsafe {
+                if int4 {
+                    widen4(w.q.as_ptr().add(p * COLS))
+                } else {
+                    widen8(w.q.as_ptr().add(p * 2 * COLS))
+                }
+            };
+            // SAFETY: every row of `x` and its group sums (asserted); the features and the
+            // columns are the caller's.
+            unsafe { tile(rows, &rows_of(0), k, w, out, &pair) };
+            continue;
+        }
+        scratch.wide32.resize(pairs * PAIR, 0.0);
+        for (p, to) in scratch.wide32.chunks_exact_mut(PAIR).enumerate() {
+            // SAFETY: pair `p` of the block (asserted) into its 32 values of the scratch.
+            unsafe {
+                let v = if int4 { widen4(w.q.as_ptr().add(p * COLS)) } else { widen8(w.q.as_ptr().add(p * 2 * COLS)) };
+                for (i, v) in v.into_iter().enumerate() {
+                    _mm256_storeu_ps(to.as_mut_ptr().add(8 * i), v);
+                }
+            }
+        }
+        let wide = scratch.wide32.as_ptr();
+        // SAFETY: the `pairs` pairs just widened.
+        let pair = |p: usize| unsafe { std::array::from_fn(|i| _mm256_loadu_ps(wide.add(p * PAIR + 8 * i))) };
+        // Tiles of even sizes (6 rows as 3 + 3), as `avx512.rs`'s.
+        let tile_rows = rows.div_ceil(rows.div_ceil(TILE));
+        let mut m = 0;
+        while m < rows {
+            let c = tile_rows.min(rows - m);
+            // SAFETY: rows `m .. m + c` and their group sums (asserted); the features and the
+            // columns are the caller's.
+            unsafe { tile(c, &rows_of(m), k, w, out, &pair) };
+            m += c;
+        }
+    }
+}
+
+/// Rows of a pass: the first's widened `x` (rows `width` apart) and group sums, its output row.
+struct Tile {
+    x: *const f32,
+    width: usize,
+    group_sums: *const f32,
+    m0: usize,
+}
+
+/// `rows_against::<c>` for a tile of `c` rows (at most `TILE`).
+///
+/// # Safety
+/// As `rows_against`'s.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile(c: usize, rows: &Tile, k: usize, w: &Block<'_>, out: Out, pair: &impl Fn(usize) -> [__m256; 4]) {
+    // SAFETY: the caller's.
+    unsafe {
+        match c {
+            1 => rows_against::<1>(rows, k, w, out, pair),
+            2 => rows_against::<2>(rows, k, w, out, pair),
+            3 => rows_against::<3>(rows, k, w, out, pair),
+            _ => rows_against::<4>(rows, k, w, out, pair),
+        }
+    }
+}
+
+/// `M` rows against block `w`, pair `p`'s widened weights from `pair(p)`: each group's products
+/// summed, then scaled and offset by its rows' `Σx` into the rows' sums (int8: one group of every
+/// pair, its scales applied by `Out::put`). Up to 2 rows, a row's even and odd inputs feed chains
+/// of their own, else the `vfmadd` chains would wait on their own latency.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA; `rows` holds `M` rows of `prepare`'s and their group sums;
+/// `pair` may be called for each of the block's pairs; this call alone writes `w`'s columns.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn rows_against<const M: usize>(
+    rows: &Tile,
+    k: usize,
+    w: &Block<'_>,
+    out: Out,
+    pair: &impl Fn(usize) -> [__m256; 4],
+) {
+    let odd = if M <= 2 { 2 } else { 0 };
+    let (groups, group_pairs) = w.format.group().map_or((1, k.div_ceil(2)), |group| (k / group, group / 2));
+    let int4 = matches!(w.format, Format::Int4 { .. });
+    let mut acc = [[_mm256_setzero_ps(); 2]; M];
+    // SAFETY: the caller's rows, group sums and pairs.
+    unsafe {
+        for g in 0..groups {
+            let mut dots = [[_mm256_setzero_ps(); 4]; M];
+            for p in g * group_pairs..(g + 1) * group_pairs {
+                let [e0, e1, o0, o1] = pair(p);
+                for (m, d) in dots.iter_mut().enumerate() {
+                    let xe = _mm256_broadcast_ss(&*rows.x.add(m * rows.width + 2 * p));
+                    let xo = _mm256_broadcast_ss(&*rows.x.add(m * rows.width + 2 * p + 1));
+                    d[0] = _mm256_fmadd_ps(e0, xe, d[0]);
+                    d[1] = _mm256_fmadd_ps(e1, xe, d[1]);
+                    d[odd] = _mm256_fmadd_ps(o0, xo, d[odd]);
+                    d[odd + 1] = _mm256_fmadd_ps(o1, xo, d[odd + 1]);
+                }
+            }
+            let sums =
+                dots.map(
+                    |d| if M <= 2 { [_mm256_add_ps(d[0], d[2]), _mm256_add_ps(d[1], d[3])] } else { [d[0], d[1]] },
+                );
+            if w.format.group().is_none() {
+                acc = sums;
+                continue;
+            }
+            let params = |at: usize| [widen_bf16(w.groups.as_ptr().add(at)), widen_bf16(w.groups.as_ptr().add(at + 8))];
+            let (scale, zero) = (params(g * 2 * COLS), params(g * 2 * COLS + COLS));
+            for (m, (a, s)) in acc.iter_mut().zip(sums).enumerate() {
+                let sum_x = _mm256_broadcast_ss(&*rows.group_sums.add(m * groups + g));
+                for h in 0..2 {
+                    let zero = if int4 { _mm256_fnmadd_ps(_mm256_set1_ps(8.0), scale[h], zero[h]) } else { zero[h] };
+                    a[h] = _mm256_fmadd_ps(zero, sum_x, _mm256_fmadd_ps(scale[h], s[h], a[h]));
+                }
+            }
+        }
+        for (m, a) in acc.into_iter().enumerate() {
+            let mut sums = [0.0f32; COLS];
+            _mm256_storeu_ps(sums.as_mut_ptr(), a[0]);
+            _mm256_storeu_ps(sums.as_mut_ptr().add(8), a[1]);
+            out.put(rows.m0 + m, w, &sums);
+        }
+    }
+}
+
+/// An int8 pair (32 bytes, lane `2c + i` column `c`'s input `2p + i`) as f32: `[even 0-7, even
+/// 8-15, odd 0-7, odd 8-15]`. Sign-extended to 16 bits, each 32-bit lane holds a column's even
+/// value in its low half and its odd one in its high half, split by arithmetic shifts.
+///
+/// # Safety
+/// `q` points at the pair's 32 bytes.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn widen8(q: *const u8) -> [__m256; 4] {
+    // SAFETY: the caller's 32 bytes.
+    let (lo, hi) = unsafe { (_mm_loadu_si128(q.cast()), _mm_loadu_si128(q.add(16).cast())) };
+    let (lo, hi) = (_mm256_cvtepi8_epi16(lo), _mm256_cvtepi8_epi16(hi));
+    let even = |v: __m256i| _mm256_cvtepi32_ps(_mm256_srai_epi32::<16>(_mm256_slli_epi32::<16>(v)));
+    let odd = |v: __m256i| _mm256_cvtepi32_ps(_mm256_srai_epi32::<16>(v));
+    [even(lo), even(hi), odd(lo), odd(hi)]
+}
+
+/// An int4 pair (16 bytes, byte `j` holding lane `j` in its low nibble and lane `16 + j` in its
+/// high one) as f32 `q`, laid out as `widen8`'s. Zero-extended to 16 bits, each 32-bit lane holds
+/// bytes `2c` and `2c + 1`: column `c`'s even and odd values in their low nibbles, column `8 +
+/// c`'s in their high ones.
+///
+/// # Safety
+/// `q` points at the pair's 16 bytes.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn widen4(q: *const u8) -> [__m256; 4] {
+    // SAFETY: the caller's 16 bytes.
+    let v = _mm256_cvtepu8_epi16(unsafe { _mm_loadu_si128(q.cast()) });
+    let nibble = |v: __m256i| _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xF)));
+    let (e1, o0, o1) = (_mm256_srli_epi32::<4>(v), _mm256_srli_epi32::<16>(v), _mm256_srli_epi32::<20>(v));
+    [nibble(v), nibble(e1), nibble(o0), nibble(o1)]
+}
+
+/// 8 bf16 as 8 f32.
+///
+/// # Safety
+/// `v` points at 8 values.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn widen_bf16(v: *const bf16) -> __m256 {
+    // SAFETY: the caller's 8 values.
+    let v = _mm256_cvtepu16_epi32(unsafe { _mm_loadu_si128(v.cast()) });
+    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v))
+}
