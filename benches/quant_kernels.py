@@ -6,8 +6,9 @@ alternating rounds):
 - int8 per output row against torch's ``_weight_int8pack_mm``;
 - int4 in groups of 32 (a GGUF's Q4_0 and Q4_1) against torch's ``_weight_int4pack_mm_for_cpu``;
 - grouped int8 in groups of 32 (Q8_0) against oneDNN's packed GEMM on the weight dequantized, as
-  the engine keeps it where our kernel does not run grouped int8 (in f32 where oneDNN has no bf16
-  GEMM of its own, ``packed.gemm_compute``; the Rust bf16 kernel for a few rows).
+  the engine keeps it where our kernel does not run grouped int8 (in the dtype
+  ``packed.gemm_compute`` picks, f32 where oneDNN has no bf16 GEMM of its own; the Rust bf16
+  kernel for a few rows).
 
 ``--path`` times another of the kernel's paths than this CPU's best, e.g. ``avx2`` beside oneDNN
 and torch held to AVX2, as on a CPU without AVX-512:
@@ -75,7 +76,7 @@ def kernels(dense: nn.Linear, threads: int, path: str) -> dict[str, tuple[Callab
         num_threads=threads,
         path=path,
     )
-    compute = gemm_compute(dense.weight.numel() * 4) or torch.bfloat16
+    compute = gemm_compute(dense.weight.numel() * 2) or torch.bfloat16
     dequantized = PackedLinear(dense, 64, gemv_threads=threads, compute=compute)
     dequantized.gemv = Bf16Linear(dense.weight.detach(), num_threads=threads, path=path)
     scales = scale8.to(torch.bfloat16)

@@ -30,6 +30,9 @@
 //!   for a 576-wide input), then multiplied by the rows in tiles of up to `TILE` rows, one
 //!   accumulator each per block, each row's broadcast `x` feeding both blocks.
 //!
+//! That is the AVX512_BF16 path (`avx512.rs`). Without `vdpbf16ps`, the AVX2 path (`avx2.rs`)
+//! widens the same packed pairs to f32 and multiplies-adds them with `x` widened once a call.
+//!
 //! Sums are f32, then scaled (int8), biased (f32) and rounded to bf16 once. Work is split by
 //! blocks over the calling thread's OpenMP team (`crate::team`), as `crate::gemv` does.
 
