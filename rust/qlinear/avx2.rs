@@ -101,13 +101,7 @@ pub(super) unsafe fn blocks(x: Rows<'_>, rows: usize, k: usize, ws: &[Block<'_>]
     for w in ws {
         if rows <= FUSED_ROWS {
             // SAFETY: the block's pairs (asserted); the rows, features and columns as below.
-            let pair = |p: usize| unsafe {
-                if int4 {
-                    widen4(w.q.as_ptr().add(p * COLS))
-                } else {
-                    widen8(w.q.as_ptr().add(p * 2 * COLS))
-                }
-            };
+            let pair = |p: usize| unsafe { widen(int4, w.q.as_ptr(), p) };
             // SAFETY: every row of `x` and its group sums (asserted); the features and the
             // columns are the caller's.
             unsafe { tile(rows, &rows_of(0), k, w, out, &pair) };
@@ -117,8 +111,7 @@ pub(super) unsafe fn blocks(x: Rows<'_>, rows: usize, k: usize, ws: &[Block<'_>]
         for (p, to) in scratch.wide32.chunks_exact_mut(PAIR).enumerate() {
             // SAFETY: pair `p` of the block (asserted) into its 32 values of the scratch.
             unsafe {
-                let v = if int4 { widen4(w.q.as_ptr().add(p * COLS)) } else { widen8(w.q.as_ptr().add(p * 2 * COLS)) };
-                for (i, v) in v.into_iter().enumerate() {
+                for (i, v) in widen(int4, w.q.as_ptr(), p).into_iter().enumerate() {
                     _mm256_storeu_ps(to.as_mut_ptr().add(8 * i), v);
                 }
             }
@@ -224,6 +217,23 @@ unsafe fn rows_against<const M: usize>(
             _mm256_storeu_ps(sums.as_mut_ptr(), a[0]);
             _mm256_storeu_ps(sums.as_mut_ptr().add(8), a[1]);
             out.put(rows.m0 + m, w, &sums);
+        }
+    }
+}
+
+/// Pair `p` of a block's packed values `q` as f32: `widen4`'s (`int4`), else `widen8`'s.
+///
+/// # Safety
+/// `q` points at the block's pairs, of which `p` is one.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn widen(int4: bool, q: *const u8, p: usize) -> [__m256; 4] {
+    // SAFETY: the caller's pair.
+    unsafe {
+        if int4 {
+            widen4(q.add(p * COLS))
+        } else {
+            widen8(q.add(p * 2 * COLS))
         }
     }
 }
