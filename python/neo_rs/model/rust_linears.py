@@ -46,8 +46,8 @@ def quant_kernel_applies(device: torch.device, dtype: torch.dtype) -> bool:
 def grouped_int8_kernel_applies(device: torch.device, dtype: torch.dtype) -> bool:
     """Grouped int8 (a GGUF's Q8_0 or Q6_K, 8-bit GPTQ) runs our kernel: with AVX512_BF16, not AVX2
     alone, where oneDNN's f32 GEMM on the weight dequantized at load was 1.1-1.4x faster at 64
-    rows and about level at one (SmolLM2's and Llama-3.2-1B's linears in groups of 32; int8 and
-    int4 took 0.5-0.97x the time of torch's kernels there)."""
+    rows and about level at one (SmolLM2's and Llama-3.2-1B's linears in groups of 32; int4 took
+    0.52-0.90x the time of torch's kernel there, int8 0.58-1.01x but on the smallest at one row)."""
     return quant_kernel_applies(device, dtype) and _quant_path() == "avx512_bf16"
 
 
