@@ -30,6 +30,7 @@ from common import cpu_line
 from neo_rs._core import Bf16Linear, QuantGemm
 from neo_rs.model.packed import PackedLinear, gemm_compute
 from neo_rs.model.quant import groups_by_block, pack_int4, pack_int8, quantize_int4, quantize_int8
+from neo_rs.model.rust_linears import quant_path
 from quant_linear import SHAPES, linears
 from torch import nn
 
@@ -97,11 +98,7 @@ def main() -> None:
     ap.add_argument("--path", default=None, help="the kernel's path (default: this CPU's best)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    path = args.path or str(
-        QuantGemm.int8(
-            torch.zeros(1, 1, 16, 2, dtype=torch.int8), torch.ones(1), n=1, k=1, num_threads=1
-        ).path
-    )
+    path = args.path or quant_path()
     print(cpu_line())
     capability, onednn_bf16 = (
         torch.backends.cpu.get_cpu_capability(),

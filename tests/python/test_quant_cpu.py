@@ -180,7 +180,7 @@ def test_which_formats_run_it_by_the_kernel_s_path(
     """With AVX2 alone, int8 and int4 run our kernel (faster than torch's there) but grouped int8
     is dequantized at load (oneDNN's f32 GEMM on it was faster at batch sizes); the scalar
     reference never runs the engine's; float32 models keep torch's kernels."""
-    monkeypatch.setattr(rust_linears, "_quant_path", lambda: path)
+    monkeypatch.setattr(rust_linears, "quant_path", lambda: path)
     monkeypatch.delenv("NEO_RS_ROW_GEMV", raising=False)
     cpu = torch.device("cpu")
     assert quant_kernel_applies(cpu, torch.bfloat16) == int8_int4

@@ -40,7 +40,7 @@ def quant_kernel_applies(device: torch.device, dtype: torch.dtype) -> bool:
     """Quantized linears of a ``dtype`` model on ``device`` run our kernel (``_core.QuantGemm``)."""
     if device.type != "cpu" or dtype != torch.bfloat16 or os.environ.get("NEO_RS_ROW_GEMV") == "0":
         return False
-    return _quant_path() in _TIMED
+    return quant_path() in _TIMED
 
 
 def grouped_int8_kernel_applies(device: torch.device, dtype: torch.dtype) -> bool:
@@ -48,11 +48,12 @@ def grouped_int8_kernel_applies(device: torch.device, dtype: torch.dtype) -> boo
     alone, where oneDNN's f32 GEMM on the weight dequantized at load was 1.1-1.4x faster at 64
     rows and about level at one (SmolLM2's and Llama-3.2-1B's linears in groups of 32; int4 took
     0.52-0.90x the time of torch's kernel there, int8 0.58-1.01x but on the smallest at one row)."""
-    return quant_kernel_applies(device, dtype) and _quant_path() == "avx512_bf16"
+    return quant_kernel_applies(device, dtype) and quant_path() == "avx512_bf16"
 
 
 @functools.cache
-def _quant_path() -> str:
-    """The int8/int4 kernel's path on this CPU, probed once (every quantized linear asks)."""
+def quant_path() -> str:
+    """The int8/int4 kernel's path on this CPU (``scalar``, ``avx2`` or ``avx512_bf16``), probed once:
+    every quantized linear asks."""
     probe = QuantGemm.int8(torch.zeros(1, 1, 16, 2, dtype=torch.int8), torch.ones(1), n=1, k=1, num_threads=1)
     return str(probe.path)
