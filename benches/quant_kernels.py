@@ -1,19 +1,20 @@
 """Our int8/int4 kernel (``_core.QuantGemm``) against what the engine runs instead where it does not
 apply, side by side in one process, each decoder linear of SmolLM2-135M and of Llama-3.2-1B at 1,
-4, 16 and 64 rows (bf16 activations, random weights; median of 3 x 20 calls, best of two
-alternating rounds):
+4, 16 and 64 rows (activations in the model's dtype, bf16 by default; random weights; median of 3
+x 20 calls, best of two alternating rounds):
 
 - int8 per output row against torch's ``_weight_int8pack_mm``;
 - int4 in groups of 32 (a GGUF's Q4_0 and Q4_1) against torch's ``_weight_int4pack_mm_for_cpu``;
-- grouped int8 in groups of 32 (Q8_0) against oneDNN's packed GEMM on the weight dequantized, as
-  the engine keeps it where our kernel does not run grouped int8 (in the dtype
-  ``packed.gemm_compute`` picks, f32 where oneDNN has no bf16 GEMM of its own; the Rust bf16
-  kernel for a few rows).
+- grouped int8 in groups of 32 (Q8_0) against the GEMM on the weight dequantized, as the engine
+  keeps it where our kernel does not run grouped int8: in bf16, oneDNN's packed GEMM (in the
+  dtype ``packed.gemm_compute`` picks, f32 where oneDNN has no bf16 GEMM of its own; the Rust
+  bf16 kernel for a few rows); in float32 or float16, ``F.linear``.
 
-``--path`` times another of the kernel's paths than this CPU's best, e.g. ``avx2`` beside oneDNN
-and torch held to AVX2, as on a CPU without AVX-512:
+``--path`` times another of the kernel's paths than this CPU's best for the dtype, e.g. ``avx2``
+beside oneDNN and torch held to AVX2, as on a CPU without AVX-512; ``--dtype float32`` (or
+``float16``) a model in that dtype, which takes the AVX2 path:
 
-    python benches/quant_kernels.py [--threads 2] [--rows 1 4 16 64] [--path avx2]
+    python benches/quant_kernels.py [--threads 2] [--rows 1 4 16 64] [--path avx2] [--dtype float32]
     ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \\
         python benches/quant_kernels.py --path avx2
 """
@@ -50,17 +51,18 @@ def median_ms(fn: Callable[[], object]) -> float:
 
 
 def ours(gemm: QuantGemm, x: torch.Tensor, n: int) -> Callable[[], object]:
-    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+    out = torch.empty(x.shape[0], n, dtype=x.dtype)
     return lambda: gemm.forward(x, out)
 
 
 def kernels(dense: nn.Linear, threads: int, path: str) -> dict[str, tuple[Callable, Callable]]:
-    """Per format, (theirs, ours) as functions of ``x``."""
-    n, k = dense.out_features, dense.in_features
+    """Per format, (theirs, ours) as functions of ``x``, in ``dense``'s dtype."""
+    n, k, dtype = dense.out_features, dense.in_features, dense.weight.dtype
     q8, scale8 = quantize_int8(dense.weight)
-    int8 = QuantGemm.int8(pack_int8(q8), scale8, n=n, k=k, num_threads=threads, path=path)
+    scales = scale8.to(dtype)
+    int8 = QuantGemm.int8(pack_int8(q8), scales, n=n, k=k, num_threads=threads, path=path)
     q4, scale4, zero4 = quantize_int4(dense.weight, GROUP)
-    sz = torch.stack([scale4, zero4], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    sz = torch.stack([scale4, zero4], dim=-1).transpose(0, 1).contiguous().to(dtype)
     int4 = QuantGemm.grouped(
         pack_int4(q4), groups_by_block(sz, n), n=n, k=k, group=GROUP, bits=4, num_threads=threads, path=path
     )
@@ -69,7 +71,7 @@ def kernels(dense: nn.Linear, threads: int, path: str) -> dict[str, tuple[Callab
     sz8 = torch.stack([scale4 * 8, torch.zeros_like(scale4)], dim=-1).transpose(0, 1).contiguous()
     grouped = QuantGemm.grouped(
         pack_int8(q8),
-        groups_by_block(sz8.to(torch.bfloat16), n),
+        groups_by_block(sz8.to(dtype), n),
         n=n,
         k=k,
         group=GROUP,
@@ -77,10 +79,12 @@ def kernels(dense: nn.Linear, threads: int, path: str) -> dict[str, tuple[Callab
         num_threads=threads,
         path=path,
     )
-    compute = gemm_compute(dense.weight.numel() * 2) or torch.bfloat16
-    dequantized = PackedLinear(dense, 64, gemv_threads=threads, compute=compute)
-    dequantized.gemv = Bf16Linear(dense.weight.detach(), num_threads=threads, path=path)
-    scales = scale8.to(torch.bfloat16)
+    if dtype == torch.bfloat16:
+        compute = gemm_compute(dense.weight.numel() * 2) or torch.bfloat16
+        dequantized: Callable = PackedLinear(dense, 64, gemv_threads=threads, compute=compute)
+        dequantized.gemv = Bf16Linear(dense.weight.detach(), num_threads=threads, path=path)
+    else:
+        dequantized = dense
     return {
         "int8": (lambda x: lambda: torch._weight_int8pack_mm(x, q8, scales), lambda x: ours(int8, x, n)),
         "int4/32": (
@@ -95,17 +99,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
-    ap.add_argument("--path", default=None, help="the kernel's path (default: this CPU's best)")
+    ap.add_argument("--path", default=None, help="the kernel's path (default: this CPU's best for the dtype)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    path = args.path or quant_path()
+    dtype = getattr(torch, args.dtype)
+    path = args.path or quant_path(dtype)
     print(cpu_line())
     capability, onednn_bf16 = (
         torch.backends.cpu.get_cpu_capability(),
         torch.ops.mkldnn._is_mkldnn_bf16_supported(),
     )
     print(
-        f"threads {args.threads}; our path {path}; torch's CPU capability {capability}, "
+        f"{args.dtype}; threads {args.threads}; our path {path}; torch's CPU capability {capability}, "
         f"oneDNN bf16 {onednn_bf16}"
     )
     formats = ("int8", "int4/32", "g8/32")
@@ -117,11 +123,11 @@ def main() -> None:
     with torch.inference_mode():
         for name, shape in SHAPES.items():
             for lin, (k, n) in linears(shape).items():
-                dense = nn.Linear(k, n, bias=False).to(torch.bfloat16)
+                dense = nn.Linear(k, n, bias=False).to(dtype)
                 nn.init.normal_(dense.weight, std=0.02)
                 pairs = kernels(dense, args.threads, path)
                 for rows in args.rows:
-                    x = torch.randn(rows, k).to(torch.bfloat16)
+                    x = torch.randn(rows, k).to(dtype)
                     cells = ""
                     for fmt in formats:
                         theirs, mine = (f(x) for f in pairs[fmt])

@@ -82,12 +82,15 @@ class Categorical:
 
 class QuantGemm:
     """A weight-only int8, int4 or grouped int8 linear on the CPU for any number of rows, ``out =
-    x @ W.T + bias`` (AVX512_BF16 where the CPU has it, else scalar). The weight is packed in blocks of 16
-    output columns, and in each, for every pair of inputs, each column's two weights (zeros pad):
-    held, it must not be resized in place; scales, zeros and bias are copied. Each block is
-    widened to bfloat16 once a call and multiplied by every row; each output is summed in
-    float32 and rounded once. The work is split over the calling thread's OpenMP team of
-    ``num_threads``; ``path`` (``scalar``, ``avx512_bf16``) forces a kernel."""
+    x @ W.T + bias``, of a model in bfloat16, float16 or float32 (the dtype of the scales, or of
+    the groups, which ``x``, ``out`` and ``bias`` then take). The weight is packed in blocks of
+    16 output columns, and in each, for every pair of inputs, each column's two weights (zeros
+    pad): held, as are the groups, they must not be resized in place; int8's scales and the bias
+    are copied. Each block is widened once a call (to bfloat16 on the AVX512_BF16 path, which
+    takes bfloat16 models alone; to float32 on the AVX2 and scalar paths) and multiplied by every
+    row; each output is summed in float32 and rounded once. The work is split over the calling
+    thread's OpenMP team of ``num_threads``; ``path`` (``scalar``, ``avx2``, ``avx512_bf16``)
+    forces a kernel."""
 
     @staticmethod
     def int8(
@@ -101,7 +104,7 @@ class QuantGemm:
         path: str | None = None,
     ) -> QuantGemm:
         """``W = q * scales[:, None]``: ``packed`` int8 ``[ceil(n / 16), ceil(k / 2), 16, 2]``,
-        ``scales`` float32 ``[n]`` (applied to the float32 sums), ``bias`` bfloat16 ``[n]``."""
+        ``scales`` ``[n]`` in the model's dtype (applied to the float32 sums), ``bias`` ``[n]``."""
     @staticmethod
     def grouped(
         packed: torch.Tensor,
@@ -116,18 +119,18 @@ class QuantGemm:
         path: str | None = None,
     ) -> QuantGemm:
         """A scale and a zero per ``group`` inputs (even, dividing ``k``) and column, ``groups``
-        bfloat16 ``[ceil(n / 16), k / group, 2, 16]`` (each block's and group's 16 scales, then
-        16 zeros), applied to the float32 sums; ``bias`` bfloat16 ``[n]``. ``bits`` 4: ``W = (q
-        - 8) * scale + zero``, ``packed`` uint8 ``[ceil(n / 16), k / 2, 16]`` (byte ``j`` of a
-        pair: lane ``j`` in its low nibble, lane ``16 + j`` in its high one), the products of
-        ``x`` and ``128 + q`` (exact in bfloat16). ``bits`` 8: ``W = q * scale + zero`` (GGUF's
-        blocks of 2 to 8 bits but Q4's, 8-bit GPTQ), ``packed`` int8 as ``int8``'s."""
+        ``[ceil(n / 16), k / group, 2, 16]`` in the model's dtype (each block's and group's 16
+        scales, then 16 zeros), applied to the float32 sums; ``bias`` ``[n]``. ``bits`` 4: ``W =
+        (q - 8) * scale + zero``, ``packed`` uint8 ``[ceil(n / 16), k / 2, 16]`` (byte ``j`` of a
+        pair: lane ``j`` in its low nibble, lane ``16 + j`` in its high one). ``bits`` 8: ``W = q
+        * scale + zero`` (GGUF's blocks of 2 to 8 bits but Q4's, 8-bit GPTQ), ``packed`` int8 as
+        ``int8``'s."""
     @property
     def path(self) -> str:
         """The kernel this object runs."""
     def forward(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        """``out`` (``[rows, n]``, bfloat16) = ``x`` (``[rows, k]``, bfloat16) @ W.T + bias.
-        GIL released."""
+        """``out`` (``[rows, n]``) = ``x`` (``[rows, k]``) @ W.T + bias, both in the model's
+        dtype. GIL released."""
 
 class AttentionHandle:
     def wait(self) -> None:

@@ -95,7 +95,8 @@ impl Path {
             #[cfg(target_arch = "x86_64")]
             Path::Avx2 => {
                 use std::arch::is_x86_feature_detected as has;
-                has!("avx2") && has!("fma")
+                // F16C for the quantized kernel's f16 models (every AVX2 CPU has it).
+                has!("avx2") && has!("fma") && has!("f16c")
             }
             #[cfg(target_arch = "x86_64")]
             Path::Avx512Bf16 => {

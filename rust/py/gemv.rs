@@ -21,7 +21,12 @@ pub(crate) struct Bf16Linear {
 }
 
 pub(super) fn require_bf16(t: &TensorRef) -> Result<()> {
-    ensure!(t.float()? == DType::BF16, DType, "{} must be bfloat16, got {:?}", t.name, t.kind);
+    require(t, DType::BF16)
+}
+
+/// `t` is a float tensor of `dtype`.
+pub(super) fn require(t: &TensorRef, dtype: DType) -> Result<()> {
+    ensure!(t.float()? == dtype, DType, "{} must be {}, got {:?}", t.name, dtype.name(), t.kind);
     Ok(())
 }
 
@@ -60,7 +65,7 @@ impl Bf16Linear {
     fn forward(&self, py: Python<'_>, x: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>) -> PyResult<()> {
         let (n, k) = (self.weight.shape[0], self.weight.shape[1]);
         let held = std::iter::once(&self.weight).chain(&self.bias);
-        let (x, out, rows) = rows_in_out(x, out, n, k, held)?;
+        let (x, out, rows) = rows_in_out(x, out, n, k, DType::BF16, held)?;
         let gemv = self.gemv;
         let (w, b) = (self.weight.addr, self.bias.as_ref().map(|b| b.addr));
         py.detach(|| {
@@ -82,18 +87,20 @@ impl Bf16Linear {
     }
 }
 
-/// `x` (`[rows, k]`) and `out` (`[rows, n]`) of a linear's call: contiguous bfloat16, `out`
-/// overlapping neither `x` nor the tensors the linear holds. Returns them and `rows`.
+/// `x` (`[rows, k]`) and `out` (`[rows, n]`) of a linear's call: contiguous, of the linear's
+/// `dtype`, `out` overlapping neither `x` nor the tensors the linear holds. Returns them and
+/// `rows`.
 pub(super) fn rows_in_out<'a>(
     x: &Bound<'_, PyAny>,
     out: &Bound<'_, PyAny>,
     n: usize,
     k: usize,
+    dtype: DType,
     held: impl Iterator<Item = &'a TensorRef>,
 ) -> PyResult<(TensorRef, TensorRef, usize)> {
     let (x, out) = (TensorRef::extract(x, "x")?, TensorRef::extract(out, "out")?);
-    require_bf16(&x)?;
-    require_bf16(&out)?;
+    require(&x, dtype)?;
+    require(&out, dtype)?;
     let rows = x.dims(2)?[0];
     ensure!(x.shape[1] == k, Shape, "x must have {k} columns, got shape {:?}", x.shape);
     ensure!(out.shape == [rows, n], Shape, "out must have shape [{rows}, {n}], got {:?}", out.shape);

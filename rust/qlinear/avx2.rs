@@ -1,4 +1,5 @@
-//! AVX2 with FMA, for x86 CPUs without AVX512_BF16. Each pair of a block is widened to f32 as
+//! AVX2 with FMA (and F16C), for x86 CPUs without AVX512_BF16 and for models in f16 or f32 on
+//! any x86 CPU. Each pair of a block is widened to f32 as
 //! four vectors of 8 lanes: the 16 columns' weights at the pair's even input (columns 0-7, then
 //! 8-15), then at its odd one. Rows of `x` are widened to f32 once a call (`prepare`) and each
 //! value broadcast against them, so no lane ever needs a horizontal sum. Int4 multiplies its
@@ -10,9 +11,7 @@
 
 use std::arch::x86_64::*;
 
-use half::bf16;
-
-use super::{Block, Format, Out, Rows, Scratch, COLS, FUSED_ROWS};
+use super::{Block, Format, Out, Rows, Scratch, Values, COLS, FUSED_ROWS};
 
 /// f32 values of a widened pair: even inputs' columns 0-7 and 8-15, then odd inputs'.
 const PAIR: usize = 4 * 8;
@@ -25,23 +24,20 @@ const TILE: usize = 4;
 /// zero, never what follows the row).
 ///
 /// # Safety
-/// The CPU must have AVX2 and FMA.
-#[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn prepare(x: &[bf16], rows: usize, k: usize, group: Option<usize>) -> (Vec<f32>, Vec<f32>) {
+/// The CPU must have AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn prepare(x: Values<'_>, rows: usize, k: usize, group: Option<usize>) -> (Vec<f32>, Vec<f32>) {
+    assert!(x.len() >= rows * k, "prepare: rows shorter than their shapes");
     let width = 2 * k.div_ceil(2);
     let mut wide = vec![0.0f32; rows * width];
-    for (to, from) in wide.chunks_exact_mut(width).zip(x.chunks_exact(k)) {
-        let (to8, from8) = (to[..k].chunks_exact_mut(8), from.chunks_exact(8));
-        for (t, f) in to8.zip(from8) {
-            // SAFETY: 8 values of each; a bf16 is the top half of its f32.
-            unsafe {
-                let v = _mm256_cvtepu16_epi32(_mm_loadu_si128(f.as_ptr().cast()));
-                _mm256_storeu_ps(t.as_mut_ptr(), _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v)));
-            }
+    for (m, to) in wide.chunks_exact_mut(width).enumerate() {
+        let (tail, row) = (k - k % 8, m * k);
+        for (j, t) in to[..tail].chunks_exact_mut(8).enumerate() {
+            // SAFETY: 8 values of row `m` (`x` holds `rows` rows of `k`).
+            unsafe { _mm256_storeu_ps(t.as_mut_ptr(), widen_values(x, row + 8 * j)) };
         }
-        let tail = k - k % 8;
-        for (t, f) in to[tail..k].iter_mut().zip(&from[tail..]) {
-            *t = f.to_f32();
+        for (i, t) in to[tail..k].iter_mut().enumerate() {
+            *t = x.get(row + tail + i);
         }
     }
     let sums = group.map_or_else(Vec::new, |group| {
@@ -50,8 +46,9 @@ pub(super) unsafe fn prepare(x: &[bf16], rows: usize, k: usize, group: Option<us
     (sums, wide)
 }
 
-/// `Σ v` in f64, in which sums of bf16 values lose nothing at any realistic width or range.
-#[target_feature(enable = "avx2,fma")]
+/// `Σ v` in f64, in which sums of bf16 or f16 values lose nothing at any realistic width or
+/// range (and of f32 values next to nothing).
+#[target_feature(enable = "avx2,fma,f16c")]
 fn f64_sum(v: &[f32]) -> f64 {
     let (mut lo, mut hi) = (_mm256_setzero_pd(), _mm256_setzero_pd());
     let chunks = v.chunks_exact(8);
@@ -70,9 +67,9 @@ fn f64_sum(v: &[f32]) -> f64 {
 }
 
 /// # Safety
-/// The CPU must have AVX2 and FMA; `x` is `prepare`'s for `rows` rows of `k`, `ws` are blocks of
+/// The CPU must have AVX2, FMA and F16C; `x` is `prepare`'s for `rows` rows of `k`, `ws` are blocks of
 /// one weight `k` wide, and this call alone writes their columns of `out`.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn blocks(x: Rows<'_>, rows: usize, k: usize, ws: &[Block<'_>], scratch: &mut Scratch, out: Out) {
     let pairs = k.div_ceil(2);
     let width = 2 * pairs;
@@ -145,7 +142,7 @@ struct Tile {
 /// # Safety
 /// As `rows_against`'s.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile(c: usize, rows: &Tile, k: usize, w: &Block<'_>, out: Out, pair: &impl Fn(usize) -> [__m256; 4]) {
     // SAFETY: the caller's.
     unsafe {
@@ -164,10 +161,10 @@ unsafe fn tile(c: usize, rows: &Tile, k: usize, w: &Block<'_>, out: Out, pair: &
 /// of their own, else the `vfmadd` chains would wait on their own latency.
 ///
 /// # Safety
-/// The CPU must have AVX2 and FMA; `rows` holds `M` rows of `prepare`'s and their group sums;
+/// The CPU must have AVX2, FMA and F16C; `rows` holds `M` rows of `prepare`'s and their group sums;
 /// `pair` may be called for each of the block's pairs; this call alone writes `w`'s columns.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn rows_against<const M: usize>(
     rows: &Tile,
     k: usize,
@@ -202,7 +199,7 @@ unsafe fn rows_against<const M: usize>(
                 acc = sums;
                 continue;
             }
-            let params = |at: usize| [widen_bf16(w.groups.as_ptr().add(at)), widen_bf16(w.groups.as_ptr().add(at + 8))];
+            let params = |at: usize| [widen_values(w.groups, at), widen_values(w.groups, at + 8)];
             let (scale, zero) = (params(g * 2 * COLS), params(g * 2 * COLS + COLS));
             for (m, (a, s)) in acc.iter_mut().zip(sums).enumerate() {
                 let sum_x = _mm256_broadcast_ss(&*rows.group_sums.add(m * groups + g));
@@ -226,7 +223,7 @@ unsafe fn rows_against<const M: usize>(
 /// # Safety
 /// `q` points at the block's pairs, of which `p` is one.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn widen(int4: bool, q: *const u8, p: usize) -> [__m256; 4] {
     // SAFETY: the caller's pair.
     unsafe {
@@ -245,7 +242,7 @@ unsafe fn widen(int4: bool, q: *const u8, p: usize) -> [__m256; 4] {
 /// # Safety
 /// `q` points at the pair's 32 bytes.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn widen8(q: *const u8) -> [__m256; 4] {
     // SAFETY: the caller's 32 bytes.
     let (lo, hi) = unsafe { (_mm_loadu_si128(q.cast()), _mm_loadu_si128(q.add(16).cast())) };
@@ -263,7 +260,7 @@ unsafe fn widen8(q: *const u8) -> [__m256; 4] {
 /// # Safety
 /// `q` points at the pair's 16 bytes.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn widen4(q: *const u8) -> [__m256; 4] {
     // SAFETY: the caller's 16 bytes.
     let v = _mm256_cvtepu8_epi16(unsafe { _mm_loadu_si128(q.cast()) });
@@ -272,14 +269,23 @@ unsafe fn widen4(q: *const u8) -> [__m256; 4] {
     [nibble(v), nibble(e1), nibble(o0), nibble(o1)]
 }
 
-/// 8 bf16 as 8 f32.
+/// Values `at .. at + 8` as f32.
 ///
 /// # Safety
-/// `v` points at 8 values.
+/// `v` holds them; the CPU must have AVX2, FMA and F16C.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn widen_bf16(v: *const bf16) -> __m256 {
-    // SAFETY: the caller's 8 values.
-    let v = _mm256_cvtepu16_epi32(unsafe { _mm_loadu_si128(v.cast()) });
-    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v))
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn widen_values(v: Values<'_>, at: usize) -> __m256 {
+    debug_assert!(at + 8 <= v.len());
+    // SAFETY: the caller's 8 values; a bf16 is the top half of its f32.
+    unsafe {
+        match v {
+            Values::Bf16(v) => {
+                let v = _mm256_cvtepu16_epi32(_mm_loadu_si128(v.as_ptr().add(at).cast()));
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v))
+            }
+            Values::F16(v) => _mm256_cvtph_ps(_mm_loadu_si128(v.as_ptr().add(at).cast())),
+            Values::F32(v) => _mm256_loadu_ps(v.as_ptr().add(at)),
+        }
+    }
 }

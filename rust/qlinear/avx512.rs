@@ -21,6 +21,7 @@ const SETS: usize = 4;
 pub(super) unsafe fn blocks(x: Rows<'_>, rows: usize, k: usize, ws: &[Block<'_>], scratch: &mut Scratch, out: Out) {
     let pairs = k.div_ceil(2);
     let Rows { x, stride, group_sums, .. } = x;
+    let x = x.bf16();
     assert!(stride >= k && x.len() >= (rows - 1) * stride + k, "block: rows shorter than their shapes");
     assert!((1..=SPAN).contains(&ws.len()) && (ws.len() == 1 || rows > FUSED_ROWS), "block: a span of blocks");
     let format = ws[0].format;
@@ -388,9 +389,9 @@ pub(super) unsafe fn group_sums(x: &[bf16], k: usize, group: usize) -> Vec<f32> 
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn group_params<const INT4: bool>(w: &Block<'_>, g: usize) -> (__m512, __m512) {
+    let groups = w.groups.bf16().as_ptr();
     // SAFETY: the caller's 32 values of group `g`.
-    let (scale, zero) =
-        unsafe { (widen_bf16(w.groups.as_ptr().add(g * PAIR)), widen_bf16(w.groups.as_ptr().add(g * PAIR + COLS))) };
+    let (scale, zero) = unsafe { (widen_bf16(groups.add(g * PAIR)), widen_bf16(groups.add(g * PAIR + COLS))) };
     (scale, if INT4 { _mm512_fnmadd_ps(_mm512_set1_ps(136.0), scale, zero) } else { zero })
 }
 

@@ -1,5 +1,6 @@
 //! Weight-only quantized linears on the CPU, int8 and int4: `out = x · Wᵀ + bias` with `x` and
-//! `out` bf16 and `W` kept as its int8 or 4-bit values. torch's kernels (`_weight_int8pack_mm`,
+//! `out` of the model's dtype (bf16; f16 or f32 on the AVX2 and scalar paths) and `W` kept as its
+//! int8 or 4-bit values. torch's kernels (`_weight_int8pack_mm`,
 //! tinygemm's `_weight_int4pack_mm_for_cpu`) widen the weight again for every row of `x`, so at
 //! 64 rows they ran at 0.4-0.6x bf16's speed; here each weight block is widened once a call and
 //! then multiplied by every row.
@@ -30,10 +31,13 @@
 //!   for a 576-wide input), then multiplied by the rows in tiles of up to `TILE` rows, one
 //!   accumulator each per block, each row's broadcast `x` feeding both blocks.
 //!
-//! That is the AVX512_BF16 path (`avx512.rs`). Without `vdpbf16ps`, the AVX2 path (`avx2.rs`)
-//! widens the same packed pairs to f32 and multiplies-adds them with `x` widened once a call.
+//! That is the AVX512_BF16 path (`avx512.rs`), for bf16 models. Without `vdpbf16ps`, and for f16
+//! and f32 models (whose `x` would lose bits as bf16), the AVX2 path (`avx2.rs`) widens the same
+//! packed pairs to f32 and multiplies-adds them with `x` widened once a call. The grouped
+//! formats' scales and zeros are of the model's dtype too (a GGUF's f16 scales lose nothing in
+//! f32 or f16).
 //!
-//! Sums are f32, then scaled (int8), biased (f32) and rounded to bf16 once. Work is split by
+//! Sums are f32, then scaled (int8), biased (f32) and rounded to the model's dtype once. Work is split by
 //! blocks over the calling thread's OpenMP team (`crate::team`), as `crate::gemv` does.
 
 #[cfg(target_arch = "x86_64")]
@@ -42,8 +46,9 @@ mod avx2;
 mod avx512;
 mod scalar;
 
-use half::bf16;
+use half::{bf16, f16};
 
+use crate::attn::{DType, Element};
 use crate::error::{ensure, Result};
 pub use crate::gemv::{Gemv, Path};
 
@@ -91,22 +96,22 @@ impl Format {
     }
 }
 
-/// A linear packed for this kernel (module docs). `groups`: the grouped formats' scales and
-/// zeros, `[blocks][k / group][2][COLS]` (empty for int8); `scales` (int8's per column; ones for
-/// the grouped formats) and `bias` are f32 and padded to whole blocks (the padding's values are
-/// never stored).
+/// A linear packed for this kernel (module docs), of a model in `E`. `groups`: the grouped
+/// formats' scales and zeros, `[blocks][k / group][2][COLS]` (empty for int8); `scales` (int8's
+/// per column; ones for the grouped formats) and `bias` are f32 and padded to whole blocks (the
+/// padding's values are never stored).
 #[derive(Debug, Clone, Copy)]
-pub struct QuantWeight<'a> {
+pub struct QuantWeight<'a, E = bf16> {
     pub format: Format,
     pub packed: &'a [u8],
-    pub groups: &'a [bf16],
+    pub groups: &'a [E],
     pub n: usize,
     pub k: usize,
     pub scales: &'a [f32],
     pub bias: &'a [f32],
 }
 
-impl QuantWeight<'_> {
+impl<E> QuantWeight<'_, E> {
     pub fn blocks(&self) -> usize {
         self.n.div_ceil(COLS)
     }
@@ -148,46 +153,46 @@ impl QuantWeight<'_> {
 }
 
 impl Gemv {
-    /// `Gemv::new` for `run_quantized`: by default the best path this CPU runs that has a
-    /// quantized kernel; a path without one is refused.
-    pub fn quantized(path: Option<Path>, threads: usize) -> Result<Gemv> {
-        let best = Path::ALL.into_iter().rev().find(|p| p.quantized() && p.is_supported());
+    /// `Gemv::new` for `run_quantized` in `dtype`: by default the best path this CPU runs that
+    /// has a quantized kernel for it; a path without one is refused.
+    pub fn quantized(path: Option<Path>, threads: usize, dtype: DType) -> Result<Gemv> {
+        let best = Path::ALL.into_iter().rev().find(|p| p.quantizes(dtype) && p.is_supported());
         let path = path.or(best).unwrap_or(Path::Scalar);
-        path.has_quantized()?;
+        path.has_quantized(dtype)?;
         Gemv::new(Some(path), threads)
     }
 
     /// `out[m] = x[m] · Wᵀ + bias` for each of the `x.len() / k` rows of `x` (`out`: `[rows, n]`).
-    pub fn run_quantized(&self, x: &[bf16], weight: QuantWeight<'_>, out: &mut [bf16]) -> Result<()> {
-        self.path().has_quantized()?;
+    pub fn run_quantized<E: Element>(&self, x: &[E], weight: QuantWeight<'_, E>, out: &mut [E]) -> Result<()> {
+        self.path().has_quantized(E::DTYPE)?;
         weight.check()?;
         let (n, k) = (weight.n, weight.k);
         ensure!(x.len().is_multiple_of(k) && !x.is_empty(), Shape, "x holds {} values, not rows of {k}", x.len());
         let rows = x.len() / k;
         ensure!(out.len() == rows * n, Shape, "out holds {} values, not {rows} x {n}", out.len());
-        let out = Out { addr: out.as_mut_ptr() as usize, n };
-        let path = self.path();
+        let out = Out { addr: out.as_mut_ptr() as usize, n, dtype: E::DTYPE };
+        let (path, x) = (self.path(), Values::of(x));
         // What each path reads of `x` besides its rows: AVX-512 spreads them over the L1's sets;
         // AVX2 widens them to f32. Both take the grouped formats' sums of each group.
-        let spread = if path == Path::Avx512Bf16 { Rows::spread(x, rows, k) } else { None };
+        let spread = if path == Path::Avx512Bf16 { Rows::spread(x.bf16(), rows, k) } else { None };
         let (group_sums, wide): (Vec<f32>, Vec<f32>) = match (path, weight.format.group()) {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the path was checked when it was chosen (`Gemv::new`).
-            (Path::Avx512Bf16, Some(group)) => (unsafe { avx512::group_sums(x, k, group) }, Vec::new()),
+            (Path::Avx512Bf16, Some(group)) => (unsafe { avx512::group_sums(x.bf16(), k, group) }, Vec::new()),
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above.
             (Path::Avx2, group) => unsafe { avx2::prepare(x, rows, k, group) },
             _ => (Vec::new(), Vec::new()),
         };
         let x = match &spread {
-            Some(s) => Rows { x: s, stride: s.len() / rows, group_sums: &group_sums, wide: &wide },
+            Some(s) => Rows { x: Values::Bf16(s), stride: s.len() / rows, group_sums: &group_sums, wide: &wide },
             None => Rows { x, stride: k, group_sums: &group_sums, wide: &wide },
         };
         let (block_len, group_len) = (weight.pairs() * weight.format.pair_bytes(), weight.group_len());
         let block = |b: usize| Block {
             format: weight.format,
             q: &weight.packed[b * block_len..(b + 1) * block_len],
-            groups: &weight.groups[b * group_len..(b + 1) * group_len],
+            groups: Values::of(&weight.groups[b * group_len..(b + 1) * group_len]),
             scales: &weight.scales[b * COLS..(b + 1) * COLS],
             bias: &weight.bias[b * COLS..(b + 1) * COLS],
             first: b * COLS,
@@ -204,13 +209,63 @@ impl Gemv {
     }
 }
 
+/// Values of a linear's dtype (rows of `x`, the grouped formats' scales and zeros), its type
+/// parameter dropped: the kernels take it where they read them, not throughout.
+#[derive(Clone, Copy)]
+enum Values<'a> {
+    Bf16(&'a [bf16]),
+    F16(&'a [f16]),
+    F32(&'a [f32]),
+}
+
+impl<'a> Values<'a> {
+    fn of<E: Element>(v: &'a [E]) -> Values<'a> {
+        let (at, len) = (v.as_ptr(), v.len());
+        // SAFETY: `Element` is sealed, and each of its three types names itself by `DTYPE`.
+        unsafe {
+            match E::DTYPE {
+                DType::BF16 => Values::Bf16(std::slice::from_raw_parts(at.cast(), len)),
+                DType::F16 => Values::F16(std::slice::from_raw_parts(at.cast(), len)),
+                DType::F32 => Values::F32(std::slice::from_raw_parts(at.cast(), len)),
+            }
+        }
+    }
+
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    fn len(self) -> usize {
+        match self {
+            Values::Bf16(v) => v.len(),
+            Values::F16(v) => v.len(),
+            Values::F32(v) => v.len(),
+        }
+    }
+
+    /// Value `i` in f32 (the scalar path's).
+    fn get(self, i: usize) -> f32 {
+        match self {
+            Values::Bf16(v) => v[i].to_f32(),
+            Values::F16(v) => v[i].to_f32(),
+            Values::F32(v) => v[i],
+        }
+    }
+
+    /// The values as bf16: AVX-512's, which `run_quantized` gives no other dtype.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    fn bf16(self) -> &'a [bf16] {
+        match self {
+            Values::Bf16(v) => v,
+            _ => unreachable!("AVX-512's quantized kernels take bf16 alone (Path::quantizes)"),
+        }
+    }
+}
+
 /// One block of a packed weight: its pairs (and the grouped formats' groups), its columns'
 /// scales and bias, and where its columns start in the output (`cols` of them are real).
 #[derive(Clone, Copy)]
 struct Block<'a> {
     format: Format,
     q: &'a [u8],
-    groups: &'a [bf16],
+    groups: Values<'a>,
     scales: &'a [f32],
     bias: &'a [f32],
     first: usize,
@@ -222,7 +277,7 @@ struct Block<'a> {
 /// (`avx2::prepare`; empty otherwise).
 #[derive(Clone, Copy)]
 struct Rows<'a> {
-    x: &'a [bf16],
+    x: Values<'a>,
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     stride: usize,
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
@@ -265,11 +320,12 @@ struct Scratch {
     sums: Vec<f32>,
 }
 
-/// The output, `[rows, n]` bf16, written by blocks: each block alone writes its columns.
+/// The output, `[rows, n]` of `dtype`, written by blocks: each block alone writes its columns.
 #[derive(Clone, Copy)]
 struct Out {
     addr: usize,
     n: usize,
+    dtype: DType,
 }
 
 impl Out {
@@ -278,11 +334,26 @@ impl Out {
     /// # Safety
     /// `m` is a row of the output, and no other thread writes `block`'s columns.
     unsafe fn put(&self, m: usize, block: &Block<'_>, sums: &[f32; COLS]) {
+        // SAFETY: the caller's.
+        unsafe {
+            match self.dtype {
+                DType::BF16 => self.put_as::<bf16>(m, block, sums),
+                DType::F16 => self.put_as::<f16>(m, block, sums),
+                DType::F32 => self.put_as::<f32>(m, block, sums),
+            }
+        }
+    }
+
+    /// `put` of an output in `E` (`dtype`'s type).
+    ///
+    /// # Safety
+    /// As `put`'s.
+    unsafe fn put_as<E: Element>(&self, m: usize, block: &Block<'_>, sums: &[f32; COLS]) {
         let columns = sums.iter().zip(block.scales).zip(block.bias).take(block.cols);
         for (c, ((sum, scale), bias)) in columns.enumerate() {
-            let value = bf16::from_f32(sum * scale + bias);
+            let value = E::from_f32(sum * scale + bias);
             // SAFETY: the caller's; column `first + c` < n.
-            unsafe { *(self.addr as *mut bf16).add(m * self.n + block.first + c) = value };
+            unsafe { *(self.addr as *mut E).add(m * self.n + block.first + c) = value };
         }
     }
 }
@@ -293,8 +364,21 @@ impl Path {
         matches!(self, Path::Scalar | Path::Avx2 | Path::Avx512Bf16)
     }
 
-    fn has_quantized(self) -> Result<()> {
+    /// Whether this path's int8 and int4 kernel takes a model in `dtype`: AVX-512's multiplies
+    /// bf16 by bf16 (`vdpbf16ps`), the others widen `x` to f32.
+    pub fn quantizes(self, dtype: DType) -> bool {
+        self.quantized() && (self != Path::Avx512Bf16 || dtype == DType::BF16)
+    }
+
+    fn has_quantized(self, dtype: DType) -> Result<()> {
         ensure!(self.quantized(), Runtime, "the int8 and int4 linears have no {} kernel", self.name());
+        ensure!(
+            self.quantizes(dtype),
+            DType,
+            "the int8 and int4 linears' {} kernel takes bfloat16, not {}",
+            self.name(),
+            dtype.name()
+        );
         Ok(())
     }
 

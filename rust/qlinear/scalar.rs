@@ -1,18 +1,16 @@
 //! The reference: each weight in f32 (int8's `q`, int4's `(q - 8) · scale + zero`, grouped
 //! int8's `q · scale + zero`), each product in f32, summed in input order.
 
-use half::bf16;
-
-use super::{Block, Format, Out, COLS};
+use super::{Block, Format, Out, Values, COLS};
 
 /// # Safety
 /// As `Out::put`: this call alone writes `w`'s columns, for `rows` rows of `k` values of `x`.
-pub(super) unsafe fn block(x: &[bf16], rows: usize, k: usize, w: &Block<'_>, out: Out) {
-    for (m, xm) in x.chunks_exact(k).take(rows).enumerate() {
+pub(super) unsafe fn block(x: Values<'_>, rows: usize, k: usize, w: &Block<'_>, out: Out) {
+    for m in 0..rows {
         let mut sums = [0.0f32; COLS];
         for (c, sum) in sums.iter_mut().enumerate() {
-            for (i, v) in xm.iter().enumerate() {
-                *sum += v.to_f32() * weight(w, c, i);
+            for i in 0..k {
+                *sum += x.get(m * k + i) * weight(w, c, i);
             }
         }
         // SAFETY: the caller's.
@@ -25,8 +23,8 @@ pub(super) unsafe fn block(x: &[bf16], rows: usize, k: usize, w: &Block<'_>, out
 fn weight(w: &Block<'_>, c: usize, i: usize) -> f32 {
     let (p, lane) = (i / 2, 2 * c + i % 2);
     let params = |group: usize| {
-        let g = &w.groups[i / group * 2 * COLS..];
-        (g[c].to_f32(), g[COLS + c].to_f32())
+        let g = i / group * 2 * COLS;
+        (w.groups.get(g + c), w.groups.get(g + COLS + c))
     };
     match w.format {
         Format::Int8 => f32::from(w.q[p * 2 * COLS + lane] as i8),

@@ -1,7 +1,8 @@
-use half::bf16;
+use half::{bf16, f16};
 use proptest::prelude::*;
 
 use super::{Format, Gemv, Path, QuantWeight, COLS};
+use crate::attn::{DType, Element};
 
 /// Values a bf16 holds exactly, and int8 weights, from a seeded generator.
 fn noise(len: usize, seed: u64) -> impl Iterator<Item = u64> {
@@ -14,8 +15,8 @@ fn noise(len: usize, seed: u64) -> impl Iterator<Item = u64> {
     })
 }
 
-fn xs(len: usize, seed: u64) -> Vec<bf16> {
-    noise(len, seed).map(|v| bf16::from_f32((v as f32 / (1u64 << 24) as f32 - 0.5) * 4.0)).collect()
+fn xs<E: Element>(len: usize, seed: u64) -> Vec<E> {
+    noise(len, seed).map(|v| E::from_f32((v as f32 / (1u64 << 24) as f32 - 0.5) * 4.0)).collect()
 }
 
 fn qs(len: usize, seed: u64) -> Vec<i8> {
@@ -49,14 +50,15 @@ fn pack4(q: &[i8], n: usize, k: usize) -> Vec<u8> {
     packed
 }
 
-struct Case {
+/// A linear of a model in `E` and its input.
+struct Case<E = bf16> {
     format: Format,
-    x: Vec<bf16>,
+    x: Vec<E>,
     /// int8 values, or int4's 0..15.
     q: Vec<i8>,
     packed: Vec<u8>,
     /// int4: per block and group, 16 scales then 16 zeros.
-    groups: Vec<bf16>,
+    groups: Vec<E>,
     scales: Vec<f32>,
     bias: Vec<f32>,
     rows: usize,
@@ -68,10 +70,12 @@ impl Case {
     fn new(rows: usize, n: usize, k: usize, seed: u64) -> Case {
         Case::with(Format::Int8, rows, n, k, seed)
     }
+}
 
-    fn with(format: Format, rows: usize, n: usize, k: usize, seed: u64) -> Case {
+impl<E: Element> Case<E> {
+    fn with(format: Format, rows: usize, n: usize, k: usize, seed: u64) -> Case<E> {
         let padded = n.div_ceil(COLS) * COLS;
-        let bias = xs(padded, seed + 3).iter().map(|b| b.to_f32()).collect();
+        let bias = xs::<E>(padded, seed + 3).iter().map(|b| b.to_f32()).collect();
         let (packed, q, groups, scales) = match format {
             Format::Int8 => {
                 let q = qs(n * k, seed + 1);
@@ -93,7 +97,7 @@ impl Case {
         Case { format, x: xs(rows * k, seed), q, packed, groups, scales, bias, rows, n, k }
     }
 
-    fn weight(&self) -> QuantWeight<'_> {
+    fn weight(&self) -> QuantWeight<'_, E> {
         QuantWeight {
             format: self.format,
             packed: &self.packed,
@@ -107,7 +111,7 @@ impl Case {
 
     /// Column `c`'s weight at input `i` in f64, and a bound on how far what the kernels sum is
     /// from it (the grouped formats: the f32 roundings of its terms, and of int4's group sums
-    /// offset by `128 · Σx` that the SIMD path cancels, within a bf16 step of each product).
+    /// offset by `128 · Σx` that the SIMD path cancels, within a step of `E` of each product).
     fn weight_at(&self, c: usize, i: usize) -> (f64, f64) {
         let q = f64::from(self.q[c * self.k + i]);
         let Some(group) = self.format.group() else { return (q, 0.0) };
@@ -117,10 +121,10 @@ impl Case {
             Format::Int4 { .. } => ((q - 8.0) * scale + zero, 23.0),
             _ => (q * scale + zero, 0.0),
         };
-        (w, w.abs() * 2f64.powi(-8) + (zero.abs() + offset * scale.abs()) * 2f64.powi(-22))
+        (w, w.abs() * unit::<E>() + (zero.abs() + offset * scale.abs()) * 2f64.powi(-22))
     }
 
-    /// Each output in f64 before its one rounding to bf16, and the bound on the f32 result's
+    /// Each output in f64 before its one rounding to `E`, and the bound on the f32 result's
     /// error before that rounding: the widened weights', then `k` roundings of at most 2^-24 of
     /// the running sum (never more than the sum of the products' magnitudes), then the
     /// scaling's and the bias's.
@@ -140,20 +144,26 @@ impl Case {
         (value, bound)
     }
 
-    /// The kernel's output against the reference: at most the f32 error plus one bf16 rounding.
+    /// The kernel's output against the reference: at most the f32 error plus one rounding to `E`.
     fn check(&self, path: Path, threads: usize) {
         let gemm = Gemv::new(Some(path), threads).unwrap();
-        let mut out = vec![bf16::NAN; self.rows * self.n];
+        let mut out = vec![E::from_f32(f32::NAN); self.rows * self.n];
         gemm.run_quantized(&self.x, self.weight(), &mut out).unwrap();
+        self.check_out(&out, path);
+    }
+
+    /// `check`'s comparison of `path`'s output `out` (its first `self.rows` rows).
+    fn check_out(&self, out: &[E], path: Path) {
         for m in 0..self.rows {
             for c in 0..self.n {
                 let (want, bound) = self.reference(m, c);
                 let got = f64::from(out[m * self.n + c].to_f32());
-                let bound = bound + (want.abs() + bound) * 2f64.powi(-8);
+                let bound = bound + (want.abs() + bound) * unit::<E>();
                 assert!(
                     (got - want).abs() <= bound,
-                    "{} {:?} rows={} n={} k={}: row {m}, column {c}: {got} vs {want} (bound {bound})",
+                    "{} {:?} {:?} rows={} n={} k={}: row {m}, column {c}: {got} vs {want} (bound {bound})",
                     path.name(),
+                    E::DTYPE,
                     self.format,
                     self.rows,
                     self.n,
@@ -162,75 +172,109 @@ impl Case {
             }
         }
     }
+
+    /// `check` on every path that takes `E` (one thread).
+    fn check_paths(&self) {
+        for path in paths(E::DTYPE) {
+            self.check(path, 1);
+        }
+    }
+}
+
+/// `E`'s unit of rounding: a bound on one rounding's relative error.
+fn unit<E: Element>() -> f64 {
+    match E::DTYPE {
+        DType::BF16 => 2f64.powi(-8),
+        DType::F16 => 2f64.powi(-11),
+        DType::F32 => 2f64.powi(-24),
+    }
+}
+
+/// `Case::with`'s linear in each dtype, on every path that takes it.
+fn check_each_dtype(format: Format, rows: usize, n: usize, k: usize, seed: u64) {
+    Case::<bf16>::with(format, rows, n, k, seed).check_paths();
+    Case::<f16>::with(format, rows, n, k, seed).check_paths();
+    Case::<f32>::with(format, rows, n, k, seed).check_paths();
 }
 
 #[test]
 fn every_path_matches_the_f64_outputs() {
-    for path in paths() {
-        // Rows on both sides of the fused kernel's limit and of a tile; widths with a partial
-        // block; odd and even inputs, below and above the fused kernel's unrolling.
-        for (rows, n, k) in [
-            (1, 1, 1),
-            (1, 5, 31),
-            (2, 16, 32),
-            (3, 17, 33),
-            (4, 40, 576),
-            (5, 16, 7),
-            (12, 3, 100),
-            (13, 33, 64),
-            (30, 20, 9),
-            (13, 20, 601),
-        ] {
-            Case::new(rows, n, k, (rows * 1000 + n * 10 + k) as u64).check(path, 1);
-        }
-        // The grouped formats: groups of 2 to 128 inputs, one group to many, both kernels and
-        // several tiles.
-        for (rows, n, k, group) in [
-            (1, 16, 2, 2),
-            (2, 17, 64, 32),
-            (4, 40, 576, 64),
-            (5, 16, 8, 4),
-            (3, 20, 96, 16),
-            (13, 33, 256, 128),
-            (30, 20, 1024, 128),
-            (7, 18, 512, 16),
-        ] {
-            let seed = (rows * 1000 + n * 10 + k) as u64;
-            for format in [Format::Int4 { group }, Format::GroupedInt8 { group }] {
-                Case::with(format, rows, n, k, seed).check(path, 1);
-            }
+    // Rows on both sides of the fused kernel's limit and of a tile; widths with a partial
+    // block; odd and even inputs, below and above the fused kernel's unrolling.
+    for (rows, n, k) in [
+        (1, 1, 1),
+        (1, 5, 31),
+        (2, 16, 32),
+        (3, 17, 33),
+        (4, 40, 576),
+        (5, 16, 7),
+        (12, 3, 100),
+        (13, 33, 64),
+        (30, 20, 9),
+        (13, 20, 601),
+    ] {
+        check_each_dtype(Format::Int8, rows, n, k, (rows * 1000 + n * 10 + k) as u64);
+    }
+    // The grouped formats: groups of 2 to 128 inputs, one group to many, both kernels and
+    // several tiles.
+    for (rows, n, k, group) in [
+        (1, 16, 2, 2),
+        (2, 17, 64, 32),
+        (4, 40, 576, 64),
+        (5, 16, 8, 4),
+        (3, 20, 96, 16),
+        (13, 33, 256, 128),
+        (30, 20, 1024, 128),
+        (7, 18, 512, 16),
+    ] {
+        let seed = (rows * 1000 + n * 10 + k) as u64;
+        for format in [Format::Int4 { group }, Format::GroupedInt8 { group }] {
+            check_each_dtype(format, rows, n, k, seed);
         }
     }
 }
 
 #[test]
 fn an_odd_input_width_never_reads_past_a_row() {
+    odd_input_width_never_reads_past_a_row::<bf16>();
+    odd_input_width_never_reads_past_a_row::<f16>();
+    odd_input_width_never_reads_past_a_row::<f32>();
+}
+
+fn odd_input_width_never_reads_past_a_row<E: Element>() {
     // Row 1 starts with an infinity right after row 0's last value: row 0 must not meet it
     // (through the pad weight, 0, it would make a NaN). Fused and tiled rows.
-    for path in paths() {
+    for path in paths(E::DTYPE) {
         for rows in [2, 8] {
-            let mut case = Case::new(rows, 16, 5, 7);
-            case.x[5] = bf16::INFINITY;
+            let mut case = Case::<E>::with(Format::Int8, rows, 16, 5, 7);
+            case.x[5] = E::from_f32(f32::INFINITY);
             let gemm = Gemv::new(Some(path), 1).unwrap();
-            let mut out = vec![bf16::NAN; rows * 16];
+            let mut out = vec![E::from_f32(f32::NAN); rows * 16];
             gemm.run_quantized(&case.x, case.weight(), &mut out).unwrap();
             case.rows = 1;
             case.x.truncate(5);
-            let mut row0 = vec![bf16::NAN; 16];
-            gemm.run_quantized(&case.x, case.weight(), &mut row0).unwrap();
-            assert_eq!(out[..16], row0[..], "{} rows={rows}", path.name());
-            case.check(path, 1);
+            case.check_out(&out, path);
         }
     }
 }
 
 #[test]
 fn only_paths_with_a_quantized_kernel_run_it() {
-    for path in Path::ALL {
-        let made = Gemv::quantized(Some(path), 1);
-        assert_eq!(made.is_ok(), path.quantized() && path.is_supported(), "{}", path.name());
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
+        for path in Path::ALL {
+            let made = Gemv::quantized(Some(path), 1, dtype);
+            assert_eq!(made.is_ok(), path.quantizes(dtype) && path.is_supported(), "{} {dtype:?}", path.name());
+        }
+        assert!(Gemv::quantized(None, 1, dtype).unwrap().path().quantizes(dtype));
     }
-    assert!(Gemv::quantized(None, 1).unwrap().path().quantized());
+    // AVX-512's multiplies bf16 alone: an f32 model's `x` is refused there, not rounded.
+    assert!(!Path::Avx512Bf16.quantizes(DType::F32) && !Path::Avx512Bf16.quantizes(DType::F16));
+    if Path::Avx512Bf16.is_supported() {
+        let case = Case::<f32>::with(Format::Int8, 1, 16, 4, 1);
+        let gemm = Gemv::new(Some(Path::Avx512Bf16), 1).unwrap();
+        let mut out = vec![0.0f32; 16];
+        assert!(gemm.run_quantized(&case.x, case.weight(), &mut out).is_err());
+    }
     // A bf16 linear's kernel (NEON's, on aarch64) is refused, not run as the scalar one.
     let case = Case::new(1, 16, 4, 1);
     for path in Path::ALL.into_iter().filter(|p| p.is_supported() && !p.quantized()) {
@@ -265,18 +309,16 @@ fn run_refuses_shapes_that_do_not_fit() {
     assert!(gemm.run_quantized(&case.x, int4, &mut out).is_err(), "int8 bytes read as int4's");
 }
 
-/// Every path of the quantized kernels this CPU runs (AVX2's beside AVX-512's).
-fn paths() -> impl Iterator<Item = Path> {
-    Path::ALL.into_iter().filter(|p| p.quantized() && p.is_supported())
+/// Every path of the quantized kernels this CPU runs for `dtype` (AVX2's beside AVX-512's).
+fn paths(dtype: DType) -> impl Iterator<Item = Path> {
+    Path::ALL.into_iter().filter(move |p| p.quantizes(dtype) && p.is_supported())
 }
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
     #[test]
     fn every_path_matches_random_f64_outputs(rows in 1usize..40, n in 1usize..50, k in 1usize..300, seed in 0u64..1000) {
-        for path in paths() {
-            Case::new(rows, n, k, seed).check(path, 1);
-        }
+        check_each_dtype(Format::Int8, rows, n, k, seed);
     }
 
     #[test]
@@ -284,9 +326,7 @@ proptest! {
         rows in 1usize..40, n in 1usize..50, groups in 1usize..6, half_group in 1usize..40, seed in 0u64..1000,
     ) {
         let group = 2 * half_group;
-        for path in paths() {
-            Case::with(Format::Int4 { group }, rows, n, group * groups, seed).check(path, 1);
-        }
+        check_each_dtype(Format::Int4 { group }, rows, n, group * groups, seed);
     }
 
     #[test]
@@ -294,8 +334,6 @@ proptest! {
         rows in 1usize..40, n in 1usize..50, groups in 1usize..6, half_group in 1usize..40, seed in 0u64..1000,
     ) {
         let group = 2 * half_group;
-        for path in paths() {
-            Case::with(Format::GroupedInt8 { group }, rows, n, group * groups, seed).check(path, 1);
-        }
+        check_each_dtype(Format::GroupedInt8 { group }, rows, n, group * groups, seed);
     }
 }

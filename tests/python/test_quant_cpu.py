@@ -1,9 +1,10 @@
 """Our Rust kernel for int8, int4 and grouped int8 weights (``_core.QuantGemm``, run by
-``quant.Int8Linear``, ``quant.Int4Linear`` and ``quant.GroupedInt8Linear`` in bf16 on a CPU with
-AVX512_BF16 or AVX2): the float32 sums of ``x`` by the weight (the scales and zeros applied to float32
-sums), rounded once, for any number of rows (the
-fused path up to 4, the tiled path past it, tiles split evenly); the same bits on any number of
-threads; typed errors; and the engine's quantized linears running it, eager and compiled."""
+``quant.Int8Linear``, ``quant.Int4Linear`` and ``quant.GroupedInt8Linear`` on a CPU with
+AVX512_BF16 or AVX2, in bf16, and in float16 and float32 on its AVX2 path): the float32 sums of
+``x`` by the weight (the scales and zeros applied to float32 sums), rounded once to the model's
+dtype, for any number of rows (the fused path up to 4, the tiled path past it, tiles split
+evenly); the same bits on any number of threads; typed errors; and the engine's quantized linears
+running it, eager and compiled."""
 
 from __future__ import annotations
 
@@ -23,58 +24,81 @@ from neo_rs.model.quant import (
     pack_int4,
     pack_int8,
     quantize_int4,
+    quantize_int8,
 )
 from neo_rs.model.rust_linears import gemv_applies, quant_kernel_applies
 from torch import nn
 
 
-def _runs(path: str) -> bool:
+def _runs(path: str, dtype: torch.dtype) -> bool:
     try:
-        QuantGemm.int8(
-            torch.zeros(1, 1, 16, 2, dtype=torch.int8), torch.ones(1), n=1, k=1, num_threads=1, path=path
-        )
+        scales = torch.ones(1, dtype=dtype)
+        QuantGemm.int8(torch.zeros(1, 1, 16, 2, dtype=torch.int8), scales, n=1, k=1, num_threads=1, path=path)
     except BackendError:  # not on this CPU, or no quantized kernel of it
+        return False
+    except DTypeError:  # a kernel of bf16 alone
         return False
     return True
 
 
-# Every path of the kernel this CPU runs: AVX2's beside AVX-512's.
-PATHS = [p for p in ("scalar", "avx2", "avx512_bf16", "neon", "neon_bf16") if _runs(p)]
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Every path of the kernel this CPU runs, for each dtype: AVX2's beside AVX-512's (bf16's alone).
+PATHS = [
+    (p, d) for d in DTYPES for p in ("scalar", "avx2", "avx512_bf16", "neon", "neon_bf16") if _runs(p, d)
+]
 
 
-def _linear(n: int, k: int, bias: bool, seed: int) -> nn.Linear:
+def _linear(n: int, k: int, bias: bool, seed: int, dtype: torch.dtype = torch.bfloat16) -> nn.Linear:
     torch.manual_seed(seed)
-    return nn.Linear(k, n, bias=bias).to(torch.bfloat16)
+    return nn.Linear(k, n, bias=bias).to(dtype)
+
+
+# Each dtype's unit of rounding: half its relative step.
+UNIT = {torch.bfloat16: 2**-8, torch.float16: 2**-11, torch.float32: 2**-24}
 
 
 def _close(
     out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, widened: bool
 ) -> None:
-    """``out`` is ``x @ w.T + bias`` in float32 rounded once to bf16: within a bf16 step of it,
+    """``out`` is ``x @ w.T + bias`` in float32 rounded once to its dtype: within a step of it,
     plus what summing ``k`` products in another order can move an f32 sum, plus (``widened``:
-    int4, whose group sums are offset by ``128 * sum(x)`` and cancelled in f32) a bf16 step of
-    each product, a loose bound on that cancellation."""
+    the grouped formats, whose group sums are scaled and offset by each group's ``sum(x)`` in f32)
+    a bound on that cancellation: in bf16 (AVX-512 offsets int4's by ``128 * sum(x)``) a bf16 step
+    of each product; else 16 f32 units of each (the group's terms, its scale times ``sum(x * q)``
+    and its offset times ``sum(x)``, are a few times its products, and each is rounded once)."""
     b = 0 if bias is None else bias.float()
     ref = F.linear(x.float(), w.float()) + b
     magnitude = F.linear(x.float().abs(), w.float().abs())
-    bound = ref.abs() * 2**-7 + magnitude * ((x.shape[-1] + 2) * 2**-24 + (2**-8 if widened else 0))
+    cancelled = 2**-8 if out.dtype == torch.bfloat16 else 16 * 2**-24
+    bound = ref.abs() * 2 * UNIT[out.dtype] + magnitude * (
+        (x.shape[-1] + 2) * 2**-24 + (cancelled if widened else 0)
+    )
     assert ((out.float() - ref).abs() <= bound).all(), ((out.float() - ref).abs() - bound).max()
 
 
-def _int8(n: int, k: int, bias: bool, seed: int, path: str | None = None, threads: int = 2):  # noqa: ANN202
-    lin = Int8Linear(_linear(n, k, bias, seed).float())  # torch's layout: the plain int8 rows
-    gemm = QuantGemm.int8(
-        pack_int8(lin.weight), lin.scales, None if lin.bias is None else lin.bias.bfloat16(),
-        n=n, k=k, num_threads=threads, path=path,
-    )  # fmt: skip
-    return gemm, lin.weight.float() * lin.scales[:, None], lin.bias
+def _int8(  # noqa: ANN202
+    n: int, k: int, bias: bool, seed: int, path: str | None = None, threads: int = 2, dtype=torch.bfloat16
+):
+    lin = _linear(n, k, bias, seed, dtype)
+    q, scale = quantize_int8(lin.weight)
+    scales = scale.to(dtype)
+    gemm = QuantGemm.int8(pack_int8(q), scales, lin.bias, n=n, k=k, num_threads=threads, path=path)
+    return gemm, q.float() * scales.float()[:, None], lin.bias
 
 
-def _grouped(
-    n: int, k: int, group: int, bits: int, bias: bool, seed: int, path: str | None = None, threads: int = 2
-):  # noqa: ANN202
+def _grouped(  # noqa: ANN202
+    n: int,
+    k: int,
+    group: int,
+    bits: int,
+    bias: bool,
+    seed: int,
+    path: str | None = None,
+    threads: int = 2,
+    dtype: torch.dtype = torch.bfloat16,
+):
     """``bits`` 4: the linear quantized to int4; 8: any int8 values, a scale and an offset per group."""
-    lin = _linear(n, k, bias, seed)
+    lin = _linear(n, k, bias, seed, dtype)
     if bits == 4:
         q, scale, zero = quantize_int4(lin.weight, group)
         packed, values = pack_int4(q), q.float() - 8
@@ -86,9 +110,9 @@ def _grouped(
             torch.randn(n, k // group, generator=g) * 1e-2,
         )
         packed, values = pack_int8(q), q.float()
-    s, z = scale.bfloat16(), zero.bfloat16()
+    s, z = scale.to(dtype), zero.to(dtype)
     blocks = -(-n // 16)
-    groups = torch.zeros(blocks * 16, k // group, 2, dtype=torch.bfloat16)
+    groups = torch.zeros(blocks * 16, k // group, 2, dtype=dtype)
     groups[:n, :, 0], groups[:n, :, 1] = s, z
     groups = groups.view(blocks, 16, k // group, 2).permute(0, 2, 3, 1).contiguous()
     gemm = QuantGemm.grouped(
@@ -98,21 +122,22 @@ def _grouped(
     return gemm, w.view(n, k), lin.bias
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(("path", "dtype"), PATHS)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("fmt", ["int8", "int4", "grouped int8"])
-def test_the_kernel_sums_by_the_quantized_weight(path: str, bias: bool, fmt: str) -> None:
+def test_the_kernel_sums_by_the_quantized_weight(path: str, dtype: torch.dtype, bias: bool, fmt: str) -> None:
     # A partial block of columns; int8 with an odd input width, int4 in groups of 32, grouped
     # int8 in 16s (Q6_K's).
     n, k = 83, (201 if fmt == "int8" else 192)
     if fmt == "int8":
-        gemm, w, b = _int8(n, k, bias, 0, path)
+        gemm, w, b = _int8(n, k, bias, 0, path, dtype=dtype)
     else:
-        gemm, w, b = _grouped(n, k, 32 if fmt == "int4" else 16, 4 if fmt == "int4" else 8, bias, 0, path)
+        bits = 4 if fmt == "int4" else 8
+        gemm, w, b = _grouped(n, k, 32 if fmt == "int4" else 16, bits, bias, 0, path, dtype=dtype)
     assert gemm.path == path
     for rows in (1, 2, 4, 5, 13, 16, 40):  # fused; tiled: one tile, two even ones, several
-        x = torch.randn(rows, k, dtype=torch.bfloat16)
-        out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16)
+        x = torch.randn(rows, k, dtype=dtype)
+        out = torch.full((rows, n), float("nan"), dtype=dtype)
         gemm.forward(x, out)
         _close(out, x, w, b, widened=fmt != "int8")
 
@@ -134,18 +159,23 @@ def test_threads_split_the_blocks_without_changing_a_bit(rows: int, fmt: str) ->
 
 
 def test_refuses_what_it_cannot_take() -> None:
-    lin = Int8Linear(_linear(8, 16, False, 2).float())
-    packed, scales = pack_int8(lin.weight), lin.scales
+    q, scale = quantize_int8(_linear(8, 16, False, 2).weight)
+    packed, scales = pack_int8(q), scale.bfloat16()
     gemm = QuantGemm.int8(packed, scales, n=8, k=16, num_threads=1)
     x, out = torch.randn(2, 16, dtype=torch.bfloat16), torch.empty(2, 8, dtype=torch.bfloat16)
     with pytest.raises(DTypeError, match="packed must be Int8"):
         QuantGemm.int8(packed.float(), scales, n=8, k=16, num_threads=1)
     with pytest.raises(ShapeError, match="packed must have shape"):
         QuantGemm.int8(packed, scales, n=17, k=16, num_threads=1)
-    with pytest.raises(DTypeError, match="scales must be float32"):
-        QuantGemm.int8(packed, scales.bfloat16(), n=8, k=16, num_threads=1)
+    with pytest.raises(DTypeError, match="scales must be a float tensor"):
+        QuantGemm.int8(packed, scales.int(), n=8, k=16, num_threads=1)
     with pytest.raises(ShapeError, match="bias must have shape"):
         QuantGemm.int8(packed, scales, torch.zeros(7, dtype=torch.bfloat16), n=8, k=16, num_threads=1)
+    with pytest.raises(DTypeError, match="bias must be bfloat16"):  # the scales' dtype, the model's
+        QuantGemm.int8(packed, scales, torch.zeros(8), n=8, k=16, num_threads=1)
+    if _runs("avx512_bf16", torch.bfloat16):  # bf16 by bf16: a float32 model is refused, not rounded
+        with pytest.raises(DTypeError, match="takes bfloat16, not float32"):
+            QuantGemm.int8(packed, scales.float(), n=8, k=16, num_threads=1, path="avx512_bf16")
     groups = torch.zeros(1, 1, 2, 16, dtype=torch.bfloat16)
     packed4 = torch.zeros(1, 8, 16, dtype=torch.uint8)
     assert QuantGemm.grouped(packed4, groups, n=8, k=16, group=16, bits=4, num_threads=1).path
@@ -161,8 +191,10 @@ def test_refuses_what_it_cannot_take() -> None:
         QuantGemm.grouped(packed4, groups, n=8, k=16, group=16, bits=8, num_threads=1)
     with pytest.raises(InvalidArgumentError, match="bits must be 4 or 8, got 5"):
         QuantGemm.grouped(packed8, groups, n=8, k=16, group=16, bits=5, num_threads=1)
-    with pytest.raises(DTypeError):
+    with pytest.raises(DTypeError, match="x must be bfloat16"):
         gemm.forward(x.float(), out)
+    with pytest.raises(DTypeError, match="out must be bfloat16"):
+        gemm.forward(x, out.float())
     with pytest.raises(ShapeError):
         gemm.forward(torch.randn(2, 15, dtype=torch.bfloat16), out)
     with pytest.raises(ShapeError):
@@ -171,21 +203,27 @@ def test_refuses_what_it_cannot_take() -> None:
 
 
 @pytest.mark.parametrize(
-    ("path", "int8_int4", "grouped_int8"),
+    ("bf16_path", "int8_int4", "grouped_int8"),
     [("avx512_bf16", True, True), ("avx2", True, False), ("scalar", False, False)],
 )
 def test_which_formats_run_it_by_the_kernel_s_path(
-    monkeypatch: pytest.MonkeyPatch, path: str, int8_int4: bool, grouped_int8: bool
+    monkeypatch: pytest.MonkeyPatch, bf16_path: str, int8_int4: bool, grouped_int8: bool
 ) -> None:
     """With AVX2 alone, int8 and int4 run our kernel (faster than torch's there) but grouped int8
     is dequantized at load (oneDNN's f32 GEMM on it was faster at batch sizes); the scalar
-    reference never runs the engine's; float32 models keep torch's kernels."""
-    monkeypatch.setattr(rust_linears, "quant_path", lambda: path)
+    reference never runs the engine's. Float32 and float16 models take the AVX2 path on either
+    x86 CPU, which runs their int8 and int4 (torch's kernels in those dtypes are many times
+    slower), and dequantize grouped int8 at load."""
+    other = "scalar" if bf16_path == "scalar" else "avx2"
+    paths = {torch.bfloat16: bf16_path}
+    monkeypatch.setattr(rust_linears, "quant_path", lambda dtype: paths.get(dtype, other))
     monkeypatch.delenv("NEO_RS_ROW_GEMV", raising=False)
     cpu = torch.device("cpu")
     assert quant_kernel_applies(cpu, torch.bfloat16) == int8_int4
     assert grouped_int8_runs(cpu, torch.bfloat16) == grouped_int8
-    assert not quant_kernel_applies(cpu, torch.float32) and not grouped_int8_runs(cpu, torch.float32)
+    for dtype in (torch.float32, torch.float16):
+        assert quant_kernel_applies(cpu, dtype) == int8_int4 and not grouped_int8_runs(cpu, dtype)
+    assert not quant_kernel_applies(torch.device("cuda"), torch.float32)
 
 
 needs_kernel = pytest.mark.skipif(
@@ -195,15 +233,23 @@ needs_kernel = pytest.mark.skipif(
 
 
 @needs_kernel
-def test_the_modules_pack_for_it_and_keep_every_weight() -> None:
-    lin = _linear(37, 64, True, 3)
-    int8, torch8 = Int8Linear(lin), Int8Linear(lin.float())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_modules_pack_for_it_and_keep_every_weight(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """A model in bf16 or float32 (our AVX2 path, where torch's int8 and int4 kernels are slow)
+    packs its quantized linears for our kernel, with the rows torch's layout would hold; with the
+    Rust linears off, torch's layout."""
+    lin = _linear(37, 64, True, 3, dtype)
+    int8 = Int8Linear(lin)
+    monkeypatch.setenv("NEO_RS_ROW_GEMV", "0")
+    torch8 = Int8Linear(lin)
+    monkeypatch.delenv("NEO_RS_ROW_GEMV")
     assert int8.gemm is not None and torch8.gemm is None
     assert int8.weight.shape == (3, 32, 16, 2) and int8.weight.dtype == torch.int8
-    # The same int8 rows, unpacked, and the same scales (in bf16).
-    plain = torch8.weight.to(torch.bfloat16) * torch8.scales.to(torch.bfloat16)[:, None]
-    assert torch.equal(int8.dequantized(), plain)
-    lin4 = _linear(48, 64, True, 4)
+    # The same int8 rows, unpacked, and the same scales (in the model's dtype).
+    assert torch.equal(int8.dequantized(), torch8.weight.to(dtype) * torch8.scales[:, None])
+    lin4 = _linear(48, 64, True, 4, dtype)
     int4 = Int4Linear(lin4)
     assert int4.gemm is not None and int4.packed.shape == (3, 32, 16) and int4.packed.dtype == torch.uint8
     q = quantize_int4(lin4.weight, int4.group)[0]
@@ -214,9 +260,9 @@ def test_the_modules_pack_for_it_and_keep_every_weight() -> None:
         (int4, int4.dequantized(q), lin4.bias, True),
     ):
         for rows in (0, 1, 6):
-            x = torch.randn(2, rows, 64, dtype=torch.bfloat16)
+            x = torch.randn(2, rows, 64, dtype=dtype)
             out = module(x)
-            assert out.shape == (2, rows, module.out_features)
+            assert out.shape == (2, rows, module.out_features) and out.dtype == dtype
             if rows:
                 _close(out.reshape(-1, module.out_features), x.reshape(-1, 64), w, b, widened)
 

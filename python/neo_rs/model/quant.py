@@ -9,14 +9,14 @@ bytes, which is what bounds decode at small batches:
   by torch's tinygemm kernels (``_weight_int4pack_mm_for_cpu``; on CUDA ``_weight_int4pack_mm``
   from sm_80 in bfloat16, else our Triton kernel, ``cuda/grouped_gemm.py``).
 
-Except in bf16 on a CPU with AVX512_BF16 or AVX2 (``rust_linears.quant_kernel_applies``): there
-both are packed at load for our Rust kernel (``_core.QuantGemm``, ``rust/qlinear/``), which widens
-each block of the weight once a call for all rows, where torch's kernels widen it again for every
-row. The compiled graph reaches it through ``neo_rs::packed_linear`` (``graph_ops.GraphLinear``).
-That kernel with AVX512_BF16, and on CUDA our Triton GEMM, also run ``GroupedInt8Linear``: int8
-values with a scale and a zero per group, a GGUF's other block types and 8-bit GPTQ
-(``Int8Blocks``), which elsewhere (AVX2 alone: ``grouped_int8_kernel_applies``; a float32 model on
-the CPU) are dequantized at load.
+Except on a CPU with AVX512_BF16 or AVX2 (``rust_linears.quant_kernel_applies``): there both are
+packed at load for our Rust kernel (``_core.QuantGemm``, ``rust/qlinear/``), which widens each
+block of the weight once a call for all rows, where torch's kernels widen it again for every row
+(and in float32 or float16 are many times slower than in bf16). The compiled graph reaches it
+through ``neo_rs::packed_linear`` (``graph_ops.GraphLinear``). That kernel with AVX512_BF16 in
+bf16, and on CUDA our Triton GEMM, also run ``GroupedInt8Linear``: int8 values with a scale and a
+zero per group, a GGUF's other block types and 8-bit GPTQ (``Int8Blocks``), which elsewhere (AVX2
+alone, a float32 or float16 model: ``grouped_int8_kernel_applies``) are dequantized at load.
 
 The embeddings and the LM head stay unquantized, as vLLM keeps them, and so do an MoE layer's
 experts (not yet quantized; the log says so)."""
@@ -128,7 +128,7 @@ class Int8Linear(GraphLinear, nn.Module):
     def use_threads(self, threads: int) -> None:
         """Our kernel, on ``threads`` of torch's OpenMP team (``packed.pack_linears``: the engine's)."""
         n, k = self.out_features, self.in_features
-        self.gemm = QuantGemm.int8(self.weight, self.scales.float(), self.bias, n=n, k=k, num_threads=threads)
+        self.gemm = QuantGemm.int8(self.weight, self.scales, self.bias, n=n, k=k, num_threads=threads)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ours:

@@ -4,8 +4,9 @@ the engine's. The engine takes a SIMD path by default where it was timed against
 (AVX512_BF16; AVX2 with oneDNN held to AVX2); the bf16 kernel's NEON paths (aarch64) are tested
 against the scalar one under qemu-user but not yet timed on an Arm CPU, so there it runs only when
 ``NEO_RS_ROW_GEMV=1`` asks. The int8 and int4 kernel has AVX512_BF16's and AVX2's paths (no NEON
-one); on AVX2 it runs int8 and int4 but not grouped int8 (``grouped_int8_kernel_applies``).
-``NEO_RS_ROW_GEMV=0`` turns both off."""
+one), for bf16 models, and for float16 and float32 ones AVX2's alone (AVX512_BF16's would round
+``x`` to bf16); on AVX2 it runs int8 and int4 but not grouped int8
+(``grouped_int8_kernel_applies``). ``NEO_RS_ROW_GEMV=0`` turns both off."""
 
 from __future__ import annotations
 
@@ -36,11 +37,18 @@ def gemv_applies() -> bool:
     return path in _TIMED or (path != "scalar" and flag == "1")
 
 
+# The dtypes the int8/int4 kernel takes: its ``x``, its output, its groups' scales and zeros.
+_QUANT_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
+
+
 def quant_kernel_applies(device: torch.device, dtype: torch.dtype) -> bool:
-    """Quantized linears of a ``dtype`` model on ``device`` run our kernel (``_core.QuantGemm``)."""
-    if device.type != "cpu" or dtype != torch.bfloat16 or os.environ.get("NEO_RS_ROW_GEMV") == "0":
+    """Quantized linears of a ``dtype`` model on ``device`` run our kernel (``_core.QuantGemm``).
+    In float32 and float16 torch's int8 and int4 kernels took 8-130x the time of a dense GEMM of
+    the same weight, and our AVX2 path 0.01-0.15x theirs (``benches/quant_kernels.py --dtype
+    float32``)."""
+    if device.type != "cpu" or dtype not in _QUANT_DTYPES or os.environ.get("NEO_RS_ROW_GEMV") == "0":
         return False
-    return quant_path() in _TIMED
+    return quant_path(dtype) in _TIMED
 
 
 def grouped_int8_kernel_applies(device: torch.device, dtype: torch.dtype) -> bool:
@@ -48,12 +56,13 @@ def grouped_int8_kernel_applies(device: torch.device, dtype: torch.dtype) -> boo
     alone, where oneDNN's f32 GEMM on the weight dequantized at load was 1.1-1.4x faster at 64
     rows and about level at one (SmolLM2's and Llama-3.2-1B's linears in groups of 32; int4 took
     0.52-0.90x the time of torch's kernel there, int8 0.58-1.01x but on the smallest at one row)."""
-    return quant_kernel_applies(device, dtype) and quant_path() == "avx512_bf16"
+    return quant_kernel_applies(device, dtype) and quant_path(dtype) == "avx512_bf16"
 
 
 @functools.cache
-def quant_path() -> str:
-    """The int8/int4 kernel's path on this CPU (``scalar``, ``avx2`` or ``avx512_bf16``), probed once:
-    every quantized linear asks."""
-    probe = QuantGemm.int8(torch.zeros(1, 1, 16, 2, dtype=torch.int8), torch.ones(1), n=1, k=1, num_threads=1)
+def quant_path(dtype: torch.dtype = torch.bfloat16) -> str:
+    """The int8/int4 kernel's path on this CPU for a ``dtype`` model (``scalar``, ``avx2`` or
+    ``avx512_bf16``), probed once a dtype: every quantized linear asks."""
+    scales = torch.ones(1, dtype=dtype)
+    probe = QuantGemm.int8(torch.zeros(1, 1, 16, 2, dtype=torch.int8), scales, n=1, k=1, num_threads=1)
     return str(probe.path)
