@@ -153,8 +153,8 @@ impl QuantGemm {
         })
     }
 
-    /// The kernel this CPU runs for this linear's dtype (`scalar`, `avx2` or `avx512_bf16`: the
-    /// int8 and int4 linears have no NEON one, and AVX-512's takes bf16 alone).
+    /// The kernel this CPU runs for this linear's dtype (`scalar`, `avx2`, `avx512_bf16`, `neon`
+    /// or `neon_bf16`; AVX-512's takes bf16 alone).
     #[getter]
     fn path(&self) -> &'static str {
         self.kernel.path().name()

@@ -1,9 +1,9 @@
 //! Weight-only quantized linears on the CPU, int8 and int4: `out = x · Wᵀ + bias` with `x` and
 //! `out` of the model's dtype (bf16; f16 or f32 on the AVX2 and scalar paths) and `W` kept as its
-//! int8 or 4-bit values. torch's kernels (`_weight_int8pack_mm`,
-//! tinygemm's `_weight_int4pack_mm_for_cpu`) widen the weight again for every row of `x`, so at
-//! 64 rows they ran at 0.4-0.6x bf16's speed; here each weight block is widened once a call and
-//! then multiplied by every row.
+//! int8 or 4-bit values. torch's kernels (`_weight_int8pack_mm`, tinygemm's
+//! `_weight_int4pack_mm_for_cpu`) widen the weight again for every row of `x`, so at 64 rows they
+//! ran at 0.4-0.6x bf16's speed (and in f32 or f16 at a few hundredths of it); here each weight
+//! block is widened once a call and then multiplied by every row.
 //!
 //! The weight is packed in blocks of 16 output columns (`COLS`). Pair `p` of a block holds, for
 //! each of its columns, that column's weights at inputs `2p` and `2p + 1` (`k` padded to even,
@@ -33,17 +33,20 @@
 //!
 //! That is the AVX512_BF16 path (`avx512.rs`), for bf16 models. Without `vdpbf16ps`, and for f16
 //! and f32 models (whose `x` would lose bits as bf16), the AVX2 path (`avx2.rs`) widens the same
-//! packed pairs to f32 and multiplies-adds them with `x` widened once a call. The grouped
+//! packed pairs to f32 and multiplies-adds them with `x` widened once a call; on aarch64 the NEON
+//! path (`neon.rs`) does the same in 128-bit vectors. The grouped
 //! formats' scales and zeros are of the model's dtype too (a GGUF's f16 scales lose nothing in
 //! f32 or f16).
 //!
-//! Sums are f32, then scaled (int8), biased (f32) and rounded to the model's dtype once. Work is split by
-//! blocks over the calling thread's OpenMP team (`crate::team`), as `crate::gemv` does.
+//! Sums are f32, then scaled (int8), biased (f32) and rounded to the model's dtype once. Work is
+//! split by blocks over the calling thread's OpenMP team (`crate::team`), as `crate::gemv` does.
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "aarch64")]
+mod neon;
 mod scalar;
 
 use half::{bf16, f16};
@@ -173,7 +176,7 @@ impl Gemv {
         let out = Out { addr: out.as_mut_ptr() as usize, n, dtype: E::DTYPE };
         let (path, x) = (self.path(), Values::of(x));
         // What each path reads of `x` besides its rows: AVX-512 spreads them over the L1's sets;
-        // AVX2 widens them to f32. Both take the grouped formats' sums of each group.
+        // AVX2 and NEON widen them to f32. All take the grouped formats' sums of each group.
         let spread = if path == Path::Avx512Bf16 { Rows::spread(x.bf16(), rows, k) } else { None };
         let (group_sums, wide): (Vec<f32>, Vec<f32>) = match (path, weight.format.group()) {
             #[cfg(target_arch = "x86_64")]
@@ -182,6 +185,8 @@ impl Gemv {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above.
             (Path::Avx2, group) => unsafe { avx2::prepare(x, rows, k, group) },
+            #[cfg(target_arch = "aarch64")]
+            (Path::Neon | Path::NeonBf16, group) => neon::prepare(x, rows, k, group),
             _ => (Vec::new(), Vec::new()),
         };
         let x = match &spread {
@@ -231,7 +236,7 @@ impl<'a> Values<'a> {
         }
     }
 
-    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    #[cfg_attr(not(any(target_arch = "x86_64", target_arch = "aarch64")), allow(dead_code))]
     fn len(self) -> usize {
         match self {
             Values::Bf16(v) => v.len(),
@@ -273,16 +278,16 @@ struct Block<'a> {
 }
 
 /// The rows of `x`, `stride` values apart, for the grouped formats each row's sum over each
-/// group of inputs (`[rows][k / group]`; empty otherwise), and for AVX2 the rows in f32
-/// (`avx2::prepare`; empty otherwise).
+/// group of inputs (`[rows][k / group]`; empty otherwise), and for AVX2 and NEON the rows in f32
+/// (`avx2::prepare`, `neon::prepare`; empty otherwise).
 #[derive(Clone, Copy)]
 struct Rows<'a> {
     x: Values<'a>,
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     stride: usize,
-    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    #[cfg_attr(not(any(target_arch = "x86_64", target_arch = "aarch64")), allow(dead_code))]
     group_sums: &'a [f32],
-    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    #[cfg_attr(not(any(target_arch = "x86_64", target_arch = "aarch64")), allow(dead_code))]
     wide: &'a [f32],
 }
 
@@ -308,13 +313,13 @@ impl Rows<'_> {
     }
 }
 
-/// A thread's room for its blocks widened (AVX-512: to bf16; AVX2: to f32) and (AVX-512's
-/// grouped formats) their rows' sums.
+/// A thread's room for its blocks widened (AVX-512: to bf16; AVX2 and NEON: to f32) and
+/// (AVX-512's grouped formats) their rows' sums.
 #[derive(Default)]
 struct Scratch {
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     wide: Vec<bf16>,
-    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    #[cfg_attr(not(any(target_arch = "x86_64", target_arch = "aarch64")), allow(dead_code))]
     wide32: Vec<f32>,
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     sums: Vec<f32>,
@@ -359,19 +364,14 @@ impl Out {
 }
 
 impl Path {
-    /// Whether the int8 and int4 linears have a kernel of this path (NEON's are bf16's alone).
-    pub fn quantized(self) -> bool {
-        matches!(self, Path::Scalar | Path::Avx2 | Path::Avx512Bf16)
-    }
-
     /// Whether this path's int8 and int4 kernel takes a model in `dtype`: AVX-512's multiplies
-    /// bf16 by bf16 (`vdpbf16ps`), the others widen `x` to f32.
+    /// bf16 by bf16 (`vdpbf16ps`), the others widen `x` to f32 (both NEON paths run the same
+    /// kernel: it has no use for `bfdot`).
     pub fn quantizes(self, dtype: DType) -> bool {
-        self.quantized() && (self != Path::Avx512Bf16 || dtype == DType::BF16)
+        self != Path::Avx512Bf16 || dtype == DType::BF16
     }
 
     fn has_quantized(self, dtype: DType) -> Result<()> {
-        ensure!(self.quantized(), Runtime, "the int8 and int4 linears have no {} kernel", self.name());
         ensure!(
             self.quantizes(dtype),
             DType,
@@ -382,7 +382,7 @@ impl Path {
         Ok(())
     }
 
-    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))] // `scratch`: AVX-512's and AVX2's
+    #[cfg_attr(not(any(target_arch = "x86_64", target_arch = "aarch64")), allow(unused_variables))] // `scratch`: SIMD's
     fn blocks(self, x: Rows<'_>, rows: usize, k: usize, ws: &[Block<'_>], scratch: &mut Scratch, out: Out) {
         match self {
             #[cfg(target_arch = "x86_64")]
@@ -392,6 +392,9 @@ impl Path {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above.
             Path::Avx2 => unsafe { avx2::blocks(x, rows, k, ws, scratch, out) },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: as above.
+            Path::Neon | Path::NeonBf16 => unsafe { neon::blocks(x, rows, k, ws, scratch, out) },
             // SAFETY: as above.
             _ => ws.iter().for_each(|w| unsafe { scalar::block(x.x, rows, k, w, out) }),
         }

@@ -1,10 +1,10 @@
 """Our Rust kernel for int8, int4 and grouped int8 weights (``_core.QuantGemm``, run by
 ``quant.Int8Linear``, ``quant.Int4Linear`` and ``quant.GroupedInt8Linear`` on a CPU with
-AVX512_BF16 or AVX2, in bf16, and in float16 and float32 on its AVX2 path): the float32 sums of
-``x`` by the weight (the scales and zeros applied to float32 sums), rounded once to the model's
-dtype, for any number of rows (the fused path up to 4, the tiled path past it, tiles split
-evenly); the same bits on any number of threads; typed errors; and the engine's quantized linears
-running it, eager and compiled."""
+AVX512_BF16 or AVX2, in bf16, and in float16 and float32 on its AVX2 path; NEON's when asked): the
+float32 sums of ``x`` by the weight (the scales and zeros applied to float32 sums), rounded once
+to the model's dtype, for any number of rows (the fused path up to 4, the tiled path past it,
+tiles split evenly); the same bits on any number of threads; typed errors; and the engine's
+quantized linears running it, eager and compiled."""
 
 from __future__ import annotations
 
@@ -203,21 +203,33 @@ def test_refuses_what_it_cannot_take() -> None:
 
 
 @pytest.mark.parametrize(
-    ("bf16_path", "int8_int4", "grouped_int8"),
-    [("avx512_bf16", True, True), ("avx2", True, False), ("scalar", False, False)],
+    ("bf16_path", "flag", "int8_int4", "grouped_int8"),
+    [
+        ("avx512_bf16", None, True, True),
+        ("avx2", None, True, False),
+        ("avx2", "0", False, False),
+        ("scalar", None, False, False),
+        ("scalar", "1", False, False),
+        ("neon", None, False, False),
+        ("neon_bf16", "1", True, False),
+    ],
 )
 def test_which_formats_run_it_by_the_kernel_s_path(
-    monkeypatch: pytest.MonkeyPatch, bf16_path: str, int8_int4: bool, grouped_int8: bool
+    monkeypatch: pytest.MonkeyPatch, bf16_path: str, flag: str | None, int8_int4: bool, grouped_int8: bool
 ) -> None:
     """With AVX2 alone, int8 and int4 run our kernel (faster than torch's there) but grouped int8
     is dequantized at load (oneDNN's f32 GEMM on it was faster at batch sizes); the scalar
-    reference never runs the engine's. Float32 and float16 models take the AVX2 path on either
-    x86 CPU, which runs their int8 and int4 (torch's kernels in those dtypes are many times
+    reference never runs the engine's, NEON's (untimed) only when ``NEO_RS_ROW_GEMV=1`` asks, and
+    ``NEO_RS_ROW_GEMV=0`` turns the kernel off. Float32 and float16 models take the AVX2 path on
+    either x86 CPU, which runs their int8 and int4 (torch's kernels in those dtypes are many times
     slower), and dequantize grouped int8 at load."""
-    other = "scalar" if bf16_path == "scalar" else "avx2"
+    other = "avx2" if bf16_path.startswith("avx") else bf16_path
     paths = {torch.bfloat16: bf16_path}
     monkeypatch.setattr(rust_linears, "quant_path", lambda dtype: paths.get(dtype, other))
-    monkeypatch.delenv("NEO_RS_ROW_GEMV", raising=False)
+    if flag is None:
+        monkeypatch.delenv("NEO_RS_ROW_GEMV", raising=False)
+    else:
+        monkeypatch.setenv("NEO_RS_ROW_GEMV", flag)
     cpu = torch.device("cpu")
     assert quant_kernel_applies(cpu, torch.bfloat16) == int8_int4
     assert grouped_int8_runs(cpu, torch.bfloat16) == grouped_int8

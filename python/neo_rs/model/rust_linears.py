@@ -3,10 +3,11 @@ the int8 and int4 one for any rows (``quant``). Each has a scalar path, their re
 the engine's. The engine takes a SIMD path by default where it was timed against oneDNN's
 (AVX512_BF16; AVX2 with oneDNN held to AVX2); the bf16 kernel's NEON paths (aarch64) are tested
 against the scalar one under qemu-user but not yet timed on an Arm CPU, so there it runs only when
-``NEO_RS_ROW_GEMV=1`` asks. The int8 and int4 kernel has AVX512_BF16's and AVX2's paths (no NEON
-one), for bf16 models, and for float16 and float32 ones AVX2's alone (AVX512_BF16's would round
-``x`` to bf16); on AVX2 it runs int8 and int4 but not grouped int8
-(``grouped_int8_kernel_applies``). ``NEO_RS_ROW_GEMV=0`` turns both off."""
+``NEO_RS_ROW_GEMV=1`` asks. The int8 and int4 kernel has AVX512_BF16's, AVX2's and NEON's paths
+(NEON's likewise tested, untimed, and run only when asked), for bf16 models, and for float16 and
+float32 ones AVX2's and NEON's (AVX512_BF16's would round ``x`` to bf16); on AVX2 it runs int8 and
+int4 but not grouped int8 (``grouped_int8_kernel_applies``). ``NEO_RS_ROW_GEMV=0`` turns both
+off."""
 
 from __future__ import annotations
 
@@ -28,13 +29,16 @@ def gemv_path() -> str:
     return Bf16Linear(torch.zeros(1, 1, dtype=torch.bfloat16), num_threads=1).path
 
 
+def _runs(path: str) -> bool:
+    """A kernel's ``path`` runs the engine's linears: a timed one unless ``NEO_RS_ROW_GEMV=0``, an
+    untimed SIMD one (NEON's) when ``NEO_RS_ROW_GEMV=1`` asks, the scalar reference never."""
+    flag = os.environ.get("NEO_RS_ROW_GEMV")
+    return flag != "0" and (path in _TIMED or (path != "scalar" and flag == "1"))
+
+
 def gemv_applies() -> bool:
     """The bf16 kernel runs the engine's linears of a few rows on this CPU."""
-    flag = os.environ.get("NEO_RS_ROW_GEMV")
-    if flag == "0":
-        return False
-    path = gemv_path()
-    return path in _TIMED or (path != "scalar" and flag == "1")
+    return _runs(gemv_path())
 
 
 # The dtypes the int8/int4 kernel takes: its ``x``, its output, its groups' scales and zeros.
@@ -46,9 +50,7 @@ def quant_kernel_applies(device: torch.device, dtype: torch.dtype) -> bool:
     In float32 and float16 torch's int8 and int4 kernels took 8-130x the time of a dense GEMM of
     the same weight, and our AVX2 path 0.01-0.15x theirs (``benches/quant_kernels.py --dtype
     float32``)."""
-    if device.type != "cpu" or dtype not in _QUANT_DTYPES or os.environ.get("NEO_RS_ROW_GEMV") == "0":
-        return False
-    return quant_path(dtype) in _TIMED
+    return device.type == "cpu" and dtype in _QUANT_DTYPES and _runs(quant_path(dtype))
 
 
 def grouped_int8_kernel_applies(device: torch.device, dtype: torch.dtype) -> bool:
@@ -61,8 +63,8 @@ def grouped_int8_kernel_applies(device: torch.device, dtype: torch.dtype) -> boo
 
 @functools.cache
 def quant_path(dtype: torch.dtype = torch.bfloat16) -> str:
-    """The int8/int4 kernel's path on this CPU for a ``dtype`` model (``scalar``, ``avx2`` or
-    ``avx512_bf16``), probed once a dtype: every quantized linear asks."""
+    """The int8/int4 kernel's path on this CPU for a ``dtype`` model (``scalar``, ``avx2``,
+    ``avx512_bf16``, ``neon`` or ``neon_bf16``), probed once a dtype: every quantized linear asks."""
     scales = torch.ones(1, dtype=dtype)
     probe = QuantGemm.int8(torch.zeros(1, 1, 16, 2, dtype=torch.int8), scales, n=1, k=1, num_threads=1)
     return str(probe.path)
