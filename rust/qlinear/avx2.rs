@@ -1,23 +1,21 @@
 //! AVX2 with FMA (and F16C), for x86 CPUs without AVX512_BF16 and for models in f16 or f32 on
-//! any x86 CPU. Each pair of a block is widened to f32 as
-//! four vectors of 8 lanes: the 16 columns' weights at the pair's even input (columns 0-7, then
-//! 8-15), then at its odd one. Rows of `x` are widened to f32 once a call (`prepare`) and each
+//! any x86 CPU. Each pair of a block is widened to f32 as four vectors of 8 lanes: the 16
+//! columns' weights at the pair's even input (columns 0-7, then 8-15), then at its odd one. Rows of `x` are widened to f32 once a call (`prepare`) and each
 //! value broadcast against them, so no lane ever needs a horizontal sum. Int4 multiplies its
 //! values `q` (0..15) and offsets each group by `(zero - 8 · scale) · Σx`; grouped int8 by
 //! `zero · Σx`; the rows' group sums are taken in f64 and rounded once.
 //!
 //! A few rows (`FUSED_ROWS`) widen each pair in registers and use it at once; more widen the block
-//! once into the thread's scratch (128 bytes a pair), then pass over it `TILE` rows at a time.
+//! once into the thread's scratch (128 bytes a pair), then pass over it 4 rows at a time
+//! (`f32_passes!`): 8 accumulators, the pair's 4 vectors and a row's 2 broadcasts in the 16
+//! vector registers.
 
 use std::arch::x86_64::*;
 
-use super::{Block, Format, Out, Rows, Scratch, Values, COLS, FUSED_ROWS};
+use super::{Block, F32Tile, Format, Out, Rows, Scratch, Values, COLS, FUSED_ROWS};
 
 /// f32 values of a widened pair: even inputs' columns 0-7 and 8-15, then odd inputs'.
 const PAIR: usize = 4 * 8;
-/// Rows per pass over a widened block: 8 accumulators, the pair's 4 vectors and a row's 2
-/// broadcasts in the 16 vector registers.
-const TILE: usize = 4;
 
 /// For the grouped formats each row's sum over each group of `group` inputs (`[rows][k / group]`),
 /// and the rows of `x` in f32, `2 * k.div_ceil(2)` values each (an odd `k`'s pad weight meets a
@@ -67,92 +65,35 @@ fn f64_sum(v: &[f32]) -> f64 {
 }
 
 /// # Safety
-/// The CPU must have AVX2, FMA and F16C; `x` is `prepare`'s for `rows` rows of `k`, `ws` are blocks of
-/// one weight `k` wide, and this call alone writes their columns of `out`.
+/// The CPU must have AVX2, FMA and F16C; `x` is `prepare`'s for `rows` rows of `k`, `ws` are
+/// blocks of one weight `k` wide, and this call alone writes their columns of `out`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn blocks(x: Rows<'_>, rows: usize, k: usize, ws: &[Block<'_>], scratch: &mut Scratch, out: Out) {
-    let pairs = k.div_ceil(2);
-    let width = 2 * pairs;
-    let format = ws[0].format;
-    assert!(x.wide.len() >= rows * width, "block: rows shorter than their shapes");
-    if let Some(group) = format.group() {
-        assert!(x.group_sums.len() >= rows * (k / group), "block: no group sums of the rows");
-    }
-    for w in ws {
-        assert!(
-            w.format == format && w.q.len() >= pairs * format.pair_bytes(),
-            "block: a block shorter than its shape"
-        );
-        assert!(
-            format.group().is_none_or(|group| w.groups.len() >= k / group * 2 * COLS),
-            "block: groups shorter than their shape"
-        );
-    }
-    let rows_of = |m: usize| Tile {
-        x: x.wide.as_ptr().wrapping_add(m * width),
-        width,
-        group_sums: x.group_sums.as_ptr().wrapping_add(format.group().map_or(0, |group| m * (k / group))),
-        m0: m,
-    };
-    let int4 = matches!(format, Format::Int4 { .. });
-    for w in ws {
-        if rows <= FUSED_ROWS {
-            // SAFETY: the block's pairs (asserted); the rows, features and columns as below.
-            let pair = |p: usize| unsafe { widen(int4, w.q.as_ptr(), p) };
-            // SAFETY: every row of `x` and its group sums (asserted); the features and the
-            // columns are the caller's.
-            unsafe { tile(rows, &rows_of(0), k, w, out, &pair) };
-            continue;
-        }
-        scratch.wide32.resize(pairs * PAIR, 0.0);
-        for (p, to) in scratch.wide32.chunks_exact_mut(PAIR).enumerate() {
-            // SAFETY: pair `p` of the block (asserted) into its 32 values of the scratch.
-            unsafe {
-                for (i, v) in widen(int4, w.q.as_ptr(), p).into_iter().enumerate() {
-                    _mm256_storeu_ps(to.as_mut_ptr().add(8 * i), v);
-                }
-            }
-        }
-        let wide = scratch.wide32.as_ptr();
-        // SAFETY: the `pairs` pairs just widened.
-        let pair = |p: usize| unsafe { std::array::from_fn(|i| _mm256_loadu_ps(wide.add(p * PAIR + 8 * i))) };
-        // Tiles of even sizes (6 rows as 3 + 3), as `avx512.rs`'s.
-        let tile_rows = rows.div_ceil(rows.div_ceil(TILE));
-        let mut m = 0;
-        while m < rows {
-            let c = tile_rows.min(rows - m);
-            // SAFETY: rows `m .. m + c` and their group sums (asserted); the features and the
-            // columns are the caller's.
-            unsafe { tile(c, &rows_of(m), k, w, out, &pair) };
-            m += c;
-        }
-    }
+    f32_passes!(x, rows, k, ws, scratch, out, pair: PAIR, widen: widen, store: store, load: load, against: rows_against)
 }
 
-/// Rows of a pass: the first's widened `x` (rows `width` apart) and group sums, its output row.
-struct Tile {
-    x: *const f32,
-    width: usize,
-    group_sums: *const f32,
-    m0: usize,
-}
-
-/// `rows_against::<c>` for a tile of `c` rows (at most `TILE`).
+/// A widened pair into the scratch at `to`.
 ///
 /// # Safety
-/// As `rows_against`'s.
+/// `to` has room for `PAIR` values.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile(c: usize, rows: &Tile, k: usize, w: &Block<'_>, out: Out, pair: &impl Fn(usize) -> [__m256; 4]) {
-    // SAFETY: the caller's.
-    unsafe {
-        match c {
-            1 => rows_against::<1>(rows, k, w, out, pair),
-            2 => rows_against::<2>(rows, k, w, out, pair),
-            3 => rows_against::<3>(rows, k, w, out, pair),
-            _ => rows_against::<4>(rows, k, w, out, pair),
-        }
+unsafe fn store(pair: [__m256; 4], to: *mut f32) {
+    for (i, v) in pair.into_iter().enumerate() {
+        // SAFETY: the caller's.
+        unsafe { _mm256_storeu_ps(to.add(8 * i), v) };
     }
+}
+
+/// A widened pair back from the scratch at `from`.
+///
+/// # Safety
+/// `from` holds `PAIR` values.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load(from: *const f32) -> [__m256; 4] {
+    // SAFETY: the caller's.
+    std::array::from_fn(|i| unsafe { _mm256_loadu_ps(from.add(8 * i)) })
 }
 
 /// `M` rows against block `w`, pair `p`'s widened weights from `pair(p)`: each group's products
@@ -166,7 +107,7 @@ unsafe fn tile(c: usize, rows: &Tile, k: usize, w: &Block<'_>, out: Out, pair: &
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn rows_against<const M: usize>(
-    rows: &Tile,
+    rows: &F32Tile,
     k: usize,
     w: &Block<'_>,
     out: Out,

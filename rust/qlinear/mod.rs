@@ -41,6 +41,83 @@
 //! Sums are f32, then scaled (int8), biased (f32) and rounded to the model's dtype once. Work is
 //! split by blocks over the calling thread's OpenMP team (`crate::team`), as `crate::gemv` does.
 
+/// `$against::<c>(args)`: a tile of `c` rows (1 to 4) as a constant.
+macro_rules! f32_tile {
+    ($against:ident, $c:expr, $($arg:expr),*) => {
+        match $c {
+            1 => $against::<1>($($arg),*),
+            2 => $against::<2>($($arg),*),
+            3 => $against::<3>($($arg),*),
+            _ => $against::<4>($($arg),*),
+        }
+    };
+}
+
+/// The passes of an f32 path (`avx2.rs`, `neon.rs`) over blocks `$ws` of one weight, `$rows` rows
+/// of `$x` (`prepare`'s) `$k` wide: up to `FUSED_ROWS` rows each pair is widened in registers
+/// (`$widen(int4, q, p)`) and used at once; past that each block is widened once into the
+/// thread's scratch (`$store(pair, to)`, `$pair` f32 values a pair; `$load(from)` reads one
+/// back), then passed over in tiles of up to 4 rows split evenly (6 rows as 3 + 3), each tile by
+/// `$against::<rows>(&F32Tile, k, block, out, pair)`. A macro, so that the path's kernels inline
+/// under the calling function's target features.
+macro_rules! f32_passes {
+    ($x:expr, $rows:expr, $k:expr, $ws:expr, $scratch:expr, $out:expr,
+     pair: $pair:expr, widen: $widen:ident, store: $store:ident, load: $load:ident, against: $against:ident) => {{
+        let (x, rows, k, ws, scratch, out) = ($x, $rows, $k, $ws, $scratch, $out);
+        let pairs = k.div_ceil(2);
+        let width = 2 * pairs;
+        let format = ws[0].format;
+        assert!(x.wide.len() >= rows * width, "block: rows shorter than their shapes");
+        if let Some(group) = format.group() {
+            assert!(x.group_sums.len() >= rows * (k / group), "block: no group sums of the rows");
+        }
+        for w in ws {
+            assert!(
+                w.format == format && w.q.len() >= pairs * format.pair_bytes(),
+                "block: a block shorter than its shape"
+            );
+            assert!(
+                format.group().is_none_or(|group| w.groups.len() >= k / group * 2 * COLS),
+                "block: groups shorter than their shape"
+            );
+        }
+        let rows_of = |m: usize| F32Tile {
+            x: x.wide.as_ptr().wrapping_add(m * width),
+            width,
+            group_sums: x.group_sums.as_ptr().wrapping_add(format.group().map_or(0, |group| m * (k / group))),
+            m0: m,
+        };
+        let int4 = matches!(format, Format::Int4 { .. });
+        for w in ws {
+            if rows <= FUSED_ROWS {
+                // SAFETY: the block's pairs (asserted).
+                let pair = |p: usize| unsafe { $widen(int4, w.q.as_ptr(), p) };
+                // SAFETY: every row of `x` and its group sums (asserted); the columns are the
+                // caller's.
+                unsafe { f32_tile!($against, rows, &rows_of(0), k, w, out, &pair) };
+                continue;
+            }
+            scratch.wide32.resize(pairs * $pair, 0.0);
+            for (p, to) in scratch.wide32.chunks_exact_mut($pair).enumerate() {
+                // SAFETY: pair `p` of the block (asserted) into its values of the scratch.
+                unsafe { $store($widen(int4, w.q.as_ptr(), p), to.as_mut_ptr()) };
+            }
+            let wide = scratch.wide32.as_ptr();
+            // SAFETY: the `pairs` pairs just widened.
+            let pair = |p: usize| unsafe { $load(wide.add(p * $pair)) };
+            let tile_rows = rows.div_ceil(rows.div_ceil(4));
+            let mut m = 0;
+            while m < rows {
+                let c = tile_rows.min(rows - m);
+                // SAFETY: rows `m .. m + c` and their group sums (asserted); the columns are the
+                // caller's.
+                unsafe { f32_tile!($against, c, &rows_of(m), k, w, out, &pair) };
+                m += c;
+            }
+        }
+    }};
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
@@ -311,6 +388,16 @@ impl Rows<'_> {
         }
         Some(spread)
     }
+}
+
+/// Rows of an f32 path's tile (`f32_passes!`): the first's widened `x` (rows `width` apart) and
+/// group sums, its output row.
+#[cfg_attr(not(any(target_arch = "x86_64", target_arch = "aarch64")), allow(dead_code))]
+struct F32Tile {
+    x: *const f32,
+    width: usize,
+    group_sums: *const f32,
+    m0: usize,
 }
 
 /// A thread's room for its blocks widened (AVX-512: to bf16; AVX2 and NEON: to f32) and
