@@ -20,10 +20,6 @@ pub(crate) struct Bf16Linear {
     bias: Option<TensorRef>,
 }
 
-pub(super) fn require_bf16(t: &TensorRef) -> Result<()> {
-    require(t, DType::BF16)
-}
-
 /// `t` is a float tensor of `dtype`.
 pub(super) fn require(t: &TensorRef, dtype: DType) -> Result<()> {
     ensure!(t.float()? == dtype, DType, "{} must be {}, got {:?}", t.name, dtype.name(), t.kind);
@@ -43,11 +39,11 @@ impl Bf16Linear {
         path: Option<&str>,
     ) -> PyResult<Self> {
         let w = TensorRef::extract(weight, "weight")?;
-        require_bf16(&w)?;
+        require(&w, DType::BF16)?;
         let n = w.dims(2)?[0];
         let b = bias.map(|b| TensorRef::extract(b, "bias")).transpose()?;
         if let Some(b) = &b {
-            require_bf16(b)?;
+            require(b, DType::BF16)?;
             ensure!(b.shape == [n], Shape, "bias must have shape [{n}], got {:?}", b.shape);
         }
         let gemv = Gemv::new(path.map(Path::parse).transpose()?, num_threads)?;

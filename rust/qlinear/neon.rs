@@ -115,14 +115,15 @@ unsafe fn rows_against<const M: usize>(
                 acc = sums;
                 continue;
             }
-            let (at_scale, at_zero) = (g * 2 * COLS, g * 2 * COLS + COLS);
+            // The group's scales and zeros, once for all the rows.
+            let params = |at: usize| std::array::from_fn::<_, QUARTERS, _>(|q| widen_values(w.groups, at + 4 * q));
+            let (scale, zero) = (params(g * 2 * COLS), params(g * 2 * COLS + COLS));
+            let zero =
+                if int4 { std::array::from_fn(|q| vfmsq_f32(zero[q], scale[q], vdupq_n_f32(8.0))) } else { zero };
             for (m, (a, s)) in acc.iter_mut().zip(sums).enumerate() {
                 let sum_x = *rows.group_sums.add(m * groups + g);
                 for q in 0..QUARTERS {
-                    let (scale, zero) =
-                        (widen_values(w.groups, at_scale + 4 * q), widen_values(w.groups, at_zero + 4 * q));
-                    let zero = if int4 { vfmsq_f32(zero, scale, vdupq_n_f32(8.0)) } else { zero };
-                    a[q] = vfmaq_n_f32(vfmaq_f32(a[q], scale, s[q]), zero, sum_x);
+                    a[q] = vfmaq_n_f32(vfmaq_f32(a[q], scale[q], s[q]), zero[q], sum_x);
                 }
             }
         }
