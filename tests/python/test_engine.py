@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 from conftest import assert_all_blocks_free
-from neo_rs import LLM, LLMEngine, ModelLoadError, SamplingParams
+from neo_rs import LLM, LLMEngine, ModelLoadError, RequestOutputKind, SamplingParams
 from neo_rs.attention.device_decode import TorchDecode
 from neo_rs.attention.metadata import AttentionBatch
 from neo_rs.config import EngineArgs
@@ -144,26 +144,58 @@ def test_chat_uses_the_template(checkpoints) -> None:
     assert_all_blocks_free(llm.engine)
 
 
-def test_incremental_detokenizer_never_splits_a_character() -> None:
+class _PythonTokenizer:
+    """A tokenizer without a ``tokenizers`` backend (transformers' Python and SentencePiece ones):
+    the detokenizer's Python stream decodes it."""
+
+    def __init__(self, tok) -> None:
+        self.tok = tok
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@pytest.fixture(params=["DecodeStream", "python"])
+def demo_tokenizer(request):
     tok = load_tokenizer(demo_model_dir())
+    return tok if request.param == "DecodeStream" else _PythonTokenizer(tok)
+
+
+def test_incremental_detokenizer_never_splits_a_character(demo_tokenizer) -> None:
     text = "héllo wörld — 日本語 🙂 ok"
-    ids = tok.encode(text, add_special_tokens=False)
+    ids = load_tokenizer(demo_model_dir()).encode(text, add_special_tokens=False)
     assert len(ids) > len(text)  # multi-byte characters span several tokens
-    detok = IncrementalDetokenizer(tok, [256], skip_special_tokens=True)
+    detok = IncrementalDetokenizer(demo_tokenizer, [256], skip_special_tokens=True)
     deltas = [detok.add(t) for t in ids]
     assert "".join(deltas) == text
     assert not any("\ufffd" in d for d in deltas)
+    assert deltas.count("") == len(ids) - len(text)  # each character's bytes but its last held
 
 
-def test_incremental_detokenizer_window_stays_bounded_on_invalid_bytes() -> None:
-    tok = load_tokenizer(demo_model_dir())
-    detok = IncrementalDetokenizer(tok, [256], skip_special_tokens=True)
+def test_incremental_detokenizer_holds_back_a_bounded_run_of_invalid_bytes(demo_tokenizer) -> None:
+    detok = IncrementalDetokenizer(demo_tokenizer, [256], skip_special_tokens=True)
     # 0xFF never starts a UTF-8 character: waiting for one to complete would never end.
     deltas = [detok.add(0xFF) for _ in range(1000)]
-    assert len(detok.tokens) - detok.prefix_offset <= 2 * MAX_PENDING_TOKENS
+    assert deltas[MAX_PENDING_TOKENS - 1] == "\ufffd" * MAX_PENDING_TOKENS
     assert "".join(deltas) == "\ufffd" * (1000 // MAX_PENDING_TOKENS * MAX_PENDING_TOKENS)
     # A valid character comes out at once, after the invalid bytes still held back.
     assert detok.add(ord("a")) == "\ufffd" * (1000 % MAX_PENDING_TOKENS) + "a"
+
+
+def test_incremental_detokenizer_goes_on_where_the_stream_fails() -> None:
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    # A decoder whose text shrinks as a token arrives ("a", then "ab" decodes to "X"), which
+    # tokenizers' DecodeStream refuses ("Invalid prefix") from then on.
+    raw = Tokenizer(models.WordLevel({"a": 0, "b": 1, "c": 2, "d": 3}, unk_token="a"))
+    raw.decoder = decoders.Sequence([decoders.Fuse(), decoders.Replace("ab", "X")])
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw)
+    for t in (tok, _PythonTokenizer(tok)):
+        detok = IncrementalDetokenizer(t, [], skip_special_tokens=False)
+        # "b" adds no text; "c" gives the text after the window's old one; the stream starts
+        # again after it, and "d" comes out on its own.
+        assert [detok.add(i) for i in (0, 1, 2, 3)] == ["a", "", "c", "d"]
 
 
 def test_demo_model_runs_and_says_its_weights_are_random(caplog) -> None:
@@ -172,9 +204,16 @@ def test_demo_model_runs_and_says_its_weights_are_random(caplog) -> None:
     assert "RANDOM" in caplog.text
     cfg = json.loads((demo_model_dir() / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["num_key_value_heads"] == 2
-    a = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    b = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids and len(a[0].outputs[0].token_ids) == 8
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    a = llm.generate("Hi", params, use_tqdm=False)
+    step, stepped = llm.engine.step, []
+    llm.engine.step = lambda: stepped.append(step()) or stepped[-1]  # type: ignore[method-assign]
+    b = llm.generate(["Hi", "Hello"], params, use_tqdm=False)[0]
+    assert a[0].outputs[0].token_ids == b.outputs[0].token_ids and len(a[0].outputs[0].token_ids) == 8
+    # generate builds each request's output once, when it finishes, and leaves the params alone.
+    assert [len(outs) for outs in stepped] == [0] * 7 + [2]  # both prompts' first tokens in one step
+    assert all(out.finished for out in stepped[-1])
+    assert params.output_kind is RequestOutputKind.CUMULATIVE
     assert_all_blocks_free(llm.engine)
 
 

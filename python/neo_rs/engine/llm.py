@@ -3,6 +3,7 @@ through it, return one ``RequestOutput`` per prompt in input order."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -12,7 +13,7 @@ from neo_rs.config import EngineArgs
 from neo_rs.engine.llm_engine import LLMEngine
 from neo_rs.engine.sequence import RequestOutput
 from neo_rs.errors import InvalidArgumentError
-from neo_rs.sample.sampling import SamplingParams
+from neo_rs.sample.sampling import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
 # vLLM's prompt dicts: {"prompt": text} (TextPrompt) or {"prompt_token_ids": ids} (TokensPrompt).
@@ -104,6 +105,8 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(items):
                 raise InvalidArgumentError(f"{len(params)} sampling params for {len(items)} prompts")
+        # Only the finished outputs are returned: none is built before (as vLLM's LLM does).
+        params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         ids: list[str] = []
         try:
             for (prompt, prompt_ids), p in zip(items, params, strict=True):

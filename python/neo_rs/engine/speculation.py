@@ -50,16 +50,19 @@ class Verification:
         v = Verification([], [], [], [])
         for lo, hi in zip(bounds, bounds[1:], strict=False):
             seq = row_seqs[lo]
-            # Row j's input is draft j (row 0's the last sampled token): row j verifies the next.
-            drafts = plan.input_ids[sample_rows[lo] + 1 : sample_rows[hi - 1] + 1].tolist()
             v.seqs.append(seq)
             v.runs.append(slice(lo, hi))
+            if hi - lo == 1:  # no drafts (every row without speculation): the plan is not read
+                v.rows.append(seq.sample_row())
+                v.drafts.append(None)
+                continue
+            # Row j's input is draft j (row 0's the last sampled token): row j verifies the next.
+            drafts = plan.input_ids[sample_rows[lo] + 1 : sample_rows[hi - 1] + 1].tolist()
             v.rows.extend(seq.sample_row(drafts[:j]) for j in range(hi - lo))
             v.drafts.extend([*drafts, None])
-            if hi - lo > 1:
-                v.num_drafted += 1
-                if seq.generator is not None and not seq.params.greedy:
-                    v.rewind[seq.seq_id] = seq.generator.get_state()
+            v.num_drafted += 1
+            if seq.generator is not None and not seq.params.greedy:
+                v.rewind[seq.seq_id] = seq.generator.get_state()
         return v
 
     @property
@@ -87,15 +90,16 @@ class Verification:
         ``force``: ``(p, rng)`` keeps each draft with probability ``p`` (``forced_acceptance``)."""
         tokens, counts, stopped = [], [], []
         for seq, run in zip(self.seqs, self.runs, strict=True):
-            sampled, drafts = result.token_ids[run], self.drafts[run]
-            if force is not None:
-                sampled = _forced(sampled, drafts, *force)
-            # The last row's draft is None: some row always differs.
-            emitted = 1 + next(j for j, (t, d) in enumerate(zip(sampled, drafts, strict=True)) if t != d)
+            sampled, emitted = result.token_ids[run], 1
             if len(sampled) > 1:
+                drafts = self.drafts[run]
+                if force is not None:
+                    sampled = _forced(sampled, drafts, *force)
+                # The last row's draft is None: some row always differs.
+                emitted += next(j for j, (t, d) in enumerate(zip(sampled, drafts, strict=True)) if t != d)
                 self.accepted.append(emitted - 1)
-            if (state := self.rewind.get(seq.seq_id)) is not None:
-                _redraw(seq.generator, state, emitted)
+                if (state := self.rewind.get(seq.seq_id)) is not None:
+                    _redraw(seq.generator, state, emitted)
             n = 0
             for j in range(emitted):
                 n += 1
