@@ -10,9 +10,9 @@ x 20 calls, best of two alternating rounds):
   dtype ``packed.gemm_compute`` picks, f32 where oneDNN has no bf16 GEMM of its own; the Rust
   bf16 kernel for a few rows); in float32 or float16, ``F.linear``.
 
-``--path`` times another of the kernel's paths than this CPU's best for the dtype, e.g. ``avx2``
-beside oneDNN and torch held to AVX2, as on a CPU without AVX-512; ``--dtype float32`` (or
-``float16``) a model in that dtype, which takes the AVX2 path:
+``--path`` times another of the kernel's paths than this CPU's best, e.g. ``avx2`` beside oneDNN
+and torch held to AVX2, as on a CPU without AVX-512; ``--dtype float32`` (or ``float16``) a model
+in that dtype (on the AVX512_BF16 path, its kernel in f32 lanes):
 
     python benches/quant_kernels.py [--threads 2] [--rows 1 4 16 64] [--path avx2] [--dtype float32]
     ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \\
@@ -31,7 +31,7 @@ from common import cpu_line
 from neo_rs._core import Bf16Linear, QuantGemm
 from neo_rs.model.packed import PackedLinear, gemm_compute
 from neo_rs.model.quant import groups_by_block, pack_int4, pack_int8, quantize_int4, quantize_int8
-from neo_rs.model.rust_linears import quant_path
+from neo_rs.model.rust_linears import gemv_path
 from quant_linear import SHAPES, linears
 from torch import nn
 
@@ -99,12 +99,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
-    ap.add_argument("--path", default=None, help="the kernel's path (default: this CPU's best for the dtype)")
+    ap.add_argument("--path", default=None, help="the kernel's path (default: this CPU's best)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    path = args.path or quant_path(dtype)
+    path = args.path or gemv_path()
     print(cpu_line())
     capability, onednn_bf16 = (
         torch.backends.cpu.get_cpu_capability(),

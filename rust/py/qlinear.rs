@@ -90,7 +90,7 @@ impl QuantGemm {
         let dtype = s.float()?;
         ensure!(s.shape == [n], Shape, "scales must have shape [{n}], got {:?}", s.shape);
         Ok(QuantGemm {
-            kernel: Gemv::quantized(path.map(Path::parse).transpose()?, num_threads, dtype)?,
+            kernel: Gemv::new(path.map(Path::parse).transpose()?, num_threads)?,
             format: Format::Int8,
             dtype,
             _tensors: vec![packed.clone().unbind()],
@@ -140,7 +140,7 @@ impl QuantGemm {
         let shape = [blocks, k / group, 2, COLS];
         ensure!(g.shape == shape, Shape, "groups must have shape {shape:?}, got {:?}", g.shape);
         Ok(QuantGemm {
-            kernel: Gemv::quantized(path.map(Path::parse).transpose()?, num_threads, dtype)?,
+            kernel: Gemv::new(path.map(Path::parse).transpose()?, num_threads)?,
             format,
             dtype,
             _tensors: vec![packed.clone().unbind(), groups.clone().unbind()],
@@ -153,8 +153,7 @@ impl QuantGemm {
         })
     }
 
-    /// The kernel this CPU runs for this linear's dtype (`scalar`, `avx2`, `avx512_bf16`, `neon`
-    /// or `neon_bf16`; AVX-512's takes bf16 alone).
+    /// The kernel this CPU runs (`scalar`, `avx2`, `avx512_bf16`, `neon` or `neon_bf16`).
     #[getter]
     fn path(&self) -> &'static str {
         self.kernel.path().name()

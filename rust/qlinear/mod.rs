@@ -1,9 +1,9 @@
 //! Weight-only quantized linears on the CPU, int8 and int4: `out = x · Wᵀ + bias` with `x` and
-//! `out` of the model's dtype (bf16; f16 or f32 on the AVX2 and scalar paths) and `W` kept as its
-//! int8 or 4-bit values. torch's kernels (`_weight_int8pack_mm`, tinygemm's
-//! `_weight_int4pack_mm_for_cpu`) widen the weight again for every row of `x`, so at 64 rows they
-//! ran at 0.4-0.6x bf16's speed (and in f32 or f16 at a few hundredths of it); here each weight
-//! block is widened once a call and then multiplied by every row.
+//! `out` of the model's dtype (bf16, f16 or f32) and `W` kept as its int8 or 4-bit values.
+//! torch's kernels (`_weight_int8pack_mm`, tinygemm's `_weight_int4pack_mm_for_cpu`) widen the
+//! weight again for every row of `x`, so at 64 rows they ran at 0.4-0.6x bf16's speed (and in
+//! f32 or f16 at a few hundredths of it); here each weight block is widened once a call and then
+//! multiplied by every row.
 //!
 //! The weight is packed in blocks of 16 output columns (`COLS`). Pair `p` of a block holds, for
 //! each of its columns, that column's weights at inputs `2p` and `2p + 1` (`k` padded to even,
@@ -31,10 +31,11 @@
 //!   for a 576-wide input), then multiplied by the rows in tiles of up to `TILE` rows, one
 //!   accumulator each per block, each row's broadcast `x` feeding both blocks.
 //!
-//! That is the AVX512_BF16 path (`avx512.rs`), for bf16 models. Without `vdpbf16ps`, and for f16
-//! and f32 models (whose `x` would lose bits as bf16), the AVX2 path (`avx2.rs`) widens the same
-//! packed pairs to f32 and multiplies-adds them with `x` widened once a call; on aarch64 the NEON
-//! path (`neon.rs`) does the same in 128-bit vectors. The grouped
+//! That is the AVX512_BF16 path (`avx512.rs`) for bf16 models. Without `vdpbf16ps`, the AVX2
+//! path (`avx2.rs`) widens the same packed pairs to f32 and multiplies-adds them with `x` widened
+//! once a call; the AVX512_BF16 path does the same in 16 lanes for f16 and f32 models, whose `x`
+//! would lose bits as bf16 (`avx512_f32.rs`); on aarch64 the NEON path (`neon.rs`) in 128-bit
+//! vectors. The grouped
 //! formats' scales and zeros are of the model's dtype too (a GGUF's f16 scales lose nothing in
 //! f32 or f16).
 //!
@@ -53,7 +54,7 @@ macro_rules! f32_tile {
     };
 }
 
-/// The passes of an f32 path (`avx2.rs`, `neon.rs`) over blocks `$ws` of one weight, `$rows` rows
+/// The passes of an f32 path (`avx2.rs`, `avx512_f32.rs`, `neon.rs`) over blocks `$ws` of one weight, `$rows` rows
 /// of `$x` (`prepare`'s) `$k` wide: up to `FUSED_ROWS` rows each pair is widened in registers
 /// (`$widen(int4, q, p)`) and used at once; past that each block is widened once into the
 /// thread's scratch (`$store(pair, to)`, `$pair` f32 values a pair; `$load(from)` reads one
@@ -122,6 +123,8 @@ macro_rules! f32_passes {
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod avx512_f32;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 mod scalar;
@@ -233,18 +236,8 @@ impl<E> QuantWeight<'_, E> {
 }
 
 impl Gemv {
-    /// `Gemv::new` for `run_quantized` in `dtype`: by default the best path this CPU runs that
-    /// has a quantized kernel for it; a path without one is refused.
-    pub fn quantized(path: Option<Path>, threads: usize, dtype: DType) -> Result<Gemv> {
-        let best = Path::ALL.into_iter().rev().find(|p| p.quantizes(dtype) && p.is_supported());
-        let path = path.or(best).unwrap_or(Path::Scalar);
-        path.has_quantized(dtype)?;
-        Gemv::new(Some(path), threads)
-    }
-
     /// `out[m] = x[m] · Wᵀ + bias` for each of the `x.len() / k` rows of `x` (`out`: `[rows, n]`).
     pub fn run_quantized<E: Element>(&self, x: &[E], weight: QuantWeight<'_, E>, out: &mut [E]) -> Result<()> {
-        self.path().has_quantized(E::DTYPE)?;
         weight.check()?;
         let (n, k) = (weight.n, weight.k);
         ensure!(x.len().is_multiple_of(k) && !x.is_empty(), Shape, "x holds {} values, not rows of {k}", x.len());
@@ -252,16 +245,20 @@ impl Gemv {
         ensure!(out.len() == rows * n, Shape, "out holds {} values, not {rows} x {n}", out.len());
         let out = Out { addr: out.as_mut_ptr() as usize, n, dtype: E::DTYPE };
         let (path, x) = (self.path(), Values::of(x));
-        // What each path reads of `x` besides its rows: AVX-512 spreads them over the L1's sets;
-        // AVX2 and NEON widen them to f32. All take the grouped formats' sums of each group.
-        let spread = if path == Path::Avx512Bf16 { Rows::spread(x.bf16(), rows, k) } else { None };
+        // What each path reads of `x` besides its rows: AVX-512 spreads bf16 rows over the L1's
+        // sets; AVX2, NEON and AVX-512's f16 and f32 models widen them to f32. All take the
+        // grouped formats' sums of each group.
+        let bf16_dots = path == Path::Avx512Bf16 && E::DTYPE == DType::BF16;
+        let spread = if bf16_dots { Rows::spread(x.bf16(), rows, k) } else { None };
         let (group_sums, wide): (Vec<f32>, Vec<f32>) = match (path, weight.format.group()) {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: the path was checked when it was chosen (`Gemv::new`).
-            (Path::Avx512Bf16, Some(group)) => (unsafe { avx512::group_sums(x.bf16(), k, group) }, Vec::new()),
+            (Path::Avx512Bf16, Some(group)) if bf16_dots => {
+                // SAFETY: the path was checked when it was chosen (`Gemv::new`).
+                (unsafe { avx512::group_sums(x.bf16(), k, group) }, Vec::new())
+            }
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: as above.
-            (Path::Avx2, group) => unsafe { avx2::prepare(x, rows, k, group) },
+            // SAFETY: as above (an AVX-512 CPU has AVX2, FMA and F16C).
+            (Path::Avx2 | Path::Avx512Bf16, group) => unsafe { avx2::prepare(x, rows, k, group) },
             #[cfg(target_arch = "aarch64")]
             (Path::Neon | Path::NeonBf16, group) => neon::prepare(x, rows, k, group),
             _ => (Vec::new(), Vec::new()),
@@ -331,12 +328,13 @@ impl<'a> Values<'a> {
         }
     }
 
-    /// The values as bf16: AVX-512's, which `run_quantized` gives no other dtype.
+    /// The values as bf16: AVX-512's `vdpbf16ps` kernels', which `run_quantized` gives bf16
+    /// models alone.
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     fn bf16(self) -> &'a [bf16] {
         match self {
             Values::Bf16(v) => v,
-            _ => unreachable!("AVX-512's quantized kernels take bf16 alone (Path::quantizes)"),
+            _ => unreachable!("AVX-512's bf16 kernels take bf16 models alone (`run_quantized`)"),
         }
     }
 }
@@ -355,7 +353,7 @@ struct Block<'a> {
 }
 
 /// The rows of `x`, `stride` values apart, for the grouped formats each row's sum over each
-/// group of inputs (`[rows][k / group]`; empty otherwise), and for AVX2 and NEON the rows in f32
+/// group of inputs (`[rows][k / group]`; empty otherwise), and for the f32 paths the rows in f32
 /// (`avx2::prepare`, `neon::prepare`; empty otherwise).
 #[derive(Clone, Copy)]
 struct Rows<'a> {
@@ -400,8 +398,8 @@ struct F32Tile {
     m0: usize,
 }
 
-/// A thread's room for its blocks widened (AVX-512: to bf16; AVX2 and NEON: to f32) and
-/// (AVX-512's grouped formats) their rows' sums.
+/// A thread's room for its blocks widened (AVX-512's bf16 kernels: to bf16; the f32 paths: to
+/// f32) and (AVX-512's bf16 grouped formats) their rows' sums.
 #[derive(Default)]
 struct Scratch {
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
@@ -451,31 +449,18 @@ impl Out {
 }
 
 impl Path {
-    /// Whether this path's int8 and int4 kernel takes a model in `dtype`: AVX-512's multiplies
-    /// bf16 by bf16 (`vdpbf16ps`), the others widen `x` to f32 (both NEON paths run the same
-    /// kernel: it has no use for `bfdot`).
-    pub fn quantizes(self, dtype: DType) -> bool {
-        self != Path::Avx512Bf16 || dtype == DType::BF16
-    }
-
-    fn has_quantized(self, dtype: DType) -> Result<()> {
-        ensure!(
-            self.quantizes(dtype),
-            DType,
-            "the int8 and int4 linears' {} kernel takes bfloat16, not {}",
-            self.name(),
-            dtype.name()
-        );
-        Ok(())
-    }
-
     #[cfg_attr(not(any(target_arch = "x86_64", target_arch = "aarch64")), allow(unused_variables))] // `scratch`: SIMD's
     fn blocks(self, x: Rows<'_>, rows: usize, k: usize, ws: &[Block<'_>], scratch: &mut Scratch, out: Out) {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Path::is_supported` was checked when the path was chosen (`Gemv::new`);
             // `run` checked the shapes, and each block's columns are written by this call alone.
-            Path::Avx512Bf16 => unsafe { avx512::blocks(x, rows, k, ws, scratch, out) },
+            Path::Avx512Bf16 if matches!(x.x, Values::Bf16(_)) => unsafe {
+                avx512::blocks(x, rows, k, ws, scratch, out)
+            },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above (`run_quantized` widened the rows of an f16 or f32 model).
+            Path::Avx512Bf16 => unsafe { avx512_f32::blocks(x, rows, k, ws, scratch, out) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above.
             Path::Avx2 => unsafe { avx2::blocks(x, rows, k, ws, scratch, out) },

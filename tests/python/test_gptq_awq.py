@@ -21,7 +21,7 @@ from neo_rs.config import ModelConfig
 from neo_rs.errors import ModelLoadError
 from neo_rs.model.gptq_awq import blocks_of, load_packed_linears
 from neo_rs.model.loader import load_model, shard_files
-from neo_rs.model.quant import GroupedInt8Linear, Int4Linear
+from neo_rs.model.quant import GroupedInt8Linear, Int4Linear, grouped_int8_runs
 from neo_rs.model.rust_linears import quant_kernel_applies
 from neo_rs.parallel.group import SINGLE_PROCESS, TensorParallel
 from neo_rs.parallel.shards import TpShard
@@ -267,13 +267,15 @@ def test_8_bit_gptq_is_kept_as_grouped_int8_placed_as_the_float_weights(
 def test_8_bit_gptq_generates_like_the_float_checkpoint(
     checkpoints, tmp_path, offload: str, dtype: str
 ) -> None:
-    """Kept as grouped int8 in bf16 where our kernel runs; dequantized at load elsewhere (float32
-    here). Weights exact in bf16: the kernel and oneDNN multiply by the same values."""
-    if dtype == "bfloat16" and not quant_kernel_applies(torch.device("cpu"), torch.bfloat16):
+    """Kept as grouped int8 where our kernel runs it (a CPU with AVX512_BF16, in either dtype);
+    dequantized at load elsewhere (float32 with AVX2 alone). Weights exact in bf16: the kernel and
+    oneDNN multiply by the same values."""
+    runs = grouped_int8_runs(torch.device("cpu"), getattr(torch, dtype))
+    if dtype == "bfloat16" and not runs:
         pytest.skip("no AVX512_BF16")
     packed, floats = write_packed(checkpoints["qwen2"], tmp_path, "gptq", 32, True, "shared", 8, True)
     want, _ = tokens_and_count(floats, GroupedInt8Linear, offload, dtype)
-    kept = 8 if dtype == "bfloat16" else 0
+    kept = 8 if runs else 0
     assert tokens_and_count(packed, GroupedInt8Linear, offload, dtype) == (want, kept)
     assert len({t for seq in want for t in seq}) > 3
 

@@ -1,6 +1,6 @@
 """Our Rust kernel for int8, int4 and grouped int8 weights (``_core.QuantGemm``, run by
 ``quant.Int8Linear``, ``quant.Int4Linear`` and ``quant.GroupedInt8Linear`` on a CPU with
-AVX512_BF16 or AVX2, in bf16, and in float16 and float32 on its AVX2 path; NEON's when asked): the
+AVX512_BF16 or AVX2, in bf16, float16 and float32; NEON's when asked): the
 float32 sums of ``x`` by the weight (the scales and zeros applied to float32 sums), rounded once
 to the model's dtype, for any number of rows (the fused path up to 4, the tiled path past it,
 tiles split evenly); the same bits on any number of threads; typed errors; and the engine's
@@ -30,22 +30,18 @@ from neo_rs.model.rust_linears import gemv_applies, quant_kernel_applies
 from torch import nn
 
 
-def _runs(path: str, dtype: torch.dtype) -> bool:
+def _runs(path: str) -> bool:
     try:
-        scales = torch.ones(1, dtype=dtype)
+        scales = torch.ones(1, dtype=torch.bfloat16)
         QuantGemm.int8(torch.zeros(1, 1, 16, 2, dtype=torch.int8), scales, n=1, k=1, num_threads=1, path=path)
-    except BackendError:  # not on this CPU, or no quantized kernel of it
-        return False
-    except DTypeError:  # a kernel of bf16 alone
+    except BackendError:  # not on this CPU
         return False
     return True
 
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Every path of the kernel this CPU runs, for each dtype: AVX2's beside AVX-512's (bf16's alone).
-PATHS = [
-    (p, d) for d in DTYPES for p in ("scalar", "avx2", "avx512_bf16", "neon", "neon_bf16") if _runs(p, d)
-]
+# Every path of the kernel this CPU runs, in each dtype: AVX2's beside AVX-512's.
+PATHS = [(p, d) for d in DTYPES for p in ("scalar", "avx2", "avx512_bf16", "neon", "neon_bf16") if _runs(p)]
 
 
 def _linear(n: int, k: int, bias: bool, seed: int, dtype: torch.dtype = torch.bfloat16) -> nn.Linear:
@@ -173,9 +169,6 @@ def test_refuses_what_it_cannot_take() -> None:
         QuantGemm.int8(packed, scales, torch.zeros(7, dtype=torch.bfloat16), n=8, k=16, num_threads=1)
     with pytest.raises(DTypeError, match="bias must be bfloat16"):  # the scales' dtype, the model's
         QuantGemm.int8(packed, scales, torch.zeros(8), n=8, k=16, num_threads=1)
-    if _runs("avx512_bf16", torch.bfloat16):  # bf16 by bf16: a float32 model is refused, not rounded
-        with pytest.raises(DTypeError, match="takes bfloat16, not float32"):
-            QuantGemm.int8(packed, scales.float(), n=8, k=16, num_threads=1, path="avx512_bf16")
     groups = torch.zeros(1, 1, 2, 16, dtype=torch.bfloat16)
     packed4 = torch.zeros(1, 8, 16, dtype=torch.uint8)
     assert QuantGemm.grouped(packed4, groups, n=8, k=16, group=16, bits=4, num_threads=1).path
@@ -203,7 +196,7 @@ def test_refuses_what_it_cannot_take() -> None:
 
 
 @pytest.mark.parametrize(
-    ("bf16_path", "flag", "int8_int4", "grouped_int8"),
+    ("path", "flag", "int8_int4", "grouped_int8"),
     [
         ("avx512_bf16", None, True, True),
         ("avx2", None, True, False),
@@ -215,26 +208,22 @@ def test_refuses_what_it_cannot_take() -> None:
     ],
 )
 def test_which_formats_run_it_by_the_kernel_s_path(
-    monkeypatch: pytest.MonkeyPatch, bf16_path: str, flag: str | None, int8_int4: bool, grouped_int8: bool
+    monkeypatch: pytest.MonkeyPatch, path: str, flag: str | None, int8_int4: bool, grouped_int8: bool
 ) -> None:
     """With AVX2 alone, int8 and int4 run our kernel (faster than torch's there) but grouped int8
     is dequantized at load (oneDNN's f32 GEMM on it was faster at batch sizes); the scalar
     reference never runs the engine's, NEON's (untimed) only when ``NEO_RS_ROW_GEMV=1`` asks, and
-    ``NEO_RS_ROW_GEMV=0`` turns the kernel off. Float32 and float16 models take the AVX2 path on
-    either x86 CPU, which runs their int8 and int4 (torch's kernels in those dtypes are many times
-    slower), and dequantize grouped int8 at load."""
-    other = "avx2" if bf16_path.startswith("avx") else bf16_path
-    paths = {torch.bfloat16: bf16_path}
-    monkeypatch.setattr(rust_linears, "quant_path", lambda dtype: paths.get(dtype, other))
+    ``NEO_RS_ROW_GEMV=0`` turns the kernel off. Float32 and float16 models take the same path as
+    bf16 ones (torch's int8 and int4 kernels in those dtypes are many times slower)."""
+    monkeypatch.setattr(rust_linears, "gemv_path", lambda: path)
     if flag is None:
         monkeypatch.delenv("NEO_RS_ROW_GEMV", raising=False)
     else:
         monkeypatch.setenv("NEO_RS_ROW_GEMV", flag)
     cpu = torch.device("cpu")
-    assert quant_kernel_applies(cpu, torch.bfloat16) == int8_int4
-    assert grouped_int8_runs(cpu, torch.bfloat16) == grouped_int8
-    for dtype in (torch.float32, torch.float16):
-        assert quant_kernel_applies(cpu, dtype) == int8_int4 and not grouped_int8_runs(cpu, dtype)
+    for dtype in DTYPES:
+        assert quant_kernel_applies(cpu, dtype) == int8_int4
+        assert grouped_int8_runs(cpu, dtype) == grouped_int8
     assert not quant_kernel_applies(torch.device("cuda"), torch.float32)
 
 
@@ -249,7 +238,7 @@ needs_kernel = pytest.mark.skipif(
 def test_the_modules_pack_for_it_and_keep_every_weight(
     monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
 ) -> None:
-    """A model in bf16 or float32 (our AVX2 path, where torch's int8 and int4 kernels are slow)
+    """A model in bf16 or float32 (where torch's int8 and int4 kernels are slow)
     packs its quantized linears for our kernel, with the rows torch's layout would hold; with the
     Rust linears off, torch's layout."""
     lin = _linear(37, 64, True, 3, dtype)

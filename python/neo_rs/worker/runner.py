@@ -267,7 +267,7 @@ class ModelRunner:
             if gguf.dequantized_types:
                 log.warning(
                     "the GGUF's %s linears are dequantized to %s: only our kernels keep them "
-                    "(CUDA, or bfloat16 on a CPU with AVX512_BF16)",
+                    "(CUDA, or a CPU with AVX512_BF16)",
                     "/".join(gguf.dequantized_types),
                     dtype,
                 )
