@@ -69,7 +69,7 @@ fn f64_sum(v: &[f32]) -> f64 {
 /// blocks of one weight `k` wide, and this call alone writes their columns of `out`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn blocks(x: Rows<'_>, rows: usize, k: usize, ws: &[Block<'_>], scratch: &mut Scratch, out: Out) {
-    f32_passes!(x, rows, k, ws, scratch, out, pair: PAIR, widen: widen, store: store, load: load, against: rows_against)
+    f32_passes!(x, rows, k, ws, scratch, out, pair: PAIR, widen4: widen4, widen8: widen8, store: store, load: load, against: rows_against)
 }
 
 /// A widened pair into the scratch at `to`.
@@ -155,23 +155,6 @@ unsafe fn rows_against<const M: usize>(
             _mm256_storeu_ps(sums.as_mut_ptr(), a[0]);
             _mm256_storeu_ps(sums.as_mut_ptr().add(8), a[1]);
             out.put(rows.m0 + m, w, &sums);
-        }
-    }
-}
-
-/// Pair `p` of a block's packed values `q` as f32: `widen4`'s (`int4`), else `widen8`'s.
-///
-/// # Safety
-/// `q` points at the block's pairs, of which `p` is one.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn widen(int4: bool, q: *const u8, p: usize) -> [__m256; 4] {
-    // SAFETY: the caller's pair.
-    unsafe {
-        if int4 {
-            widen4(q.add(p * COLS))
-        } else {
-            widen8(q.add(p * 2 * COLS))
         }
     }
 }

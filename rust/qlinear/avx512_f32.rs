@@ -17,7 +17,7 @@ const PAIR: usize = 2 * COLS;
 /// are blocks of one weight `k` wide, and this call alone writes their columns of `out`.
 #[target_feature(enable = "avx512f,avx512bw")]
 pub(super) unsafe fn blocks(x: Rows<'_>, rows: usize, k: usize, ws: &[Block<'_>], scratch: &mut Scratch, out: Out) {
-    f32_passes!(x, rows, k, ws, scratch, out, pair: PAIR, widen: widen, store: store, load: load, against: rows_against)
+    f32_passes!(x, rows, k, ws, scratch, out, pair: PAIR, widen4: widen4, widen8: widen8, store: store, load: load, against: rows_against)
 }
 
 /// A widened pair into the scratch at `to`.
@@ -92,23 +92,6 @@ unsafe fn rows_against<const M: usize>(
             let mut sums = [0.0f32; COLS];
             _mm512_storeu_ps(sums.as_mut_ptr(), a);
             out.put(rows.m0 + m, w, &sums);
-        }
-    }
-}
-
-/// Pair `p` of a block's packed values `q` as f32 `[even, odd]`.
-///
-/// # Safety
-/// `q` points at the block's pairs, of which `p` is one.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn widen(int4: bool, q: *const u8, p: usize) -> [__m512; 2] {
-    // SAFETY: the caller's pair.
-    unsafe {
-        if int4 {
-            widen4(q.add(p * COLS))
-        } else {
-            widen8(q.add(p * 2 * COLS))
         }
     }
 }

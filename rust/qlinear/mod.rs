@@ -56,14 +56,16 @@ macro_rules! f32_tile {
 
 /// The passes of an f32 path (`avx2.rs`, `avx512_f32.rs`, `neon.rs`) over blocks `$ws` of one weight, `$rows` rows
 /// of `$x` (`prepare`'s) `$k` wide: up to `FUSED_ROWS` rows each pair is widened in registers
-/// (`$widen(int4, q, p)`) and used at once; past that each block is widened once into the
+/// (`$widen4(q)` for int4's 16 bytes at `q`, `$widen8(q)` for the other formats' 32) and used at
+/// once; past that each block is widened once into the
 /// thread's scratch (`$store(pair, to)`, `$pair` f32 values a pair; `$load(from)` reads one
 /// back), then passed over in tiles of up to 4 rows split evenly (6 rows as 3 + 3), each tile by
 /// `$against::<rows>(&F32Tile, k, block, out, pair)`. A macro, so that the path's kernels inline
 /// under the calling function's target features.
 macro_rules! f32_passes {
     ($x:expr, $rows:expr, $k:expr, $ws:expr, $scratch:expr, $out:expr,
-     pair: $pair:expr, widen: $widen:ident, store: $store:ident, load: $load:ident, against: $against:ident) => {{
+     pair: $pair:expr, widen4: $widen4:ident, widen8: $widen8:ident, store: $store:ident, load: $load:ident,
+     against: $against:ident) => {{
         let (x, rows, k, ws, scratch, out) = ($x, $rows, $k, $ws, $scratch, $out);
         let pairs = k.div_ceil(2);
         let width = 2 * pairs;
@@ -90,18 +92,26 @@ macro_rules! f32_passes {
         };
         let int4 = matches!(format, Format::Int4 { .. });
         for w in ws {
+            // SAFETY: pair `p` of the block (asserted).
+            let widen = |p: usize| unsafe {
+                let q = w.q.as_ptr().add(p * format.pair_bytes());
+                if int4 {
+                    $widen4(q)
+                } else {
+                    $widen8(q)
+                }
+            };
             if rows <= FUSED_ROWS {
-                // SAFETY: the block's pairs (asserted).
-                let pair = |p: usize| unsafe { $widen(int4, w.q.as_ptr(), p) };
+                let pair = &widen;
                 // SAFETY: every row of `x` and its group sums (asserted); the columns are the
                 // caller's.
-                unsafe { f32_tile!($against, rows, &rows_of(0), k, w, out, &pair) };
+                unsafe { f32_tile!($against, rows, &rows_of(0), k, w, out, pair) };
                 continue;
             }
             scratch.wide32.resize(pairs * $pair, 0.0);
             for (p, to) in scratch.wide32.chunks_exact_mut($pair).enumerate() {
-                // SAFETY: pair `p` of the block (asserted) into its values of the scratch.
-                unsafe { $store($widen(int4, w.q.as_ptr(), p), to.as_mut_ptr()) };
+                // SAFETY: pair `p` into its values of the scratch.
+                unsafe { $store(widen(p), to.as_mut_ptr()) };
             }
             let wide = scratch.wide32.as_ptr();
             // SAFETY: the `pairs` pairs just widened.

@@ -49,7 +49,7 @@ pub(super) fn prepare(x: Values<'_>, rows: usize, k: usize, group: Option<usize>
 /// `x` is `prepare`'s for `rows` rows of `k`, `ws` are blocks of one weight `k` wide, and this
 /// call alone writes their columns of `out`.
 pub(super) unsafe fn blocks(x: Rows<'_>, rows: usize, k: usize, ws: &[Block<'_>], scratch: &mut Scratch, out: Out) {
-    f32_passes!(x, rows, k, ws, scratch, out, pair: PAIR, widen: widen, store: store, load: load, against: rows_against)
+    f32_passes!(x, rows, k, ws, scratch, out, pair: PAIR, widen4: widen4, widen8: widen8, store: store, load: load, against: rows_against)
 }
 
 /// A widened pair into the scratch at `to`.
@@ -137,25 +137,36 @@ unsafe fn rows_against<const M: usize>(
     }
 }
 
-/// Pair `p` of a block's packed values `q` as f32: `[even 0-3, 4-7, 8-11, 12-15, odd 0-3, ...]`.
+/// An int4 pair (16 bytes at `q`) as f32: `[even 0-3, 4-7, 8-11, 12-15, odd 0-3, ...]`. Byte `j`
+/// holds lane `j` (column `j / 2`) in its low nibble, lane `16 + j` (column `8 + j / 2`) in its
+/// high one; a lane's input is its parity.
 ///
 /// # Safety
-/// `q` points at the block's pairs, of which `p` is one.
+/// `q` points at the pair's 16 bytes.
 #[inline]
-unsafe fn widen(int4: bool, q: *const u8, p: usize) -> [float32x4_t; VECTORS] {
-    // SAFETY: the caller's pair: 16 bytes of int4, 32 of int8.
-    let (even, odd) = unsafe {
-        if int4 {
-            // Byte `j`: lane `j` (column `j / 2`) in its low nibble, lane `16 + j` (column `8 + j /
-            // 2`) in its high one; a lane's input is its parity.
-            let v = vld1q_u8(q.add(p * COLS));
-            let (lo, hi) = (vandq_u8(v, vdupq_n_u8(0xF)), vshrq_n_u8::<4>(v));
-            (vreinterpretq_s8_u8(vuzp1q_u8(lo, hi)), vreinterpretq_s8_u8(vuzp2q_u8(lo, hi)))
-        } else {
-            let v = vld2q_s8(q.add(p * 2 * COLS).cast());
-            (v.0, v.1)
-        }
-    };
+unsafe fn widen4(q: *const u8) -> [float32x4_t; VECTORS] {
+    // SAFETY: the caller's 16 bytes; NEON is part of every aarch64 CPU.
+    unsafe {
+        let v = vld1q_u8(q);
+        let (lo, hi) = (vandq_u8(v, vdupq_n_u8(0xF)), vshrq_n_u8::<4>(v));
+        pair_of(vreinterpretq_s8_u8(vuzp1q_u8(lo, hi)), vreinterpretq_s8_u8(vuzp2q_u8(lo, hi)))
+    }
+}
+
+/// An int8 pair (32 bytes at `q`, lane `2c + i` column `c`'s input `i`) as `widen4`'s.
+///
+/// # Safety
+/// `q` points at the pair's 32 bytes.
+#[inline]
+unsafe fn widen8(q: *const u8) -> [float32x4_t; VECTORS] {
+    // SAFETY: the caller's 32 bytes.
+    let v = unsafe { vld2q_s8(q.cast()) };
+    pair_of(v.0, v.1)
+}
+
+/// A pair's even and odd inputs' 16 columns as f32.
+#[inline]
+fn pair_of(even: int8x16_t, odd: int8x16_t) -> [float32x4_t; VECTORS] {
     let (e, o) = (widen_i8(even), widen_i8(odd));
     [e[0], e[1], e[2], e[3], o[0], o[1], o[2], o[3]]
 }
