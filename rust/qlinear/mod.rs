@@ -35,9 +35,8 @@
 //! path (`avx2.rs`) widens the same packed pairs to f32 and multiplies-adds them with `x` widened
 //! once a call; the AVX512_BF16 path does the same in 16 lanes for f16 and f32 models, whose `x`
 //! would lose bits as bf16 (`avx512_f32.rs`); on aarch64 the NEON path (`neon.rs`) in 128-bit
-//! vectors. The grouped
-//! formats' scales and zeros are of the model's dtype too (a GGUF's f16 scales lose nothing in
-//! f32 or f16).
+//! vectors. The grouped formats' scales and zeros are of the model's dtype too (a GGUF's f16
+//! scales lose nothing in f32 or f16).
 //!
 //! Sums are f32, then scaled (int8), biased (f32) and rounded to the model's dtype once. Work is
 //! split by blocks over the calling thread's OpenMP team (`crate::team`), as `crate::gemv` does.
@@ -54,12 +53,12 @@ macro_rules! f32_tile {
     };
 }
 
-/// The passes of an f32 path (`avx2.rs`, `avx512_f32.rs`, `neon.rs`) over blocks `$ws` of one weight, `$rows` rows
-/// of `$x` (`prepare`'s) `$k` wide: up to `FUSED_ROWS` rows each pair is widened in registers
-/// (`$widen4(q)` for int4's 16 bytes at `q`, `$widen8(q)` for the other formats' 32) and used at
-/// once; past that each block is widened once into the
-/// thread's scratch (`$store(pair, to)`, `$pair` f32 values a pair; `$load(from)` reads one
-/// back), then passed over in tiles of up to 4 rows split evenly (6 rows as 3 + 3), each tile by
+/// The passes of an f32 path (`avx2.rs`, `avx512_f32.rs`, `neon.rs`) over blocks `$ws` of one
+/// weight, `$rows` rows of `$x` (`prepare`'s) `$k` wide: up to `FUSED_ROWS` rows each pair is
+/// widened in registers (`$widen4(q)` for int4's 16 bytes at `q`, `$widen8(q)` for the other
+/// formats' 32) and used at once; past that each block is widened once into the thread's scratch
+/// (`$store(pair, to)`, `$pair` f32 values a pair; `$load(from)` reads one back), then passed
+/// over in tiles of up to 4 rows split evenly (6 rows as 3 + 3), each tile by
 /// `$against::<rows>(&F32Tile, k, block, out, pair)`. A macro, so that the path's kernels inline
 /// under the calling function's target features.
 macro_rules! f32_passes {

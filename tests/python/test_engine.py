@@ -198,6 +198,18 @@ def test_incremental_detokenizer_goes_on_where_the_stream_fails() -> None:
         assert [detok.add(i) for i in (0, 1, 2, 3)] == ["a", "", "c", "d"]
 
 
+def test_incremental_detokenizer_cleans_up_spaces_where_the_tokenizer_asks() -> None:
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    # transformers' decode takes out the spaces before punctuation that the words' join put there.
+    raw = Tokenizer(models.WordLevel({"hello": 0, ",": 1, "world": 2, ".": 3}, unk_token="hello"))
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, clean_up_tokenization_spaces=True)
+    assert tok.decode([0, 1, 2, 3]) == "hello, world."
+    detok = IncrementalDetokenizer(tok, [0], skip_special_tokens=False)
+    assert [detok.add(i) for i in (1, 2, 3)] == [",", " world", "."]
+
+
 def test_demo_model_runs_and_says_its_weights_are_random(caplog) -> None:
     with caplog.at_level("WARNING"):
         llm = LLM(None, num_gpu_blocks=32)

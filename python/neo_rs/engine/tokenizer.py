@@ -68,7 +68,10 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.backend: Any = getattr(tokenizer, "backend_tokenizer", None)
-        self.fast = isinstance(self.backend, Tokenizer)
+        # transformers' decode also takes out spaces before punctuation where a tokenizer asks
+        # (WordPiece's); DecodeStream would not, so such a tokenizer keeps the Python stream.
+        cleans_up = getattr(tokenizer, "clean_up_tokenization_spaces", False)
+        self.fast = isinstance(self.backend, Tokenizer) and not cleans_up
         # The held tokens and the few before them, which decode them with the right spacing.
         self.recent = deque(prompt_ids[-_CONTEXT_TOKENS:], maxlen=_CONTEXT_TOKENS + MAX_PENDING_TOKENS)
         self.held = 0
