@@ -87,10 +87,10 @@ class QuantGemm:
     16 output columns, and in each, for every pair of inputs, each column's two weights (zeros
     pad): held, as are the groups, they must not be resized in place; int8's scales and the bias
     are copied. Each block is widened once a call (to bfloat16 on the AVX512_BF16 path for a
-    bfloat16 model; to float32 otherwise) and multiplied by every row; each
-    output is summed in float32 and rounded once. The work is split over the calling thread's
-    OpenMP team of ``num_threads``; ``path`` (``scalar``, ``avx2``, ``avx512_bf16``, ``neon``,
-    ``neon_bf16``) forces a kernel."""
+    bfloat16 model; to float32 otherwise) and multiplied by every row; each output is summed in
+    float32 and rounded once. The work is split over the calling thread's OpenMP team of
+    ``num_threads``; ``path`` (``scalar``, ``avx2``, ``avx512_bf16``, ``neon``, ``neon_bf16``)
+    forces a kernel."""
 
     @staticmethod
     def int8(

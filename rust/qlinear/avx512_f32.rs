@@ -128,7 +128,8 @@ unsafe fn widen4(q: *const u8) -> [__m512; 2] {
     [nibble(v), nibble(_mm512_srli_epi32::<16>(v))]
 }
 
-/// Values `at .. at + 16` as f32.
+/// Values `at .. at + 16` of an f16 or f32 model as f32 (a bf16 model's go to the `vdpbf16ps`
+/// kernels, `Path::blocks`).
 ///
 /// # Safety
 /// `v` holds them; the CPU must have AVX512F.
@@ -136,15 +137,12 @@ unsafe fn widen4(q: *const u8) -> [__m512; 2] {
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn widen_values(v: Values<'_>, at: usize) -> __m512 {
     debug_assert!(at + COLS <= v.len());
-    // SAFETY: the caller's 16 values; a bf16 is the top half of its f32.
+    // SAFETY: the caller's 16 values.
     unsafe {
         match v {
-            Values::Bf16(v) => {
-                let v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(v.as_ptr().add(at).cast()));
-                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(v))
-            }
             Values::F16(v) => _mm512_cvtph_ps(_mm256_loadu_si256(v.as_ptr().add(at).cast())),
             Values::F32(v) => _mm512_loadu_ps(v.as_ptr().add(at)),
+            Values::Bf16(_) => unreachable!("a bf16 model takes AVX-512's bf16 kernels (`Path::blocks`)"),
         }
     }
 }
